@@ -1,0 +1,74 @@
+"""The ONLY place puzzle patches megatron-core.
+
+``apply()`` is explicit and idempotent: entry points and the test harness call it before they
+import anything else from megatron-core; importing this package changes nothing. Each patch is
+one module with a docstring stating its target, the reason, the megatron-core versions it was
+checked on and when it can be removed.
+
+Patches:
+- ``cpu_backend``: runs the unmodified megatron-core models, tensor-parallel layers, schedules,
+  DDP, optimizer and dist-checkpointing on CPU tensors over gloo when CUDA is unavailable.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+#: megatron-core releases these patches were checked on. Anything else fails loudly.
+TESTED_MEGATRON_CORE = ("0.16.0", "0.16.1")
+
+_applied = False
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    pass
+
+
+def megatron_core_version() -> str:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        raise UnsupportedMegatronVersion(
+            "megatron-core is not installed; install puzzle with `pip install -e .` "
+            f"(tested megatron-core versions: {', '.join(TESTED_MEGATRON_CORE)})"
+        ) from None
+
+
+def check_version() -> str:
+    version = megatron_core_version()
+    if version not in TESTED_MEGATRON_CORE:
+        raise UnsupportedMegatronVersion(
+            f"megatron-core {version} is untested with puzzle's patches "
+            f"(tested: {', '.join(TESTED_MEGATRON_CORE)}). Install a tested version, or check each "
+            "module in megatron_patches/ against the new release and extend TESTED_MEGATRON_CORE."
+        )
+    return version
+
+
+def apply(force_cpu: bool | None = None) -> dict:
+    """Apply every patch that this machine needs. Returns {patch name: applied?}.
+
+    ``force_cpu``: None = use the CPU backend exactly when CUDA is unavailable.
+    """
+    global _applied
+    check_version()
+    from megatron_patches import cpu_backend
+
+    use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
+    result = {"cpu_backend": False}
+    if use_cpu:
+        cpu_backend.apply()
+        result["cpu_backend"] = True
+    _applied = True
+    return result
+
+
+def applied() -> bool:
+    return _applied
+
+
+def on_cpu() -> bool:
+    """True when the CPU backend is active (tensors live on CPU, collectives use gloo)."""
+    from megatron_patches import cpu_backend
+
+    return cpu_backend.active()

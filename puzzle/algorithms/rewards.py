@@ -1,0 +1,138 @@
+"""Turning sequence-level scores into per-token PPO rewards, and score normalisation."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from puzzle.algorithms.kl import kl_penalty
+from puzzle.algorithms.masked import check_same_shape
+
+__all__ = ["last_valid_index", "compute_token_rewards", "normalize_scores", "RunningMoments"]
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last non-zero entry of each row of ``mask`` ``[B, R]``.
+
+    Returns:
+        ``[B]`` int64; ``-1`` for rows without any valid entry.
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be 2-D [B, R], got shape {tuple(mask.shape)}")
+    positions = torch.arange(mask.shape[1], device=mask.device).expand(mask.shape)
+    return torch.where(mask != 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+
+
+def compute_token_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    kl_kind: str = "k1",
+    clip_reward: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards ``-kl_coef * kl`` plus the sequence score on the last valid token.
+
+    Args:
+        scores: ``[B]`` reward-model score per sequence.
+        logprobs: ``[B, R]`` actor (rollout) log-probs of the response tokens.
+        ref_logprobs: ``[B, R]`` reference log-probs.
+        mask: ``[B, R]`` 0/1 response mask; rows may have different lengths (and may
+            be empty: such a row gets neither KL penalty nor score).
+        kl_coef: KL penalty coefficient (``>= 0``), e.g. ``kl_controller.value``.
+        kl_kind: estimator, see :func:`puzzle.algorithms.kl.kl_penalty`.
+        clip_reward: if given (``> 0``), scores are clipped to ``[-clip_reward, clip_reward]``
+            before being added (the KL part is not clipped).
+
+    Returns:
+        ``(token_rewards [B, R], kl [B, R])``; both are 0 at invalid positions.
+        Gradients are not blocked here; call under ``torch.no_grad()`` as usual.
+    """
+    check_same_shape("logprobs", logprobs, ref_logprobs=ref_logprobs, mask=mask)
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be 2-D [B, R], got shape {tuple(logprobs.shape)}")
+    if not isinstance(scores, torch.Tensor) or scores.shape != logprobs.shape[:1]:
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"scores must have shape ({logprobs.shape[0]},), got {shape}")
+    if not math.isfinite(kl_coef) or kl_coef < 0:
+        raise ValueError(f"kl_coef must be a finite number >= 0, got {kl_coef}")
+    if clip_reward is not None and not clip_reward > 0:
+        raise ValueError(f"clip_reward must be > 0 or None, got {clip_reward}")
+
+    valid = mask != 0
+    zeros = torch.zeros_like(logprobs)
+    kl = torch.where(valid, kl_penalty(logprobs, ref_logprobs, kl_kind), zeros)
+    rewards = -kl_coef * kl
+
+    scores = scores.to(dtype=logprobs.dtype, device=logprobs.device)
+    if clip_reward is not None:
+        scores = scores.clamp(min=-clip_reward, max=clip_reward)
+    last = last_valid_index(mask)  # -1 for empty rows -> never matches a position
+    positions = torch.arange(logprobs.shape[1], device=logprobs.device).expand(logprobs.shape)
+    at_last = positions == last.unsqueeze(1)
+    rewards = rewards + torch.where(at_last, scores.unsqueeze(1).expand_as(rewards), zeros)
+    return rewards, kl
+
+
+def normalize_scores(scores: torch.Tensor, mean: float, std: float, eps: float = 1e-8) -> torch.Tensor:
+    """``(scores - mean) / (std + eps)``, for ``--reward-normalize``. ``scores``: ``[B]``."""
+    if std < 0:
+        raise ValueError(f"std must be >= 0, got {std}")
+    return (scores - mean) / (std + eps)
+
+
+class RunningMoments:
+    """Running mean/std of reward-model scores (Chan et al. parallel variance update).
+
+    Usage per PPO step (gather scores across data-parallel ranks first, so every rank
+    sees the same statistics)::
+
+        scores = moments.normalize(scores)   # updates with this batch, then normalises
+
+    Before any update ``mean=0, std=1``; ``std`` is the unbiased std of everything seen
+    (1.0 while fewer than 2 scores were seen).  Statistics are kept in float64.
+    """
+
+    def __init__(self, eps: float = 1e-8):
+        self.eps = eps
+        self.mean = 0.0
+        self.m2 = 0.0  # sum of squared deviations from the running mean
+        self.count = 0
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
+
+    def update(self, scores: torch.Tensor) -> Tuple[float, float]:
+        """Fold a batch ``[N]`` of scores in. Returns ``(batch_mean, batch_std)`` (unbiased std)."""
+        xs = scores.detach().reshape(-1).to(torch.float64)
+        n = xs.numel()
+        if n == 0:
+            return 0.0, 0.0
+        if not bool(torch.isfinite(xs).all()):
+            raise ValueError("scores contain NaN/inf")
+        b_mean = float(xs.mean())
+        b_m2 = float(((xs - b_mean) ** 2).sum())
+        total = self.count + n
+        delta = b_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += b_m2 + delta * delta * self.count * n / total
+        self.count = total
+        return b_mean, math.sqrt(b_m2 / (n - 1)) if n > 1 else 0.0
+
+    def normalize(self, scores: torch.Tensor, update: bool = True) -> torch.Tensor:
+        """Optionally :meth:`update` with ``scores``, then return them normalised."""
+        if update:
+            self.update(scores)
+        return normalize_scores(scores, self.mean, self.std, self.eps)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "m2": self.m2, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean = float(state["mean"])
+        self.m2 = float(state["m2"])
+        self.count = int(state["count"])

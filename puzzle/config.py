@@ -1,0 +1,85 @@
+"""Frozen configuration dataclasses built from the command line (see puzzle/arguments.py).
+
+Nothing below this layer reads argparse namespaces or globals: builders take these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+ROLES = ("actor", "critic", "ref", "reward")
+HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "score"}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """Architecture of one role model (LLaMA options by default)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size, as in Megatron-LM
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None  # None = multi-head attention (groups = heads)
+    vocab_size: int = 256
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 128
+    max_position_embeddings: Optional[int] = None
+    normalization: str = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = True
+    position_embedding_type: str = "rope"
+    rotary_base: int = 10000
+    untie_embeddings_and_output_weights: bool = True
+    add_bias_linear: bool = False
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init_method_std: float = 0.02
+    params_dtype: str = "float32"  # float32 | bfloat16 | float16
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.num_query_groups is None:
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
+        if self.max_position_embeddings is None:
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
+        errors = []
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "seq_length"):
+            if getattr(self, name) < 1:
+                errors.append(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.hidden_size % self.num_attention_heads:
+            errors.append(f"hidden_size={self.hidden_size} is not divisible by "
+                          f"num_attention_heads={self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            errors.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                          f"num_query_groups={self.num_query_groups}")
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            errors.append(f"normalization must be RMSNorm or LayerNorm (got {self.normalization!r})")
+        if self.position_embedding_type not in ("rope", "learned_absolute"):
+            errors.append("position_embedding_type must be rope or learned_absolute "
+                          f"(got {self.position_embedding_type!r})")
+        if self.params_dtype not in ("float32", "bfloat16", "float16"):
+            errors.append(f"params_dtype must be float32, bfloat16 or float16 (got {self.params_dtype!r})")
+        if errors:
+            raise ValueError("invalid model architecture: " + "; ".join(errors))
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The vocabulary padded to a multiple of make_vocab_size_divisible_by.
+
+        Unlike Megatron-LM (which pads to a multiple of divisible_by * T), the padding does not
+        depend on the layout: every model shape is the same at every (P, D, T), so weights move
+        between layouts without re-padding. A plan whose T does not divide it is rejected.
+        Logits of the padding ids are masked out wherever probabilities are formed.
+        """
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+    def with_(self, **changes) -> "ModelArch":
+        return replace(self, **changes)

@@ -1,0 +1,1 @@
+"""Role models (actor, ref, critic, reward) on megatron-core GPTModel."""

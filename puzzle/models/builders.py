@@ -1,0 +1,172 @@
+"""Role models on megatron-core GPTModel: actor/ref (LM head), critic (per-token value head),
+reward (scalar score read at the last non-padding token).
+
+Each builder takes a ModelArch and a Layout, never globals. The transformer-engine layer spec is
+used when TE and CUDA are present, megatron-core's local spec otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from puzzle.config import HEADS, ModelArch
+from puzzle.parallel.groups import Layout
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ScalarHead(torch.nn.Module):
+    """A [hidden] -> [1] projection in place of GPTModel's output layer.
+
+    GPTModel calls ``output_layer(hidden, weight=..., runtime_gather_output=...)`` and, without
+    labels, returns its output transposed to [batch, seq, 1]. The weight is replicated on every
+    tensor-parallel rank (its input, the final-norm output, is replicated too), so its gradient is
+    identical on every TP rank, like a layernorm weight's.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = False
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, fp16: bool = False,
+                       recompute: bool = False):
+    """megatron TransformerConfig of a model of shape ``arch`` in ``layout``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    plan = layout.plan
+    plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
+                     num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
+                     hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size)
+    params_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else _DTYPES[arch.params_dtype]
+    on_gpu = torch.cuda.is_available() and not _cpu_backend()
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        normalization=arch.normalization,
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=arch.swiglu,
+        activation_func=torch.nn.functional.silu if arch.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=arch.add_bias_linear,
+        attention_dropout=arch.attention_dropout,
+        hidden_dropout=arch.hidden_dropout,
+        init_method_std=arch.init_method_std,
+        tensor_model_parallel_size=plan.T,
+        pipeline_model_parallel_size=plan.P,
+        sequence_parallel=False,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        fp16=fp16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None,
+        variable_seq_lengths=False,
+        deallocate_pipeline_outputs=False,
+    )
+
+
+def seed_model_rng(seed: int, layout: Layout) -> None:
+    """Seed megatron's (process-wide) RNG tracker for a model in ``layout``.
+
+    The tracker is one object per process, shared by all models, so it is reseeded with this
+    model's TP rank right before the model is built or run with dropout.
+    """
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed, tp_rank=max(layout.t, 0), ep_rank=0, etp_rank=0,
+                                    force_reset_rng=True)
+
+
+def layer_spec(arch: ModelArch):
+    """transformer-engine spec with TE + CUDA, megatron-core's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if te_available():
+        return specs.get_gpt_layer_with_transformer_engine_spec(normalization=arch.normalization)
+    return specs.get_gpt_layer_local_spec(normalization=arch.normalization)
+
+
+def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool = False,
+                     fp16: bool = False, recompute: bool = False,
+                     head_seed: int = 0, layout_independent_init: bool = True
+                     ) -> Optional[torch.nn.Module]:
+    """GPTModel for ``role`` (actor, ref, critic, reward) in ``layout``; None off-layout.
+
+    With ``layout_independent_init`` the weights depend only on (seed, role arch), not on the
+    layout (see puzzle/models/init.py); otherwise megatron's own per-shard initialisation.
+    """
+    if role not in HEADS:
+        raise ValueError(f"unknown role {role!r}; expected one of {', '.join(HEADS)}")
+    if not layout.member:
+        return None
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(arch, layout, bf16=bf16, fp16=fp16, recompute=recompute)
+    seed_model_rng(head_seed, layout)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch),
+        vocab_size=arch.padded_vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=layout.is_first_stage,
+        post_process=layout.is_last_stage,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not arch.untie_embeddings_and_output_weights,
+        position_embedding_type=arch.position_embedding_type,
+        rotary_base=arch.rotary_base,
+        pg_collection=layout.pg_collection,
+    )
+    if HEADS[role] != "lm" and layout.is_last_stage:
+        model.output_layer = ScalarHead(arch.hidden_size, config.params_dtype)
+    model.puzzle_role = role
+    model.puzzle_arch = arch
+    model.puzzle_layout = layout
+    if layout_independent_init:
+        from puzzle.models.init import init_layout_independent
+
+        init_layout_independent(model, arch, role, head_seed)
+    if not _cpu_backend() and torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def te_available() -> bool:
+    if not torch.cuda.is_available() or _cpu_backend():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+def _cpu_backend() -> bool:
+    import megatron_patches
+
+    return megatron_patches.on_cpu()
+
+
+def check_layout(arch: ModelArch, plan, role: str) -> None:
+    """Raise PlanError naming the role when ``arch`` cannot be split by ``plan``."""
+    plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
+                     num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
+                     hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size, what=role)

@@ -1,0 +1,89 @@
+"""Layout-independent weight initialisation.
+
+megatron-core initialises each rank's shard from its own RNG stream, so the same seed gives
+different weights at different (P, D, T). Four models in four layouts, moved between layouts by
+the switch, need one model whatever the layout: every parameter is drawn whole from a generator
+seeded by (seed, global parameter name), and each rank keeps its shard (puzzle.switch.param_layout
+describes the shards). Distributions follow megatron: N(0, std) for weights, N(0, std/sqrt(2L))
+for the output projections of attention and MLP, ones for norm weights, zeros for biases.
+
+Drawing whole tensors costs O(model size) per rank: fine for tests and small models; real runs
+load checkpoints (HF import or dist-checkpoint) instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from puzzle.config import HEADS, ModelArch
+from puzzle.switch.param_layout import (ParamSpec, global_name, gpt_param_specs,
+                                        resolve_layers_per_stage, shard_slices)
+
+# ScalarHead (builders.py) replaces GPTModel.output_layer; param_layout calls it value_head.
+HEAD_LOCAL_NAME = "output_layer.weight"
+HEAD_SPEC_NAME = "value_head.weight"
+
+
+def param_specs(arch: ModelArch, role: str):
+    return gpt_param_specs(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups, padded_vocab_size=arch.padded_vocab_size,
+        swiglu=arch.swiglu, add_bias_linear=arch.add_bias_linear,
+        untie_embeddings=arch.untie_embeddings_and_output_weights,
+        normalization=arch.normalization, head=HEADS[role], kv_channels=arch.kv_channels,
+        position_embedding_type=arch.position_embedding_type,
+        max_sequence_length=arch.max_position_embeddings,
+    )
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def global_init_value(spec: ParamSpec, arch: ModelArch, seed: int) -> torch.Tensor:
+    """The whole (unsharded) initial value of one parameter, fp32."""
+    base = spec.name.rsplit(".", 1)[-1]
+    if "norm" in spec.name and base == "weight":
+        return torch.ones(spec.global_shape)
+    if base == "bias":
+        return torch.zeros(spec.global_shape)
+    std = arch.init_method_std
+    if spec.name.endswith("linear_proj.weight") or spec.name.endswith("linear_fc2.weight"):
+        std = std / math.sqrt(2.0 * arch.num_layers)
+    gen = torch.Generator().manual_seed(_seed_for(seed, spec.name))
+    return torch.randn(spec.global_shape, generator=gen) * std
+
+
+def local_shard(spec: ParamSpec, full: torch.Tensor, T: int, t: int) -> torch.Tensor:
+    pieces = [full[tuple(slice(a, b) for a, b in box)] for box in shard_slices(spec, T, t)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.split_dim)
+
+
+@torch.no_grad()
+def init_layout_independent(module: torch.nn.Module, arch: ModelArch, role: str, seed: int) -> None:
+    """Overwrite every parameter of ``module`` (one rank's shard) with its layout-independent value."""
+    layout = module.puzzle_layout
+    plan = layout.plan
+    specs = {s.name: s for s in param_specs(arch, role)}
+    lps = resolve_layers_per_stage(arch.num_layers, plan.P)
+    embedding = "embedding.word_embeddings.weight"
+    for local, param in module.named_parameters():
+        if local == HEAD_LOCAL_NAME and HEADS[role] != "lm":
+            name = HEAD_SPEC_NAME
+        elif local == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights:
+            name = embedding  # the last stage's copy of tied word embeddings
+        else:
+            name = global_name(local, layout.p, lps)
+        if name not in specs:
+            raise KeyError(f"{role}: parameter {local} (global {name}) has no layout description")
+        spec = specs[name]
+        value = local_shard(spec, global_init_value(spec, arch, seed), plan.T, layout.t)
+        if tuple(value.shape) != tuple(param.shape):
+            raise RuntimeError(f"{role}: {local} local shape {tuple(param.shape)} != expected "
+                               f"{tuple(value.shape)} at plan {plan}")
+        param.copy_(value.to(param.dtype))

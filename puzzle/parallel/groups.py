@@ -1,0 +1,185 @@
+"""Process groups of any (P, D, T) plan over the same world, as megatron ProcessGroupCollections.
+
+Every model of the job gets its own groups; nothing here touches megatron's global
+``parallel_state`` model-parallel groups. ``torch.distributed.new_group`` must be called by every
+rank of the world in the same order, even for groups it is not in, so ``layout_for(plan)``
+is collective: every rank must build the same plans in the same order. Groups are cached by
+their rank list, so two plans (or two group kinds) with the same ranks share one group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from puzzle.parallel.plan import ParallelPlan, PlanError
+
+_GROUPS: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+_LAYOUTS: Dict[ParallelPlan, "Layout"] = {}
+
+
+def _group(ranks: List[int]) -> Optional[dist.ProcessGroup]:
+    """The group of exactly these ranks (created once, collectively); None if this rank is not in it."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        pg = dist.new_group(ranks=list(key))
+        _GROUPS[key] = pg if dist.get_rank() in key else None
+    return _GROUPS[key]
+
+
+def _my_group(all_groups: List[List[int]]) -> Optional[dist.ProcessGroup]:
+    """Create every group of a kind (collectively) and return the one holding this rank."""
+    mine = None
+    me = dist.get_rank()
+    for ranks in all_groups:
+        g = _group(ranks)
+        if me in ranks:
+            mine = g
+    return mine
+
+
+@dataclass
+class Layout:
+    """This rank's view of a plan: its coordinates, its groups and its P2P neighbours."""
+
+    plan: ParallelPlan
+    rank: int
+    pg_collection: Optional[object]  # megatron ProcessGroupCollection, None off-plan
+    p: int = -1
+    d: int = -1
+    t: int = -1
+
+    @property
+    def member(self) -> bool:
+        """Whether this rank holds a part of the model in this layout."""
+        return self.pg_collection is not None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.p == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.p == self.plan.P - 1
+
+    def p2p_communicator(self, config):
+        """megatron P2PCommunicator over this layout's pipeline group (config: TransformerConfig)."""
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        if not self.member:
+            raise PlanError(f"rank {self.rank} is not in plan {self.plan}")
+        return P2PCommunicator(pp_group=self.pg_collection.pp, config=config)
+
+    # convenience accessors -------------------------------------------------------------
+    @property
+    def tp_group(self):
+        return self.pg_collection.tp
+
+    @property
+    def dp_group(self):
+        return self.pg_collection.dp
+
+    @property
+    def pp_group(self):
+        return self.pg_collection.pp
+
+    def tp_src_rank(self) -> int:
+        """Global rank of TP rank 0 of this rank's TP group."""
+        return self.plan.rank(self.p, self.d, 0)
+
+    def dp_ranks(self) -> List[int]:
+        return [self.plan.rank(self.p, d, self.t) for d in range(self.plan.D)]
+
+
+def layout_for(plan: ParallelPlan) -> Layout:
+    """Build (collectively, once per plan) and return this rank's Layout of ``plan``."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialised before building layouts")
+    plan.check_world(dist.get_world_size())
+    if plan in _LAYOUTS:
+        return _LAYOUTS[plan]
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    me = dist.get_rank()
+    singletons = [[r] for r in plan.ranks]
+    groups = {
+        "tp": _my_group(plan.tp_groups()),
+        "pp": _my_group(plan.pp_groups()),
+        "dp": _my_group(plan.dp_groups()),
+        "mp": _my_group(plan.mp_groups()),
+        "embd": _my_group(plan.embedding_groups()),
+        "pos_embd": _my_group(plan.position_embedding_groups()),
+        "cp": _my_group(singletons),
+        "all": _my_group([plan.ranks]),
+        "tp_dp": _my_group([plan.ranks[i:i + plan.D * plan.T]
+                            for i in range(0, plan.size, plan.D * plan.T)]),
+    }
+    if not plan.contains(me):
+        layout = Layout(plan=plan, rank=me, pg_collection=None)
+    else:
+        p, d, t = plan.coords(me)
+        # No context or expert parallelism: those groups collapse onto the ones above.
+        pgc = ProcessGroupCollection(
+            tp=groups["tp"], pp=groups["pp"], mp=groups["mp"], embd=groups["embd"],
+            pos_embd=groups["pos_embd"], cp=groups["cp"], tp_cp=groups["tp"],
+            hcp=None, ep=groups["cp"], expt_tp=groups["tp"], tp_ep=groups["tp"],
+            tp_ep_pp=groups["mp"], tp_dp_cp=groups["tp_dp"], dp=groups["dp"],
+            dp_cp=groups["dp"], expt_dp=groups["dp"], intra_dp_cp=groups["dp"],
+            intra_expt_dp=groups["dp"], inter_dist_opt=None,
+            # the whole optimizer instance (all ranks of the model), not the DP group:
+            # megatron's grad-norm reduction runs over it
+            intra_dist_opt=groups["all"],
+        )
+        layout = Layout(plan=plan, rank=me, pg_collection=pgc, p=p, d=d, t=t)
+    _LAYOUTS[plan] = layout
+    return layout
+
+
+def destroy_layouts() -> None:
+    """Forget cached layouts and groups (call before destroy_process_group)."""
+    _LAYOUTS.clear()
+    _GROUPS.clear()
+
+
+def init_distributed(backend: Optional[str] = None) -> Tuple[int, int]:
+    """Initialise torch.distributed from torchrun's environment (gloo on CPU, nccl on GPU).
+
+    Also performs the per-process megatron set-up that does not depend on a model layout.
+    """
+    import os
+
+    if not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() and not _cpu_backend() else "gloo"
+        if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("LOCAL_RANK", "0")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    from megatron.core import parallel_state
+
+    # megatron's shared scratch buffer, used by its tensor-parallel layers
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _cpu_backend() -> bool:
+    import megatron_patches
+
+    return megatron_patches.on_cpu()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

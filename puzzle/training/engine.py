@@ -1,0 +1,141 @@
+"""ModelEngine: one role model in its layout, run through megatron-core's schedules.
+
+Trainable models are wrapped in megatron DDP with a megatron optimizer (optionally the
+DistributedOptimizer) and OptimizerParamScheduler; frozen models run forward-only. Losses use
+megatron's per-token convention (``calculate_per_token_loss``): a loss_func returns
+``(loss_sum, num_tokens, report)`` and gradients are divided by the total token count of the
+global batch, so a token-mean loss is the same at every (P, D, T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterator, List, Optional
+
+import torch
+
+from puzzle.config import ModelArch
+from puzzle.models.builders import build_role_model
+from puzzle.parallel.groups import Layout
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int = 1
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+    bf16: bool = False
+    fp16: bool = False
+
+
+class ModelEngine:
+    """A role model on this rank: ``model`` is None when the rank is outside the layout."""
+
+    def __init__(self, role: str, arch: ModelArch, layout: Layout, *, trainable: bool,
+                 optim: Optional[OptimConfig] = None, seed: int = 1234, recompute: bool = False,
+                 bf16: bool = False, fp16: bool = False):
+        self.role, self.arch, self.layout, self.trainable = role, arch, layout, trainable
+        self.optimizer = None
+        self.scheduler = None
+        self.module = build_role_model(role, arch, layout, bf16=bf16, fp16=fp16,
+                                       recompute=recompute, head_seed=seed)
+        self.model = self.module
+        if self.module is None:
+            self.config = None
+            return
+        self.config = self.module.config
+        self.p2p = layout.p2p_communicator(self.config)
+        if trainable:
+            self._wrap_for_training(optim or OptimConfig(bf16=bf16, fp16=fp16))
+        else:
+            for p in self.module.parameters():
+                p.requires_grad_(False)
+
+    # ------------------------------------------------------------------------------------
+    @property
+    def member(self) -> bool:
+        return self.module is not None
+
+    def _wrap_for_training(self, optim: OptimConfig) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        pgc = self.layout.pg_collection
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=optim.use_distributed_optimizer,
+            check_for_nan_in_grad=True,
+        )
+        self.model = DistributedDataParallel(self.config, ddp_config, self.module,
+                                             pg_collection=pgc)
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+            clip_grad=optim.clip_grad, bf16=optim.bf16, fp16=optim.fp16,
+            params_dtype=self.config.params_dtype,
+            use_distributed_optimizer=optim.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model], pg_collection=pgc,
+                                                use_gloo_process_groups=False)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.lr_warmup_iters else optim.lr, max_lr=optim.lr,
+            min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_iters,
+            lr_decay_steps=max(optim.lr_decay_iters, optim.lr_warmup_iters + 1),
+            lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+        )
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = partial(finalize_model_grads)
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.calculate_per_token_loss = True
+
+    # ------------------------------------------------------------------------------------
+    def forward_backward(self, forward_step_func: Callable, data_iterator: Iterator,
+                         num_microbatches: int, seq_length: int, micro_batch_size: int,
+                         forward_only: bool) -> List[Any]:
+        """Run megatron's (1F1B or no-pipelining) schedule; returns the last stage's outputs."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        fb = get_forward_backward_func(pp_size=self.layout.plan.P)
+        if forward_only:
+            self.model.eval()
+        else:
+            self.model.train()
+        out = fb(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                 model=[self.model], num_microbatches=num_microbatches, seq_length=seq_length,
+                 micro_batch_size=micro_batch_size, forward_only=forward_only,
+                 p2p_communicator=self.p2p, pg_collection=self.layout.pg_collection)
+        return out
+
+    def train_step(self, forward_step_func: Callable, data_iterator: Iterator,
+                   num_microbatches: int, seq_length: int, micro_batch_size: int) -> dict:
+        """zero grads -> forward/backward -> optimizer step -> LR step. Returns step stats."""
+        if not self.trainable:
+            raise RuntimeError(f"{self.role} is frozen; train_step needs a trainable engine")
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self.forward_backward(forward_step_func, data_iterator, num_microbatches,
+                                        seq_length, micro_batch_size, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        return {"outputs": outputs, "update_successful": bool(ok),
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
+
+    def forward_batch(self, forward_step_func: Callable, data_iterator: Iterator,
+                      num_microbatches: int, seq_length: int, micro_batch_size: int) -> List[Any]:
+        with torch.no_grad():
+            return self.forward_backward(forward_step_func, data_iterator, num_microbatches,
+                                         seq_length, micro_batch_size, forward_only=True)

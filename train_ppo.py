@@ -1,0 +1,19 @@
+"""PPO entry point, like Megatron-LM's pretrain_gpt.py: patches -> args -> PPOTrainer.
+
+    torchrun --nproc-per-node 4 train_ppo.py --num-layers 2 --hidden-size 64 ... "$@"
+"""
+
+import sys
+
+
+def main(argv=None) -> int:
+    import megatron_patches
+
+    megatron_patches.apply()
+    from puzzle.cli import run
+
+    return run(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":  # guard: dist-checkpoint async saving spawns processes
+    sys.exit(main())
