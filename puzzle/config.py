@@ -83,3 +83,73 @@ class ModelArch:
 
     def with_(self, **changes) -> "ModelArch":
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role model: its shape, its layout(s) and whether it trains."""
+
+    role: str
+    arch: ModelArch
+    plan: "object"                 # ParallelPlan for scoring and training
+    gen_plan: "object" = None      # actor only: generation layout (None = same as plan)
+    trainable: bool = False
+    lr: float = 0.0
+
+
+@dataclass(frozen=True)
+class PPOParams:
+    rollout_batch_size: int = 8
+    mini_batch_size: int = 8
+    micro_batch_size: int = 1
+    generation_micro_batch_size: Optional[int] = None
+    ppo_epochs: int = 1
+    max_new_tokens: int = 16
+    max_prompt_length: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    kl_coef: float = 0.05
+    kl_target: Optional[float] = None
+    kl_horizon: int = 10000
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_eps: float = 0.2
+    value_clip_eps: Optional[float] = 0.2
+    entropy_coef: float = 0.0
+    reward_clip: Optional[float] = None
+    whiten_advantages: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything PPOTrainer needs; built by puzzle.arguments.validate_args."""
+
+    world_size: int
+    roles: dict                    # role -> RoleSpec
+    ppo: PPOParams
+    optim: "object"                # puzzle.training.engine.OptimConfig (actor; critic lr in RoleSpec)
+    train_iters: int = 10
+    seed: int = 1234
+    tokenizer_type: str = "ByteLevelTokenizer"
+    tokenizer_model: Optional[str] = None
+    prompt_data: Optional[str] = None
+    prompt_key: str = "prompt"
+    reward_fn: Optional[str] = None
+    reward_model: Optional[str] = None
+    log_interval: int = 1
+    log_dir: Optional[str] = None
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    bf16: bool = False
+    fp16: bool = False
+    recompute: bool = False
+    switch_segments: int = 1
+    ranks_per_node: Optional[int] = None
+    score_placement: str = "sequential"
+    train_placement: str = "sequential"
+    pad_id: int = 0
+    eos_id: Optional[int] = None

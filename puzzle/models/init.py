@@ -19,8 +19,8 @@ import math
 import torch
 
 from puzzle.config import HEADS, ModelArch
-from puzzle.switch.param_layout import (ParamSpec, global_name, gpt_param_specs,
-                                        resolve_layers_per_stage, shard_slices)
+
+# puzzle.switch imports this module; its layout description is imported inside the functions.
 
 # ScalarHead (builders.py) replaces GPTModel.output_layer; param_layout calls it value_head.
 HEAD_LOCAL_NAME = "output_layer.weight"
@@ -28,6 +28,8 @@ HEAD_SPEC_NAME = "value_head.weight"
 
 
 def param_specs(arch: ModelArch, role: str):
+    from puzzle.switch.param_layout import gpt_param_specs
+
     return gpt_param_specs(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_attention_heads,
@@ -45,7 +47,7 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def global_init_value(spec: ParamSpec, arch: ModelArch, seed: int) -> torch.Tensor:
+def global_init_value(spec, arch: ModelArch, seed: int) -> torch.Tensor:
     """The whole (unsharded) initial value of one parameter, fp32."""
     base = spec.name.rsplit(".", 1)[-1]
     if "norm" in spec.name and base == "weight":
@@ -59,7 +61,9 @@ def global_init_value(spec: ParamSpec, arch: ModelArch, seed: int) -> torch.Tens
     return torch.randn(spec.global_shape, generator=gen) * std
 
 
-def local_shard(spec: ParamSpec, full: torch.Tensor, T: int, t: int) -> torch.Tensor:
+def local_shard(spec, full: torch.Tensor, T: int, t: int) -> torch.Tensor:
+    from puzzle.switch.param_layout import shard_slices
+
     pieces = [full[tuple(slice(a, b) for a, b in box)] for box in shard_slices(spec, T, t)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.split_dim)
 
@@ -67,6 +71,8 @@ def local_shard(spec: ParamSpec, full: torch.Tensor, T: int, t: int) -> torch.Te
 @torch.no_grad()
 def init_layout_independent(module: torch.nn.Module, arch: ModelArch, role: str, seed: int) -> None:
     """Overwrite every parameter of ``module`` (one rank's shard) with its layout-independent value."""
+    from puzzle.switch.param_layout import global_name, resolve_layers_per_stage
+
     layout = module.puzzle_layout
     plan = layout.plan
     specs = {s.name: s for s in param_specs(arch, role)}

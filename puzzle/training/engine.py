@@ -72,6 +72,8 @@ class ModelEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         pgc = self.layout.pg_collection
+        # read by DDP at construction: gradients are summed, then divided by the global token count
+        self.config.calculate_per_token_loss = True
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -99,7 +101,6 @@ class ModelEngine:
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = partial(finalize_model_grads)
         self.config.grad_scale_func = self.optimizer.scale_loss
-        self.config.calculate_per_token_loss = True
 
     # ------------------------------------------------------------------------------------
     def forward_backward(self, forward_step_func: Callable, data_iterator: Iterator,
@@ -119,20 +120,27 @@ class ModelEngine:
                  p2p_communicator=self.p2p, pg_collection=self.layout.pg_collection)
         return out
 
-    def train_step(self, forward_step_func: Callable, data_iterator: Iterator,
-                   num_microbatches: int, seq_length: int, micro_batch_size: int) -> dict:
-        """zero grads -> forward/backward -> optimizer step -> LR step. Returns step stats."""
+    def zero_grad(self) -> None:
         if not self.trainable:
-            raise RuntimeError(f"{self.role} is frozen; train_step needs a trainable engine")
+            raise RuntimeError(f"{self.role} is frozen; it has no gradients")
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self.forward_backward(forward_step_func, data_iterator, num_microbatches,
-                                        seq_length, micro_batch_size, forward_only=False)
+
+    def optimizer_step(self) -> dict:
+        """megatron optimizer step (grad clipping inside) then LR scheduler step."""
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
-        return {"outputs": outputs, "update_successful": bool(ok),
+        return {"update_successful": bool(ok),
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
+
+    def train_step(self, forward_step_func: Callable, data_iterator: Iterator,
+                   num_microbatches: int, seq_length: int, micro_batch_size: int) -> dict:
+        """zero grads -> forward/backward -> optimizer step -> LR step. Returns step stats."""
+        self.zero_grad()
+        outputs = self.forward_backward(forward_step_func, data_iterator, num_microbatches,
+                                        seq_length, micro_batch_size, forward_only=False)
+        return {"outputs": outputs, **self.optimizer_step()}
 
     def forward_batch(self, forward_step_func: Callable, data_iterator: Iterator,
                       num_microbatches: int, seq_length: int, micro_batch_size: int) -> List[Any]:

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# PPO of a LLaMA-2-7B actor (reference = the SFT model) with a 7B critic and reward model on one
+# node of 8 GPUs. Multi-node: launch with examples/slurm/ppo_7b.sbatch. Any flag can be
+# overridden at the end of the command line ("$@" comes last), e.g. --dry-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+SFT_DIR=${SFT_DIR:-/checkpoints/llama2-7b-sft-hf}
+RM_DIR=${RM_DIR:-/checkpoints/llama2-7b-rm-hf}
+DATA=${DATA:-/data/prompts.jsonl}
+OUT=${OUT:-/checkpoints/ppo-7b}
+
+DISTRIBUTED_ARGS=(
+    --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+)
+MODEL_ARGS=(   # LLaMA-2-7B
+    --num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32
+    --seq-length 2048 --max-position-embeddings 4096
+    --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --position-embedding-type rope
+    --untie-embeddings-and-output-weights --disable-bias-linear --make-vocab-size-divisible-by 128
+    --bf16
+)
+DATA_ARGS=(
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$SFT_DIR"
+    --prompt-data "$DATA" --prompt-key prompt
+)
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2       # actor training layout
+    --actor-gen-tensor-model-parallel-size 4 --actor-gen-pipeline-model-parallel-size 1
+    --critic-tensor-model-parallel-size 2 --critic-pipeline-model-parallel-size 2
+    --use-distributed-optimizer --switch-segments 8 --ranks-per-node "$GPUS_PER_NODE"
+)
+TRAIN_ARGS=(
+    --micro-batch-size 4 --global-batch-size 128 --train-iters 500
+    --lr 1e-6 --critic-lr 5e-6 --min-lr 1e-7 --lr-decay-style cosine --lr-warmup-iters 10
+    --weight-decay 0.0 --clip-grad 1.0 --seed 1234
+)
+PPO_ARGS=(
+    --rollout-batch-size 512 --ppo-epochs 1 --max-new-tokens 512 --temperature 1.0 --top-p 1.0
+    --kl-coef 0.05 --kl-target 6.0 --kl-horizon 10000 --gamma 1.0 --lam 0.95
+    --clip-eps 0.2 --value-clip-eps 0.2 --reward-model "$RM_DIR"
+)
+LOG_ARGS=(--log-interval 1 --log-dir "$OUT/logs" --save "$OUT" --save-interval 50 --load "$OUT")
+
+exec torchrun "${DISTRIBUTED_ARGS[@]}" train_ppo.py \
+    "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
+    "${PPO_ARGS[@]}" "${LOG_ARGS[@]}" "$@"

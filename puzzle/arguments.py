@@ -1,0 +1,339 @@
+"""Megatron-style command line: one ``_add_<topic>_args`` group per concern, ``validate_args``.
+
+Megatron-LM flag names keep their meaning (model shape, batch, optimizer, parallelism, logging,
+checkpoints). Critic, reward and reference models take role-prefixed overrides of the model-shape
+and layout flags (``--critic-num-layers``, ``--reward-hidden-size``,
+``--critic-tensor-model-parallel-size``); unset, they follow the actor's. The actor's generation
+layout has its own flags (``--actor-gen-tensor-model-parallel-size``). Later flags override
+earlier ones (argparse), abbreviations are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+ROLE_PREFIXED = ("critic", "reward", "ref")
+
+# (flag, type, default, help) of model-shape flags that roles may override with a prefix
+_MODEL_FLAGS = [
+    ("num-layers", int, None, "Number of transformer layers."),
+    ("hidden-size", int, None, "Transformer hidden size."),
+    ("ffn-hidden-size", int, None, "MLP hidden size (default 4 * hidden size)."),
+    ("num-attention-heads", int, None, "Number of attention heads."),
+    ("num-query-groups", int, None, "Query groups for grouped-query attention."),
+    ("kv-channels", int, None, "Projection size per head (default hidden / heads)."),
+]
+
+
+class ArgumentError(ValueError):
+    """A flag value (or combination) that cannot run. The message names the flag."""
+
+
+def _add_model_args(parser):
+    g = parser.add_argument_group("model")
+    for flag, typ, default, text in _MODEL_FLAGS:
+        g.add_argument(f"--{flag}", type=typ, default=default, help=f"Actor/reference: {text}")
+    g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
+    g.add_argument("--seq-length", type=int, default=None, help="Maximum sequence length (prompt + response).")
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (LLaMA).")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    for role in ROLE_PREFIXED:
+        rg = parser.add_argument_group(f"{role} model (overrides; default: the actor's)")
+        for flag, typ, _, text in _MODEL_FLAGS:
+            rg.add_argument(f"--{role}-{flag}", type=typ, default=None, help=f"{role}: {text}")
+
+
+def _add_parallel_args(parser):
+    g = parser.add_argument_group("parallelism (per role; D = world / (P * T))")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Actor training T (default for every role).")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Actor training P (default for every role).")
+    for role in ("actor",) + ROLE_PREFIXED:
+        g.add_argument(f"--{role}-tensor-model-parallel-size", type=int, default=None)
+        g.add_argument(f"--{role}-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--actor-gen-tensor-model-parallel-size", type=int, default=None,
+                   help="Actor generation-layout T (default: its training layout).")
+    g.add_argument("--actor-gen-pipeline-model-parallel-size", type=int, default=None,
+                   help="Actor generation-layout P (default: its training layout).")
+    g.add_argument("--switch-segments", type=int, default=1,
+                   help="Segments of the actor's training->generation weight switch overlapped with the optimizer step.")
+    g.add_argument("--ranks-per-node", type=int, default=None, help="Ranks per node (switch prefers same-node sources).")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1, help="Samples per micro-batch (scoring and training).")
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="Samples per optimizer step (= the PPO mini-batch; default: the rollout batch).")
+    g.add_argument("--train-iters", type=int, default=10, help="PPO iterations.")
+    g.add_argument("--lr", type=float, default=1e-5, help="Actor learning rate.")
+    g.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--recompute-activations", action="store_true")
+
+
+def _add_ppo_args(parser):
+    g = parser.add_argument_group("PPO")
+    g.add_argument("--rollout-batch-size", type=int, default=8, help="Prompts per PPO iteration.")
+    g.add_argument("--ppo-mini-batch-size", type=int, default=None, help="Alias of --global-batch-size.")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="Passes over each rollout batch.")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--max-prompt-length", type=int, default=None, help="Prompt budget (default: seq length - max new tokens).")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--greedy", action="store_true", help="Greedy decoding (deterministic rollouts).")
+    g.add_argument("--generation-micro-batch-size", type=int, default=None,
+                   help="Prompts per generation micro-batch (default: all of a DP rank's prompts).")
+    g.add_argument("--kl-coef", type=float, default=0.05)
+    g.add_argument("--kl-target", type=float, default=None, help="Adaptive KL controller target (Ziegler et al.).")
+    g.add_argument("--kl-horizon", type=int, default=10000)
+    g.add_argument("--kl-estimator", choices=["k1", "abs", "mse", "low_var_kl"], default="k1")
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lam", type=float, default=0.95)
+    g.add_argument("--clip-eps", type=float, default=0.2)
+    g.add_argument("--value-clip-eps", type=float, default=0.2)
+    g.add_argument("--entropy-coef", type=float, default=0.0)
+    g.add_argument("--reward-clip", type=float, default=None)
+    g.add_argument("--no-whiten-advantages", action="store_true")
+    g.add_argument("--reward-fn", type=str, default=None, help="Reward function module:function.")
+    g.add_argument("--reward-model", type=str, default=None,
+                   help="Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.")
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (JSONL/Parquet/Arrow); default: bundled tiny set.")
+    g.add_argument("--prompt-key", type=str, default="prompt")
+    g.add_argument("--tokenizer-type", type=str, default="ByteLevelTokenizer")
+    g.add_argument("--tokenizer-model", type=str, default=None)
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging and checkpoints")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-dir", type=str, default=None, help="Writes DIR/metrics.jsonl (and TensorBoard events).")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="PPO on megatron-core (puzzle)", allow_abbrev=False)
+    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_ppo_args,
+                _add_data_args, _add_logging_args):
+        add(parser)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args
+
+
+def role_value(args, role: str, flag: str):
+    """``--<role>-<flag>`` when given, else the actor's ``--<flag>``."""
+    attr = flag.replace("-", "_")
+    if role != "actor":
+        v = getattr(args, f"{role}_{attr}", None)
+        if v is not None:
+            return v
+    return getattr(args, attr)
+
+
+def _fail(flag: str, message: str):
+    raise ArgumentError(f"{flag}: {message}")
+
+
+def _arch_for(args, role: str, vocab_size: int):
+    from puzzle.config import ModelArch
+
+    def v(flag):
+        return role_value(args, role, flag)
+
+    num_layers, hidden, heads = v("num-layers"), v("hidden-size"), v("num-attention-heads")
+    for flag, value in (("num-layers", num_layers), ("hidden-size", hidden), ("num-attention-heads", heads)):
+        if value is None:
+            _fail(f"--{flag}", "is required")
+    groups = v("num-query-groups") if args.group_query_attention else None
+    if args.group_query_attention and groups is None:
+        _fail("--num-query-groups", "is required with --group-query-attention")
+    prefix = "" if role in ("actor", "ref") else f"{role}-"
+    try:
+        return ModelArch(
+            num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=v("ffn-hidden-size"),
+            num_attention_heads=heads, num_query_groups=groups, vocab_size=vocab_size,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+            normalization=args.normalization, norm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
+            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+            add_bias_linear=not args.disable_bias_linear, attention_dropout=args.attention_dropout,
+            hidden_dropout=args.hidden_dropout, init_method_std=args.init_method_std,
+        )
+    except ValueError as e:
+        _fail(f"--{prefix}num-layers/--{prefix}hidden-size/--{prefix}num-attention-heads", f"{role}: {e}")
+
+
+def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str):
+    from puzzle.parallel.plan import ParallelPlan, PlanError
+
+    if P < 1 or T < 1:
+        _fail(flags, f"{role} parallel sizes must be >= 1 (P={P}, T={T})")
+    if world_size % (P * T):
+        _fail(flags, f"{role} layout P*T={P * T} does not divide the world size {world_size}")
+    try:
+        return ParallelPlan(P=P, D=world_size // (P * T), T=T)
+    except PlanError as e:
+        _fail(flags, str(e))
+
+
+def validate_args(args, world_size: int, vocab_size: int):
+    """Derive and check every flag; returns a RunConfig. Raises ArgumentError naming the flag.
+
+    Runs before any model is allocated.
+    """
+    from puzzle.config import PPOParams, RoleSpec, RunConfig
+    from puzzle.models.builders import check_layout
+    from puzzle.parallel.plan import PlanError
+    from puzzle.training.engine import OptimConfig
+
+    if args.seq_length is None:
+        _fail("--seq-length", "is required")
+    if args.bf16 and args.fp16:
+        _fail("--bf16/--fp16", "choose one")
+    if args.max_new_tokens < 1:
+        _fail("--max-new-tokens", f"must be >= 1 (got {args.max_new_tokens})")
+    max_prompt = args.max_prompt_length or args.seq_length - args.max_new_tokens
+    if max_prompt < 1 or max_prompt + args.max_new_tokens > args.seq_length:
+        _fail("--max-new-tokens", f"prompt budget {max_prompt} + max new tokens {args.max_new_tokens} "
+                                  f"exceeds --seq-length {args.seq_length}")
+    if not args.reward_fn and not args.reward_model:
+        _fail("--reward-fn", "no reward source: pass --reward-fn module:function or --reward-model "
+                             "(a checkpoint directory, or 'random' for tests)")
+    if args.reward_fn and ":" not in args.reward_fn:
+        _fail("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
+    if not 0.0 < args.top_p <= 1.0:
+        _fail("--top-p", f"must be in (0, 1] (got {args.top_p})")
+    if args.top_k < 0:
+        _fail("--top-k", f"must be >= 0 (got {args.top_k})")
+    if args.temperature <= 0 and not args.greedy:
+        _fail("--temperature", f"must be > 0 (got {args.temperature}); use --greedy for argmax decoding")
+    for flag in ("ppo_epochs", "train_iters", "micro_batch_size", "rollout_batch_size", "log_interval"):
+        if getattr(args, flag) < 1:
+            _fail("--" + flag.replace("_", "-"), f"must be >= 1 (got {getattr(args, flag)})")
+    if args.switch_segments < 1:
+        _fail("--switch-segments", f"must be >= 1 (got {args.switch_segments})")
+    if not 0.0 <= args.gamma <= 1.0 or not 0.0 <= args.lam <= 1.0:
+        _fail("--gamma/--lam", "must lie in [0, 1]")
+    if args.kl_coef < 0:
+        _fail("--kl-coef", f"must be >= 0 (got {args.kl_coef})")
+    if args.kl_target is not None and args.kl_target <= 0:
+        _fail("--kl-target", f"must be > 0 (got {args.kl_target})")
+    if args.save_interval is not None and not args.save:
+        _fail("--save-interval", "needs --save DIR")
+
+    roles = {}
+    for role in ("actor", "critic", "ref", "reward"):
+        if role == "reward" and not args.reward_model:
+            continue
+        arch = _arch_for(args, role, vocab_size)
+        P = role_value(args, role, "pipeline-model-parallel-size")
+        T = role_value(args, role, "tensor-model-parallel-size")
+        if role == "actor":
+            P = args.actor_pipeline_model_parallel_size or P
+            T = args.actor_tensor_model_parallel_size or T
+        flags = (f"--{role}-tensor-model-parallel-size/--{role}-pipeline-model-parallel-size"
+                 if role != "actor" else "--tensor-model-parallel-size/--pipeline-model-parallel-size")
+        plan = _plan_for(args, role, world_size, P, T, flags)
+        try:
+            check_layout(arch, plan, role)
+        except PlanError as e:
+            _fail(flags, str(e))
+        gen_plan = None
+        if role == "actor":
+            gP = args.actor_gen_pipeline_model_parallel_size or P
+            gT = args.actor_gen_tensor_model_parallel_size or T
+            gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
+            gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags)
+            try:
+                check_layout(arch, gen_plan, "actor (generation layout)")
+            except PlanError as e:
+                _fail(gflags, str(e))
+        trainable = role in ("actor", "critic")
+        lr = args.lr if role == "actor" else (args.critic_lr if args.critic_lr is not None else args.lr)
+        roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan,
+                               trainable=trainable, lr=lr)
+    mini = args.ppo_mini_batch_size or args.global_batch_size or args.rollout_batch_size
+    if args.rollout_batch_size % mini:
+        _fail("--global-batch-size", f"the rollout batch {args.rollout_batch_size} is not divisible by "
+                                     f"the PPO mini-batch (global batch) {mini}")
+    for role, spec in roles.items():
+        D = spec.plan.D
+        unit = args.micro_batch_size * D
+        if role in ("actor", "critic") and mini % unit:
+            _fail("--global-batch-size", f"global batch {mini} is not divisible by micro-batch size "
+                                         f"{args.micro_batch_size} x {role} data-parallel size {D}")
+        if args.rollout_batch_size % unit:
+            _fail("--rollout-batch-size", f"rollout batch {args.rollout_batch_size} is not divisible by "
+                                          f"micro-batch size {args.micro_batch_size} x {role} data-parallel size {D}")
+    gen_D = roles["actor"].gen_plan.D
+    if args.rollout_batch_size % gen_D:
+        _fail("--rollout-batch-size", f"rollout batch {args.rollout_batch_size} is not divisible by the "
+                                      f"actor generation data-parallel size {gen_D}")
+    gmb = args.generation_micro_batch_size
+    if gmb is not None and (gmb < 1 or (args.rollout_batch_size // gen_D) % gmb):
+        _fail("--generation-micro-batch-size", f"{gmb} must divide the prompts per generation DP rank "
+                                               f"({args.rollout_batch_size // gen_D})")
+
+    ppo = PPOParams(
+        rollout_batch_size=args.rollout_batch_size, mini_batch_size=mini,
+        micro_batch_size=args.micro_batch_size, generation_micro_batch_size=gmb,
+        ppo_epochs=args.ppo_epochs, max_new_tokens=args.max_new_tokens, max_prompt_length=max_prompt,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
+        kl_coef=args.kl_coef, kl_target=args.kl_target, kl_horizon=args.kl_horizon,
+        kl_estimator=args.kl_estimator, gamma=args.gamma, lam=args.lam, clip_eps=args.clip_eps,
+        value_clip_eps=args.value_clip_eps, entropy_coef=args.entropy_coef,
+        reward_clip=args.reward_clip, whiten_advantages=not args.no_whiten_advantages,
+    )
+    optim = OptimConfig(
+        lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_iters=args.train_iters * args.ppo_epochs * (args.rollout_batch_size // mini),
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16, fp16=args.fp16,
+    )
+    return RunConfig(
+        world_size=world_size, roles=roles, ppo=ppo, optim=optim, train_iters=args.train_iters,
+        seed=args.seed, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+        prompt_data=args.prompt_data, prompt_key=args.prompt_key, reward_fn=args.reward_fn,
+        reward_model=args.reward_model, log_interval=args.log_interval, log_dir=args.log_dir,
+        save=args.save, load=args.load, save_interval=args.save_interval, bf16=args.bf16,
+        fp16=args.fp16, recompute=args.recompute_activations, switch_segments=args.switch_segments,
+        ranks_per_node=args.ranks_per_node,
+        score_placement=getattr(args, "score_placement", "sequential"),
+        train_placement=getattr(args, "train_placement", "sequential"),
+    )

@@ -1,0 +1,306 @@
+"""Prompt datasets and the deterministic, resumable, data-parallel prompt iterator.
+
+``load_prompt_dataset`` reads local JSONL / Parquet / Arrow files (``--prompt-data PATH``,
+``--prompt-key KEY``) through HF ``datasets``, tokenizes every prompt once (optionally through
+the tokenizer's chat template) and applies the prompt budget (``max_prompt_len``: truncate left
+or right, or drop), counting what it did in ``PromptDataset.stats``.
+
+A malformed record raises ``PromptDataError`` naming the file and the line (JSONL, 1-based) or
+the row (Parquet/Arrow, 0-based); with ``skip_bad_records=True`` it is skipped and counted.
+
+``PromptLoader`` walks the dataset in epochs of ``len // global_batch`` global batches (each
+epoch a fresh permutation seeded by (seed, epoch); the remainder of an epoch is not used) and
+yields this DP rank's contiguous share of each global batch. Its position (epoch, batch) is
+layout-independent: a state saved at one DP size resumes at another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+OVERFLOW = ("truncate_left", "truncate_right", "drop")
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+class PromptDataError(ValueError):
+    """A prompt file that cannot be read (the message names the file and the line/row)."""
+
+
+def bundled_prompts_path() -> str:
+    """~64 short English prompts (key "prompt") shipped with the package, for tiny CPU runs."""
+    return str(Path(__file__).resolve().parent / "bundled" / "tiny_prompts.jsonl")
+
+
+@dataclass
+class PromptStats:
+    records: int = 0       # records read (blank JSONL lines excluded)
+    loaded: int = 0        # prompts in the dataset
+    bad_records: int = 0   # malformed records skipped (skip_bad_records=True)
+    truncated: int = 0     # prompts longer than max_prompt_len, truncated
+    dropped: int = 0       # prompts longer than max_prompt_len, dropped (overflow='drop')
+
+    def as_dict(self) -> Dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class PromptDataset:
+    """Tokenized prompts (lists of ids) of one file; indexable like a sequence."""
+
+    prompts: List[List[int]]
+    source: str
+    stats: PromptStats = field(default_factory=PromptStats)
+    origins: List[str] = field(default_factory=list)  # "file:line" / "file:row" of each prompt
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, i: int) -> List[int]:
+        return self.prompts[i]
+
+
+# ---- reading -----------------------------------------------------------------------------------
+def _check_value(value: Any, chat: bool) -> Optional[str]:
+    """None when ``value`` is a usable prompt, else why not."""
+    if isinstance(value, str):
+        return None if value.strip() else "empty prompt"
+    if isinstance(value, (list, tuple)):
+        if not chat:
+            return "a list of messages; pass apply_chat_template=True (--apply-chat-template)"
+        if not value:
+            return "empty message list"
+        for m in value:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                return "messages must be objects with string 'role' and 'content'"
+        return None
+    return f"prompt must be a string{' or a list of messages' if chat else ''}, got {type(value).__name__}"
+
+
+def _read_jsonl(path: str, key: str, chat: bool, skip: bool, stats: PromptStats
+                ) -> Tuple[List[Any], List[str]]:
+    values, origins = [], []
+    with open(path, "r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            stats.records += 1
+            err = None
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                err = f"invalid JSON ({e.msg} at column {e.colno})"
+            else:
+                if not isinstance(rec, dict):
+                    err = f"not a JSON object (got {type(rec).__name__})"
+                elif key not in rec:
+                    err = f"no key {key!r} (keys: {', '.join(map(str, rec)) or 'none'}; see --prompt-key)"
+                else:
+                    err = _check_value(rec[key], chat)
+            if err:
+                if skip:
+                    stats.bad_records += 1
+                    continue
+                raise PromptDataError(f"{path}:{lineno}: {err}")
+            values.append(rec[key])
+            origins.append(f"{path}:{lineno}")
+    return values, origins
+
+
+def _read_table(path: str, fmt: str, key: str, chat: bool, skip: bool, stats: PromptStats,
+                cache_dir: Optional[str]) -> Tuple[List[Any], List[str]]:
+    import datasets
+
+    try:
+        if os.path.isdir(path):
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        else:
+            ds = datasets.load_dataset(fmt, data_files=path, split="train", cache_dir=cache_dir)
+    except Exception as e:
+        raise PromptDataError(f"{path}: cannot read as {fmt}: {e}") from e
+    if key not in ds.column_names:
+        raise PromptDataError(f"{path}: no column {key!r} (columns: {', '.join(ds.column_names)}; "
+                              f"see --prompt-key)")
+    values, origins = [], []
+    for row, value in enumerate(ds[key]):
+        stats.records += 1
+        err = _check_value(value, chat)
+        if err:
+            if skip:
+                stats.bad_records += 1
+                continue
+            raise PromptDataError(f"{path}: row {row}: {err}")
+        values.append(value)
+        origins.append(f"{path}:row{row}")
+    return values, origins
+
+
+def _hf_dataset(values: List[Any], key: str):
+    """The validated records as an HF ``datasets.Dataset`` (strings, or message lists)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({key: values})
+
+
+def load_prompt_dataset(path: str, tokenizer, prompt_key: str = "prompt", *,
+                        max_prompt_len: Optional[int] = None, overflow: str = "truncate_left",
+                        apply_chat_template: bool = False, add_bos: bool = False,
+                        skip_bad_records: bool = False, cache_dir: Optional[str] = None
+                        ) -> PromptDataset:
+    """Read and tokenize the prompts of a local JSONL / Parquet / Arrow file (or a directory
+    written by ``datasets.Dataset.save_to_disk``).
+
+    overflow: what to do with a prompt longer than ``max_prompt_len`` tokens:
+    'truncate_left' (keep the last tokens: the end of a prompt is what the answer follows),
+    'truncate_right' (keep the first tokens) or 'drop'. Counted in ``stats``.
+    A string prompt with ``apply_chat_template`` becomes one user message.
+    """
+    if overflow not in OVERFLOW:
+        raise ValueError(f"overflow must be one of {OVERFLOW}, got {overflow!r}")
+    if max_prompt_len is not None and max_prompt_len < 1:
+        raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--prompt-data {path!r}: no such file or directory")
+    stats = PromptStats()
+    if os.path.isdir(path):
+        fmt = "arrow"
+    else:
+        fmt = FORMATS.get(Path(path).suffix.lower())
+        if fmt is None:
+            raise PromptDataError(f"{path}: unknown prompt file type {Path(path).suffix!r} "
+                                  f"(expected {', '.join(FORMATS)} or a save_to_disk directory)")
+    if fmt == "json":
+        values, origins = _read_jsonl(path, prompt_key, apply_chat_template, skip_bad_records, stats)
+        if apply_chat_template:  # one Arrow type per column: strings become one user message
+            values = [[{"role": "user", "content": v}] if isinstance(v, str) else
+                      [{"role": m["role"], "content": m["content"]} for m in v] for v in values]
+        ds = _hf_dataset(values, prompt_key)  # one representation downstream: an HF Dataset
+        values = ds[prompt_key]
+    else:
+        values, origins = _read_table(path, fmt, prompt_key, apply_chat_template, skip_bad_records,
+                                      stats, cache_dir)
+    prompts, kept = [], []
+    for value, origin in zip(values, origins):
+        if apply_chat_template:
+            msgs = [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        else:
+            ids = tokenizer.encode(value, add_bos=add_bos)
+        if max_prompt_len is not None and len(ids) > max_prompt_len:
+            if overflow == "drop":
+                stats.dropped += 1
+                continue
+            stats.truncated += 1
+            ids = ids[-max_prompt_len:] if overflow == "truncate_left" else ids[:max_prompt_len]
+        prompts.append(ids)
+        kept.append(origin)
+    stats.loaded = len(prompts)
+    if not prompts:
+        raise PromptDataError(f"{path}: no usable prompts ({stats.as_dict()})")
+    return PromptDataset(prompts=prompts, source=path, stats=stats, origins=kept)
+
+
+# ---- iteration ---------------------------------------------------------------------------------
+@dataclass
+class PromptBatch:
+    """This DP rank's prompts of one global batch."""
+
+    iteration: int          # global batches yielded before this one (over all epochs)
+    epoch: int
+    indices: List[int]      # dataset indices
+    prompts: List[List[int]]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def left_padded(self, pad_id: int):
+        """(tokens [b, L] long, lengths [b] long), prompts right-aligned (left padding)."""
+        import torch
+
+        L = max(len(p) for p in self.prompts)
+        tokens = torch.full((len(self.prompts), L), int(pad_id), dtype=torch.long)
+        for i, p in enumerate(self.prompts):
+            tokens[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+        return tokens, torch.tensor([len(p) for p in self.prompts], dtype=torch.long)
+
+
+class PromptLoader:
+    """Deterministic, resumable, DP-sharded prompt iterator (infinite: epochs repeat reshuffled).
+
+    Every DP rank builds the same permutation from (seed, epoch); global batch ``i`` of an epoch
+    is ``perm[i*G : (i+1)*G]`` and DP rank ``r`` takes its ``r``-th contiguous ``G/dp_size``
+    share. ``state_dict()`` is the position (epoch, batch within the epoch); it does not depend
+    on ``dp_rank``/``dp_size``, so a run can resume at another data-parallel size.
+    """
+
+    def __init__(self, dataset: Sequence[List[int]], global_batch: int, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 1234, shuffle: bool = True):
+        if global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} outside dp_size={dp_size}")
+        if global_batch % dp_size:
+            raise ValueError(f"global_batch={global_batch} is not divisible by dp_size={dp_size}")
+        if len(dataset) < global_batch:
+            raise ValueError(f"the prompt dataset has {len(dataset)} prompts, fewer than one "
+                             f"global batch of {global_batch}")
+        self.dataset, self.global_batch = dataset, global_batch
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.batches_per_epoch = len(dataset) // global_batch
+        self.epoch, self.batch = 0, 0
+        self._perm_epoch, self._perm = None, None
+
+    def _permutation(self, epoch: int) -> List[int]:
+        if self._perm_epoch != epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                import torch
+
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm = torch.randperm(n, generator=g).tolist()
+            else:
+                self._perm = list(range(n))
+            self._perm_epoch = epoch
+        return self._perm
+
+    @property
+    def iteration(self) -> int:
+        return self.epoch * self.batches_per_epoch + self.batch
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        return self
+
+    def __next__(self) -> PromptBatch:
+        perm = self._permutation(self.epoch)
+        share = self.global_batch // self.dp_size
+        start = self.batch * self.global_batch + self.dp_rank * share
+        idx = perm[start:start + share]
+        out = PromptBatch(iteration=self.iteration, epoch=self.epoch, indices=idx,
+                          prompts=[list(self.dataset[i]) for i in idx])
+        self.batch += 1
+        if self.batch == self.batches_per_epoch:
+            self.epoch, self.batch = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch, "seed": self.seed,
+                "global_batch": self.global_batch, "dataset_size": len(self.dataset),
+                "shuffle": int(self.shuffle)}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        for k, mine in (("seed", self.seed), ("global_batch", self.global_batch),
+                        ("dataset_size", len(self.dataset)), ("shuffle", int(self.shuffle))):
+            if k in state and int(state[k]) != mine:
+                raise ValueError(f"PromptLoader state has {k}={state[k]} but this loader has {mine}; "
+                                 f"resume with the same prompt data, seed and global batch")
+        epoch, batch = int(state["epoch"]), int(state["batch"])
+        if not 0 <= batch < self.batches_per_epoch or epoch < 0:
+            raise ValueError(f"PromptLoader state position epoch={epoch} batch={batch} is invalid "
+                             f"({self.batches_per_epoch} batches per epoch)")
+        self.epoch, self.batch = epoch, batch

@@ -1,0 +1,150 @@
+"""Tokenizers with one small interface: ``encode``, ``decode``, ``vocab_size``, ``eos_id``,
+``pad_id``, ``bos_id`` and ``apply_chat_template``.
+
+Names follow Megatron-LM's ``--tokenizer-type`` / ``--tokenizer-model`` flags:
+
+``ByteLevelTokenizer``    built in, no files: ids 0..255 are the UTF-8 bytes, then the specials
+                          pad=256, bos=257, eos=258 (vocab_size 259). For the tiny CPU runs and
+                          tests. (Megatron-LM has no byte tokenizer; its ``NullTokenizer`` reads
+                          whitespace-separated integers, a different thing — so the name differs.)
+                          ``ByteTokenizer`` is accepted as an alias.
+``HuggingFaceTokenizer``  ``transformers.AutoTokenizer`` from a LOCAL directory
+                          (``--tokenizer-model DIR``); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Sequence
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then pad / bos / eos. Lossless for any text."""
+
+    PAD, BOS, EOS = 256, 257, 258
+    _SPECIALS = {256: "<pad>", 257: "<s>", 258: "</s>"}
+
+    name = "ByteLevelTokenizer"
+
+    @property
+    def vocab_size(self) -> int:
+        return 259
+
+    @property
+    def pad_id(self) -> int:
+        return self.PAD
+
+    @property
+    def bos_id(self) -> int:
+        return self.BOS
+
+    @property
+    def eos_id(self) -> int:
+        return self.EOS
+
+    def encode(self, text: str, add_bos: bool = False) -> List[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS] + ids if add_bos else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out, buf = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            if i not in self._SPECIALS:
+                raise ValueError(f"ByteLevelTokenizer: id {i} outside the vocabulary (0..258)")
+            if not skip_special_tokens:
+                out.append(buf.decode("utf-8", errors="replace"))
+                buf = bytearray()
+                out.append(self._SPECIALS[i])
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: List[Dict[str, str]], add_generation_prompt: bool = True
+                            ) -> List[int]:
+        """A plain-text template ("role: content" lines, then "assistant: "); for tests only."""
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "assistant: "
+        return self.encode(text)
+
+
+class HFTokenizer:
+    """``transformers.AutoTokenizer`` loaded from a local directory (never downloads)."""
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, directory: str):
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(
+                f"--tokenizer-model {directory!r}: no such directory (HuggingFaceTokenizer loads "
+                f"a local tokenizer directory, e.g. one written by save_pretrained)")
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # pragma: no cover - the [hf] extra
+            raise ImportError("HuggingFaceTokenizer needs transformers: pip install -e '.[hf]'") from e
+        try:
+            self.tok = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except Exception as e:
+            raise ValueError(f"--tokenizer-model {directory!r}: could not load a tokenizer: {e}") from e
+        self.directory = directory
+        if self.tok.eos_token_id is None:
+            raise ValueError(f"tokenizer in {directory!r} has no eos token")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.tok.eos_token_id)
+
+    @property
+    def pad_id(self) -> int:
+        """The tokenizer's pad token, else eos (LLaMA tokenizers have none)."""
+        pid = self.tok.pad_token_id
+        return int(pid) if pid is not None else self.eos_id
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        bid = self.tok.bos_token_id
+        return int(bid) if bid is not None else None
+
+    def encode(self, text: str, add_bos: bool = False) -> List[int]:
+        ids = self.tok.encode(text, add_special_tokens=False)
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return list(ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: List[Dict[str, str]], add_generation_prompt: bool = True
+                            ) -> List[int]:
+        if not getattr(self.tok, "chat_template", None):
+            raise ValueError(f"tokenizer in {self.directory!r} has no chat template "
+                             f"(drop --apply-chat-template or use a chat tokenizer)")
+        out = self.tok.apply_chat_template(messages, tokenize=True,
+                                           add_generation_prompt=add_generation_prompt)
+        if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
+            out = out["input_ids"]
+        return [int(i) for i in out]
+
+
+BYTE_NAMES = ("ByteLevelTokenizer", "ByteTokenizer")
+HF_NAMES = ("HuggingFaceTokenizer",)
+
+
+def build_tokenizer(tokenizer_type: str = "ByteLevelTokenizer", tokenizer_model: Optional[str] = None):
+    """Megatron-style factory: ``--tokenizer-type`` and ``--tokenizer-model``."""
+    if tokenizer_type in BYTE_NAMES:
+        return ByteTokenizer()
+    if tokenizer_type in HF_NAMES:
+        if not tokenizer_model:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR")
+        return HFTokenizer(tokenizer_model)
+    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; "
+                     f"expected one of {', '.join(BYTE_NAMES + HF_NAMES)}")

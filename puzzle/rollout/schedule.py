@@ -1,0 +1,90 @@
+"""Scheduling of generation micro-batches over the pipeline stages of one model replica.
+
+P = 1: micro-batches run one after another, each to completion.
+
+P > 1 (hybrid pipelined inference): every stage walks the same sequence of work items, pass by
+pass — pass j runs step j of every live micro-batch, in micro-batch order. A work item on stage p
+receives its activations from p-1 (first stage: its token ids), runs the model with the
+micro-batch's own KV cache and sends the result to p+1; the last stage samples and sends the
+tokens to every other stage (each TP rank to its counterparts, so no extra TP broadcast). A
+stage receives the tokens of (micro-batch m, step j-1) right before it runs (m, j): the first
+stage needs them as input, the others to drop finished rows and to build the output. With
+M >= P micro-batches the stages are all busy after warm-up: while the last stage samples m, the
+first stage already embeds m+1.
+
+Deadlock freedom: sends are non-blocking (``isend``), receives blocking. Every item
+(stage p, micro-batch m, step j) depends only on items earlier in the (j, m, p) order, so the
+dependency graph is acyclic. Sends of pass j-2 are waited for at the start of pass j (their
+receives happen by pass j-1), which bounds the tensors held by in-flight sends.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from puzzle.rollout.sampling import SamplingParams, sample_tokens
+
+
+def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: int,
+                 sample_offset: int) -> None:
+    layout = engine.layout
+    tp = layout.tp_group
+    vocab = engine.arch.vocab_size
+
+    def sample(mb, logits):
+        return sample_tokens(logits, params, true_vocab=vocab, seed=seed,
+                             sample_ids=mb.sample_ids(sample_offset), step=mb.step, tp_group=tp)
+
+    if layout.plan.P == 1:
+        for mb in mbatches:
+            while not mb.done:
+                mb.advance(sample(mb, stepper(mb, None)))
+        return
+    _run_pipelined(engine, mbatches, stepper, sample)
+
+
+def _run_pipelined(engine, mbatches: List, stepper, sample) -> None:
+    layout, config = engine.layout, engine.config
+    P, p, pp = layout.plan.P, layout.p, layout.pp_group
+    first, last = layout.is_first_stage, layout.is_last_stage
+    peer = [dist.get_global_rank(pp, q) for q in range(P)]
+    dtype = config.pipeline_dtype or config.params_dtype
+    awaiting = [False] * len(mbatches)  # non-last stages: tokens of the previous step not yet in
+    sends: Dict[int, list] = {}         # pass -> [(work, tensor)]
+    j = 0
+    while any(not mb.done for mb in mbatches):
+        for work, _ in sends.pop(j - 2, []):
+            work.wait()
+        mine = sends.setdefault(j, [])
+        for i, mb in enumerate(mbatches):
+            if mb.done:
+                continue
+            if awaiting[i]:
+                tok = torch.empty(len(mb.active), dtype=torch.long)
+                dist.recv(tok, src=peer[P - 1], group=pp)
+                awaiting[i] = False
+                mb.advance(tok)
+                if mb.done:
+                    continue
+            hidden = None
+            if not first:
+                hidden = torch.empty(mb.seq_len(), len(mb.active), config.hidden_size,
+                                     dtype=dtype)
+                dist.recv(hidden, src=peer[p - 1], group=pp)
+            out = stepper(mb, hidden)
+            if not last:
+                mine.append((dist.isend(out, dst=peer[p + 1], group=pp), out))
+                awaiting[i] = True
+                continue
+            tok = sample(mb, out).contiguous()
+            for q in range(P - 1):
+                mine.append((dist.isend(tok, dst=peer[q], group=pp), tok))
+            mb.advance(tok)
+        j += 1
+    # on normal completion only (after an error the peers may be gone)
+    for pending in sends.values():
+        for work, _ in pending:
+            work.wait()

@@ -1,0 +1,105 @@
+"""The rollout batch carrier and the moves that let models with different layouts share it.
+
+A rollout is small next to the weights (token ids and a few floats per token), so after each
+model computes its share it is assembled on EVERY rank with one world all-reduce: each row is
+contributed by exactly one owner rank (the last pipeline stage, TP rank 0, of the DP rank that
+computed it). Every model then takes its own data-parallel share, whatever its layout.
+
+Sequences are stored right-padded: row b is prompt (P_b tokens), response (R_b tokens), then pad.
+With causal attention, padding after the sequence cannot affect it, so scoring and training
+need no attention mask and positions start at 0. Per-token quantities live in response
+coordinates [B, R] (R = max new tokens): response token k of row b sits at sequence position
+P_b + k, is predicted by the logits at P_b + k - 1, and its value estimate is read there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class RolloutBatch:
+    tokens: torch.Tensor            # [B, S] long, right-padded
+    prompt_lengths: torch.Tensor    # [B] long
+    response_lengths: torch.Tensor  # [B] long
+    max_new_tokens: int
+    fields: Dict[str, torch.Tensor] = field(default_factory=dict)  # [B, R] or [B] floats
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        k = torch.arange(self.max_new_tokens).unsqueeze(0)
+        return (k < self.response_lengths.unsqueeze(1)).float()
+
+    def rows(self, index: torch.Tensor) -> "RolloutBatch":
+        return RolloutBatch(self.tokens[index], self.prompt_lengths[index],
+                            self.response_lengths[index], self.max_new_tokens,
+                            {k: v[index] for k, v in self.fields.items()})
+
+    def dp_share(self, d: int, D: int) -> "RolloutBatch":
+        n = self.size // D
+        return self.rows(torch.arange(d * n, (d + 1) * n))
+
+    def micro_batches(self, mbs: int) -> List[dict]:
+        """Micro-batches as dicts (what forward_step functions read)."""
+        out = []
+        mask = self.response_mask
+        for s in range(0, self.size, mbs):
+            sl = slice(s, s + mbs)
+            mb = {"tokens": self.tokens[sl], "prompt_lengths": self.prompt_lengths[sl],
+                  "response_lengths": self.response_lengths[sl], "response_mask": mask[sl]}
+            mb.update({k: v[sl] for k, v in self.fields.items()})
+            out.append(mb)
+        return out
+
+
+def response_index(prompt_lengths: torch.Tensor, R: int, seq_len: int, shift: int = -1) -> torch.Tensor:
+    """[b, R] positions P_b + k + shift (clamped into the sequence)."""
+    k = torch.arange(R).unsqueeze(0)
+    return (prompt_lengths.unsqueeze(1) + k + shift).clamp(0, seq_len - 1)
+
+
+def gather_response(per_position: torch.Tensor, prompt_lengths: torch.Tensor, R: int,
+                    shift: int = -1) -> torch.Tensor:
+    """[b, S'] per-position values -> [b, R] values at positions P_b + k + shift."""
+    idx = response_index(prompt_lengths, R, per_position.shape[1], shift)
+    return per_position.gather(1, idx)
+
+
+def world_assemble(local: Optional[torch.Tensor], row_offset: int, total_rows: int,
+                   shape_tail, dtype, owner: bool) -> torch.Tensor:
+    """Every rank gets the [total_rows, *shape_tail] tensor whose rows were computed by owners.
+
+    ``local``: this rank's rows (placed at ``row_offset``) when ``owner``; ignored otherwise.
+    """
+    buf = torch.zeros((total_rows, *shape_tail), dtype=torch.float64 if dtype.is_floating_point
+                      else torch.long)
+    if owner and local is not None:
+        buf[row_offset:row_offset + local.shape[0]] = local.to(buf.dtype)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(buf)
+    return buf.to(dtype)
+
+
+def right_pad_rollout(tokens_left: torch.Tensor, prompt_lengths: torch.Tensor,
+                      response_tokens: torch.Tensor, response_lengths: torch.Tensor,
+                      seq_len: int, pad_id: int) -> torch.Tensor:
+    """Left-padded prompts [B, Lp] + responses [B, R] -> right-padded rows [B, seq_len]."""
+    B, Lp = tokens_left.shape
+    out = torch.full((B, seq_len), pad_id, dtype=torch.long)
+    for b in range(B):
+        p, r = int(prompt_lengths[b]), int(response_lengths[b])
+        out[b, :p] = tokens_left[b, Lp - p:]
+        out[b, p:p + r] = response_tokens[b, :r]
+    return out
+
+
+def iterate(items: List[dict]) -> Iterator[dict]:
+    return iter(items)

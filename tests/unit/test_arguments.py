@@ -1,0 +1,67 @@
+import pytest
+
+from puzzle.arguments import ArgumentError, parse_args, validate_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--swiglu", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear", "--micro-batch-size", "2", "--rollout-batch-size", "8",
+        "--max-new-tokens", "16", "--reward-fn", "puzzle.rewards:lowercase_fraction"]
+
+
+def cfg(*extra, world=4, vocab=259):
+    return validate_args(parse_args(BASE + list(extra)), world, vocab)
+
+
+def test_layouts_and_role_overrides():
+    c = cfg("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--critic-tensor-model-parallel-size", "1", "--critic-num-layers", "4",
+            "--actor-gen-tensor-model-parallel-size", "4", "--actor-gen-pipeline-model-parallel-size", "1")
+    assert (c.roles["actor"].plan.P, c.roles["actor"].plan.D, c.roles["actor"].plan.T) == (2, 1, 2)
+    assert (c.roles["actor"].gen_plan.P, c.roles["actor"].gen_plan.T) == (1, 4)
+    critic = c.roles["critic"].plan  # P follows the actor unless overridden
+    assert (critic.P, critic.D, critic.T) == (2, 2, 1)
+    assert c.roles["critic"].arch.num_layers == 4 and c.roles["ref"].arch.num_layers == 2
+    assert "reward" not in c.roles and c.roles["actor"].trainable and not c.roles["ref"].trainable
+    assert c.ppo.max_prompt_length == 48
+
+
+def test_later_flags_override_and_no_abbreviations():
+    c = cfg("--lr", "1e-3", "--lr", "2e-3")
+    assert c.optim.lr == 2e-3
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--rollout-batch", "8"])
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--critic-num-layers", "3", "--critic-pipeline-model-parallel-size", "2"], "--critic-tensor-model-parallel-size"),
+    (["--global-batch-size", "3"], "--global-batch-size"),
+    (["--micro-batch-size", "4", "--rollout-batch-size", "8", "--global-batch-size", "8"], "--global-batch-size"),
+    (["--max-new-tokens", "70"], "--max-new-tokens"),
+    (["--max-prompt-length", "60"], "--max-new-tokens"),
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--reward-fn", "no_colon"], "--reward-fn"),
+    (["--bf16", "--fp16"], "--bf16/--fp16"),
+    (["--actor-gen-tensor-model-parallel-size", "8"], "--actor-gen-tensor-model-parallel-size"),
+])
+def test_bad_flags_name_the_flag(extra, flag):
+    with pytest.raises(ArgumentError) as e:
+        cfg(*extra)
+    assert str(e.value).startswith(flag), str(e.value)
+
+
+def test_missing_reward_source():
+    args = [a for a in BASE if a not in ("--reward-fn", "puzzle.rewards:lowercase_fraction")]
+    with pytest.raises(ArgumentError, match="--reward-fn: no reward source"):
+        validate_args(parse_args(args), 4, 259)
+
+
+def test_unknown_role_flag_is_rejected():
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--policy-num-layers", "2"])
+
+
+def test_model_shape_error_names_role():
+    with pytest.raises(ArgumentError, match="critic"):
+        cfg("--critic-hidden-size", "66")
