@@ -11,6 +11,7 @@ earlier ones (argparse), abbreviations are refused.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import List, Optional
 
 ROLE_PREFIXED = ("critic", "reward", "ref")
@@ -128,6 +129,12 @@ def _add_data_args(parser):
     g.add_argument("--prompt-key", type=str, default="prompt")
     g.add_argument("--tokenizer-type", type=str, default="ByteLevelTokenizer")
     g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--hf-actor-path", type=str, default=None,
+                   help="HF LLaMA checkpoint dir for the actor and the reference (the SFT model).")
+    g.add_argument("--hf-critic-path", type=str, default=None,
+                   help="HF checkpoint dir for the critic backbone (+ score/v_head when present).")
+    g.add_argument("--hf-reward-path", type=str, default=None,
+                   help="HF checkpoint dir of the reward model (backbone + score head).")
 
 
 def _add_logging_args(parser):
@@ -210,6 +217,24 @@ def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str):
         _fail(flags, str(e))
 
 
+def _check_hf_shape(arch, hf_dir: str, role: str) -> None:
+    """The flags' model shape must be the checkpoint's (Megatron style: flags describe the model)."""
+    from puzzle.models.hf_llama import arch_from_hf_dir
+
+    try:
+        ckpt = arch_from_hf_dir(hf_dir)
+    except (ValueError, OSError) as e:
+        _fail(f"--hf-{'actor' if role == 'ref' else role}-path", str(e))
+    fields = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
+    diff = [f"{f}: flags {getattr(arch, f)} vs checkpoint {getattr(ckpt, f)}" for f in fields
+            if getattr(arch, f) != getattr(ckpt, f)]
+    if arch.vocab_size < ckpt.vocab_size:
+        diff.append(f"vocab: tokenizer {arch.vocab_size} < checkpoint {ckpt.vocab_size}")
+    if diff:
+        _fail(f"--hf-{'actor' if role == 'ref' else role}-path",
+              f"{hf_dir}/config.json does not match the {role} model flags: " + "; ".join(diff))
+
+
 def validate_args(args, world_size: int, vocab_size: int):
     """Derive and check every flag; returns a RunConfig. Raises ArgumentError naming the flag.
 
@@ -230,9 +255,17 @@ def validate_args(args, world_size: int, vocab_size: int):
     if max_prompt < 1 or max_prompt + args.max_new_tokens > args.seq_length:
         _fail("--max-new-tokens", f"prompt budget {max_prompt} + max new tokens {args.max_new_tokens} "
                                   f"exceeds --seq-length {args.seq_length}")
+    if args.hf_reward_path and not args.reward_model:
+        args.reward_model = args.hf_reward_path
     if not args.reward_fn and not args.reward_model:
-        _fail("--reward-fn", "no reward source: pass --reward-fn module:function or --reward-model "
-                             "(a checkpoint directory, or 'random' for tests)")
+        _fail("--reward-fn", "no reward source: pass --reward-fn module:function, --hf-reward-path DIR "
+                             "or --reward-model (an HF checkpoint directory, or 'random' for tests)")
+    if args.reward_model and args.reward_model != "random" and not args.hf_reward_path:
+        args.hf_reward_path = args.reward_model
+    for flag in ("hf_actor_path", "hf_critic_path", "hf_reward_path"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            _fail("--" + flag.replace("_", "-"), f"{path!r} is not an HF checkpoint directory (no config.json)")
     if args.reward_fn and ":" not in args.reward_fn:
         _fail("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
     if not 0.0 < args.top_p <= 1.0:
@@ -284,8 +317,12 @@ def validate_args(args, world_size: int, vocab_size: int):
                 _fail(gflags, str(e))
         trainable = role in ("actor", "critic")
         lr = args.lr if role == "actor" else (args.critic_lr if args.critic_lr is not None else args.lr)
+        hf = {"actor": args.hf_actor_path, "ref": args.hf_actor_path, "critic": args.hf_critic_path,
+              "reward": args.hf_reward_path}[role]
+        if hf:
+            _check_hf_shape(arch, hf, role)
         roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan,
-                               trainable=trainable, lr=lr)
+                               trainable=trainable, lr=lr, hf_path=hf)
     mini = args.ppo_mini_batch_size or args.global_batch_size or args.rollout_batch_size
     if args.rollout_batch_size % mini:
         _fail("--global-batch-size", f"the rollout batch {args.rollout_batch_size} is not divisible by "

@@ -95,6 +95,7 @@ class RoleSpec:
     gen_plan: "object" = None      # actor only: generation layout (None = same as plan)
     trainable: bool = False
     lr: float = 0.0
+    hf_path: Optional[str] = None  # HF checkpoint to load the weights from
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,12 @@ class PPOTrainer:
             self.engines[role] = ModelEngine(role, spec.arch, layout_for(spec.plan),
                                              trainable=spec.trainable, optim=optim, seed=seed,
                                              recompute=cfg.recompute, bf16=cfg.bf16, fp16=cfg.fp16)
+            if spec.hf_path and self.engines[role].member:
+                from puzzle.models.hf_llama import load_hf_into_model
+
+                # each rank reads only its own shards; a critic from an LM keeps its fresh head
+                load_hf_into_model(self.engines[role].module, spec.arch, role, spec.hf_path,
+                                   allow_missing_head=role == "critic")
         gen_plan = cfg.roles["actor"].gen_plan
         self.switch = None
         if gen_plan != cfg.roles["actor"].plan:
