@@ -70,6 +70,10 @@ def _add_parallel_args(parser):
                    help="Segments of the actor's training->generation weight switch overlapped with the optimizer step.")
     g.add_argument("--ranks-per-node", type=int, default=None, help="Ranks per node (switch prefers same-node sources).")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--score-placement", choices=["sequential", "disjoint", "time-sharing"],
+                   default="sequential", help="How the scoring stage's models share the devices.")
+    g.add_argument("--train-placement", choices=["sequential", "disjoint", "time-sharing"],
+                   default="sequential", help="How the training stage's models (actor, critic) share the devices.")
 
 
 def _add_training_args(parser):
@@ -345,6 +349,18 @@ def validate_args(args, world_size: int, vocab_size: int):
         _fail("--generation-micro-batch-size", f"{gmb} must divide the prompts per generation DP rank "
                                                f"({args.rollout_batch_size // gen_D})")
 
+    for flag, placement, members in (("--score-placement", args.score_placement, list(roles)),
+                                     ("--train-placement", args.train_placement, ["actor", "critic"])):
+        if placement == "time-sharing":
+            plans = {r: roles[r].plan for r in members}
+            if len(set(plans.values())) > 1:
+                _fail(flag, "time-sharing requires equal P (and the same D, T) for the models of a stage; got "
+                      + ", ".join(f"{r} {p}" for r, p in plans.items())
+                      + " (use sequential, or give the models the same layout)")
+        if placement == "disjoint":
+            _fail(flag, "disjoint placement needs models on disjoint rank ranges; layouts here span the whole "
+                        "world (placement offsets come with plan files) - use sequential or time-sharing")
+
     ppo = PPOParams(
         rollout_batch_size=args.rollout_batch_size, mini_batch_size=mini,
         micro_batch_size=args.micro_batch_size, generation_micro_batch_size=gmb,
@@ -371,6 +387,5 @@ def validate_args(args, world_size: int, vocab_size: int):
         save=args.save, load=args.load, save_interval=args.save_interval, bf16=args.bf16,
         fp16=args.fp16, recompute=args.recompute_activations, switch_segments=args.switch_segments,
         ranks_per_node=args.ranks_per_node,
-        score_placement=getattr(args, "score_placement", "sequential"),
-        train_placement=getattr(args, "train_placement", "sequential"),
+        score_placement=args.score_placement, train_placement=args.train_placement,
     )

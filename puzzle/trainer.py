@@ -46,10 +46,9 @@ class PPOTrainer:
         gen_plan = cfg.roles["actor"].gen_plan
         self.switch = None
         if gen_plan != cfg.roles["actor"].plan:
-            from puzzle.switch.trainer_switch import ActorSwitch
+            from puzzle.training.actor_switch import ActorSwitch
 
-            self.switch = ActorSwitch(self.engines["actor"], gen_plan, cfg.switch_segments,
-                                      ranks_per_node=cfg.ranks_per_node)
+            self.switch = ActorSwitch(self.engines["actor"], gen_plan, cfg.switch_segments)
         self.kl_ctl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.reward_fn = None
         if cfg.reward_fn:
@@ -190,9 +189,12 @@ class PPOTrainer:
         sums = torch.zeros(7, dtype=torch.float64)  # pg, clip, approx_kl, tokens, vloss, vclip, vtok
         grad_norms = {"actor": [], "critic": []}
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
+        n_steps = ppo.ppo_epochs * (batch.size // ppo.mini_batch_size)
+        step = 0
         for epoch in range(ppo.ppo_epochs):
             perm = torch.randperm(batch.size, generator=gen)
             for s in range(0, batch.size, ppo.mini_batch_size):
+                step += 1
                 mini = batch.rows(perm[s:s + ppo.mini_batch_size])
                 jobs = [("actor", steps.actor_train_step(self.vocab, temp, R, ppo.clip_eps, ppo.entropy_coef)),
                         ("critic", steps.critic_train_step(R, ppo.value_clip_eps))]
@@ -201,9 +203,14 @@ class PPOTrainer:
                     if eng.member:
                         eng.zero_grad()
                 outs = run_stage(contexts, forward_only=False, placement=self.cfg.train_placement)
-                for name, eng in (("actor", actor), ("critic", critic)):
-                    if eng.member:
-                        grad_norms[name].append(eng.optimizer_step()["grad_norm"])
+                if self.switch and step == n_steps:  # last actor step overlapped with the switch
+                    res = self.switch.optimizer_step_and_switch()
+                    if actor.member:
+                        grad_norms["actor"].append(res["grad_norm"])
+                elif actor.member:
+                    grad_norms["actor"].append(actor.optimizer_step()["grad_norm"])
+                if critic.member:
+                    grad_norms["critic"].append(critic.optimizer_step()["grad_norm"])
                 if actor.member and actor.layout.is_last_stage and actor.layout.t == 0:
                     for o in outs[0]:
                         sums[0:4] += torch.tensor([float(o["policy_loss_sum"]), float(o["clip_sum"]),
@@ -213,8 +220,6 @@ class PPOTrainer:
                     for o in outs[1]:
                         sums[4:7] += torch.tensor([float(o["value_loss_sum"]), float(o["value_clip_sum"]),
                                                    float(o["tokens"])], dtype=torch.float64)
-        if self.switch:
-            self.switch.after_optimizer_step()
         dist.all_reduce(sums)
         norms = torch.tensor([max(grad_norms["actor"] or [0.0]), max(grad_norms["critic"] or [0.0])],
                              dtype=torch.float64)

@@ -42,12 +42,13 @@ def test_tiny_run_learns(tmp_path):
     assert " iteration       24/      24 | reward:" in stdout
 
 
-SMALL = ["--train-iters", "1", "--greedy", "--rollout-batch-size", "8", "--global-batch-size", "8",
+SMALL = ["--train-iters", "2", "--greedy", "--rollout-batch-size", "8", "--global-batch-size", "8",
          "--micro-batch-size", "2", "--max-new-tokens", "8"]
 
 
 def test_layout_changes_no_numbers(tmp_path):
-    """Greedy iteration-1 metrics at (1,1,1) on 1 rank == actor (2,1,2) on 4 ranks."""
+    """Greedy iteration-1 metrics at (1,1,1) on 1 rank == actor (2,1,2) on 4 ranks; and the
+    switch to a different generation layout changes no numbers (iterations 1-2)."""
     one = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
            "--critic-tensor-model-parallel-size", "1", "--critic-pipeline-model-parallel-size", "1"]
     env = dict(ENV, NPROC="1")
@@ -57,6 +58,13 @@ def test_layout_changes_no_numbers(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     _, b = _tiny_script(SMALL, tmp_path / "b", timeout=600)  # actor (2,1,2), critic (2,2,1)
+    # the actor generating at (1,2,2) through the switch (overlapped with its optimizer step)
+    _, c = _tiny_script(SMALL + ["--actor-gen-tensor-model-parallel-size", "2",
+                                 "--actor-gen-pipeline-model-parallel-size", "1", "--switch-segments", "4"],
+                        tmp_path / "c", timeout=600)
+    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "entropy", "actor_grad_norm"):
+        for it in range(2):
+            assert b[it][key] == pytest.approx(c[it][key], rel=1e-5, abs=1e-6), (key, it)
     for key in ("reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "entropy",
                 "value_mean", "return_mean", "response_length_mean", "actor_grad_norm", "critic_grad_norm"):
         assert a[0][key] == pytest.approx(b[0][key], rel=1e-4, abs=1e-5), key
@@ -74,3 +82,15 @@ def test_bad_flags_fail_before_allocation():
                            "--reward-fn", "puzzle.nope:missing"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "cannot import module 'puzzle.nope'" in proc.stderr
+
+
+def test_time_sharing_changes_no_numbers(tmp_path):
+    """Scoring (actor, ref, critic) and training (actor, critic) time-shared at P=2: same metrics."""
+    same = SMALL + ["--critic-pipeline-model-parallel-size", "2"]  # every model at (2,1,2)
+    _, seq = _tiny_script(same, tmp_path / "seq", timeout=600)
+    _, ts = _tiny_script(same + ["--score-placement", "time-sharing", "--train-placement", "time-sharing"],
+                         tmp_path / "ts", timeout=600)
+    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "entropy", "value_mean",
+                "actor_grad_norm", "critic_grad_norm"):
+        for it in range(2):
+            assert seq[it][key] == pytest.approx(ts[it][key], rel=1e-5, abs=1e-6), (key, it)

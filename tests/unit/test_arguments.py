@@ -65,3 +65,11 @@ def test_unknown_role_flag_is_rejected():
 def test_model_shape_error_names_role():
     with pytest.raises(ArgumentError, match="critic"):
         cfg("--critic-hidden-size", "66")
+
+
+def test_time_sharing_needs_equal_layouts():
+    with pytest.raises(ArgumentError, match="--train-placement: time-sharing requires equal P"):
+        cfg("--pipeline-model-parallel-size", "2", "--critic-pipeline-model-parallel-size", "1",
+            "--train-placement", "time-sharing")
+    c = cfg("--train-placement", "time-sharing", "--score-placement", "time-sharing")
+    assert c.train_placement == "time-sharing"

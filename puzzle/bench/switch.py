@@ -1,0 +1,238 @@
+"""Benchmark: the inter-stage switch (PUZZLE §5.1-5.2) vs megatron-core's resharding refit.
+
+    python -m puzzle.bench.switch [--repeats 5] [--segments 8] [--out rows.json]
+
+Spawns its own 4-rank torchrun world (gloo, OMP_NUM_THREADS=1). One model (GQA + SwiGLU,
+untied: 4 layers, hidden 256, 8 heads / 4 query groups, ffn 512, vocab 1024), the actor at every
+source plan as a trainable ModelEngine, and for each plan pair (and its reverse), in ONE run:
+
+* bytes: ``bytes_moved_max_rank`` (measured, bytes received by the busiest rank),
+  ``lower_bound_bytes_max_rank`` (bytes the busiest rank lacks), ``allgather_bytes_max_rank``
+  (DeepSpeed-Chat-style full all-gather baseline), from the routing table;
+* ``time_puzzle_s``: puzzle's switch into a pre-allocated shadow model (routing executor);
+* ``time_mcore_refit_s``: ``megatron.core.resharding.swap_model_weights(src, dst, 'gloo')``
+  between the same two models (its plan is cached after the first call; the first call, which
+  builds the plan on rank 0, is ``time_mcore_first_s``); ``mcore_matches_puzzle``: bitwise
+  equal result. A failure gives null + the error (guarded by the process-group timeout);
+* ``time_step_plus_switch_sequential_s``: megatron optimizer step, then the switch (K=1);
+  ``time_step_plus_switch_async_s``: the step overlapped with the switch in K segments
+  (puzzle.switch.overlap); ``hidden_fraction`` = (sequential - async) / time_puzzle_s, the share
+  of the switch hidden behind the step.
+
+Times are wall times between barriers on rank 0 (so the slowest rank), median of ``--repeats``
+after one warm-up. 4 processes share the machine's cores: expect noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+PAIRS = [((4, 1, 1), (2, 1, 2)), ((2, 1, 2), (1, 1, 4)), ((1, 2, 2), (1, 1, 4)), ((2, 2, 1), (1, 2, 2))]
+PAIRS = PAIRS + [(d, s) for s, d in PAIRS]
+WORLD = 4
+MBS, SEQ = 1, 64
+
+
+def _arch():
+    from puzzle.config import ModelArch
+
+    return ModelArch(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
+                     num_query_groups=4, vocab_size=1024, make_vocab_size_divisible_by=128, seq_length=SEQ,
+                     untie_embeddings_and_output_weights=True)
+
+
+def _timed(fn, repeats):
+    import torch.distributed as dist
+
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        if i:  # the first run is a warm-up
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _lm_step(arch):
+    import torch
+
+    from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        pos = torch.arange(mb.shape[1]).unsqueeze(0).expand_as(mb)
+        logits = model(mb, pos, None)
+        unwrapped = model.module if hasattr(model, "module") else model
+
+        def loss_func(output):
+            lp = vocab_parallel_logprobs(output[:, :-1], mb[:, 1:], unwrapped.pg_collection.tp, arch.vocab_size)
+            return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {}
+
+        return logits, loss_func
+
+    return forward_step
+
+
+def _worker(args):
+    from datetime import timedelta
+
+    import megatron_patches
+
+    megatron_patches.apply()
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
+    from puzzle.parallel.groups import init_distributed, layout_for
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.switch.executor import execute_routing
+    from puzzle.switch.shadow import build_shadow, routing_table_for, switch_to_generation, table_params
+    from puzzle.training.engine import ModelEngine, OptimConfig
+
+    rank, world = init_distributed()
+    arch = _arch()
+    plans = []
+    for s, d in PAIRS:
+        for p in (s, d):
+            if ParallelPlan(*p) not in plans:
+                plans.append(ParallelPlan(*p))
+    for p in plans:  # every layout, collectively, in the same order
+        layout_for(p)
+    engines = {}
+    for s, _ in PAIRS:
+        s = ParallelPlan(*s)
+        if s not in engines:
+            engines[s] = ModelEngine("actor", arch, layout_for(s), trainable=True, seed=5,
+                                     optim=OptimConfig(lr=1e-4))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, arch.vocab_size, (4, SEQ), generator=g)
+    rows = []
+    for s, d in PAIRS:
+        src, dst = ParallelPlan(*s), ParallelPlan(*d)
+        eng = engines[src]
+        table = routing_table_for(arch, "actor", src, dst)
+        shadow = build_shadow(arch, "actor", dst)
+        src_params, dst_params = table_params(eng.module, "actor"), shadow.params()
+        stats = []
+        t_puzzle = _timed(lambda: stats.append(execute_routing(table, src_params, dst_params)), args.repeats)
+        # gradients for the optimizer steps (kept across the timed steps: same work every step)
+        share = tokens.shape[0] // src.D
+        mine = tokens[eng.layout.d * share:(eng.layout.d + 1) * share]
+        eng.model.zero_grad_buffer()
+        eng.optimizer.zero_grad()
+        eng.forward_backward(_lm_step(arch), iter(mine.split(MBS)), share // MBS, SEQ, MBS, forward_only=False)
+        seq, asy = [], []
+        for i in range(args.repeats + 1):  # interleaved, first pair is a warm-up
+            for k, out in ((1, seq), (args.segments, asy)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                switch_to_generation(eng, dst, segments=k, shadow=shadow, optimizer_step=True)
+                dist.barrier()
+                if i:
+                    out.append(time.perf_counter() - t0)
+        # plain optimizer step alone, for reference
+        t_step = _timed(lambda: eng.optimizer.step(), args.repeats)
+        recv = [None] * world
+        dist.all_gather_object(recv, stats[-1].bytes_received)
+        shadow.release()
+        t_seq, t_asy = statistics.median(seq), statistics.median(asy)
+        rows.append({
+            "src": str(src), "dst": str(dst),
+            "bytes_moved_max_rank": max(recv),
+            "lower_bound_bytes_max_rank": max(table.bytes_lacking(r) for r in range(world)),
+            "allgather_bytes_max_rank": max(table.allgather_bytes(r) for r in range(world)),
+            "model_bytes": table.model_bytes(),
+            "time_puzzle_s": round(t_puzzle, 5),
+            "time_optimizer_step_s": round(t_step, 5),
+            "time_step_plus_switch_sequential_s": round(t_seq, 5),
+            "time_step_plus_switch_async_s": round(t_asy, 5),
+            "segments": args.segments,
+            "hidden_fraction": round((t_seq - t_asy) / t_puzzle, 3) if t_puzzle > 0 else None,
+        })
+        if rank == 0:
+            print(f"[switch bench] {src} -> {dst} done", file=sys.stderr, flush=True)
+
+    # megatron-core's refit, last (a failure may leave the process group unusable)
+    from megatron.core.resharding import swap_model_weights
+
+    failed = None
+    for row, (s, d) in zip(rows, PAIRS):
+        src, dst = ParallelPlan(*s), ParallelPlan(*d)
+        row.update(time_mcore_refit_s=None, time_mcore_first_s=None, mcore_matches_puzzle=None, mcore_error=None)
+        if failed:
+            row["mcore_error"] = f"skipped after an earlier failure: {failed}"
+            continue
+        eng = engines[src]
+        shadow = build_shadow(arch, "actor", dst)
+        try:
+            dist.barrier()
+            t0 = time.perf_counter()
+            swap_model_weights(eng.module, shadow.module, "gloo")
+            dist.barrier()
+            row["time_mcore_first_s"] = round(time.perf_counter() - t0, 5)
+            row["time_mcore_refit_s"] = round(_timed(lambda: swap_model_weights(eng.module, shadow.module, "gloo"),
+                                                     args.repeats), 5)
+            mc = {k: v.clone() for k, v in shadow.params().items()}
+            execute_routing(routing_table_for(arch, "actor", src, dst), table_params(eng.module, "actor"),
+                            shadow.params())
+            same = all(torch.equal(mc[k], v) for k, v in shadow.params().items())
+            flags = [None] * world
+            dist.all_gather_object(flags, same)
+            row["mcore_matches_puzzle"] = all(flags)
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            failed = f"{type(exc).__name__}: {exc}"[:300]
+            row["mcore_error"] = failed
+            traceback.print_exc()
+        shadow.release()
+    if rank == 0:
+        Path(args.out_file).write_text(json.dumps(rows))
+    if not failed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--segments", type=int, default=8)
+    ap.add_argument("--timeout", type=int, default=180, help="process-group timeout (s): guards a hang")
+    ap.add_argument("--out", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out-file", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    repo = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="puzzle-bench-switch-") as tmp:
+        out_file = str(Path(tmp) / "rows.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+               "-m", "puzzle.bench.switch", "--worker", "--out-file", out_file,
+               "--repeats", str(args.repeats), "--segments", str(args.segments), "--timeout", str(args.timeout)]
+        proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
+                              timeout=args.timeout * 4 + 1200)
+        if not Path(out_file).exists():
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+            raise SystemExit(f"benchmark world failed (rc={proc.returncode})")
+        rows = json.loads(Path(out_file).read_text())
+    for row in rows:
+        print(json.dumps(row))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The shadow generation model: the actor in its generation layout, alive only during generation.
+
+PUZZLE §5.1: the actor trains in one layout and generates in another on the SAME ranks. The
+training model (with its gradients and optimizer state) stays where it is; for generation a
+second, weights-only GPTModel in the destination layout is allocated (:func:`build_shadow`),
+filled by the switch (:func:`switch_to_generation`: routing table -> executor, moving only the
+bytes each rank lacks) and freed after generation (:meth:`ShadowModel.release`).
+
+The shadow is built with megatron's own (cheap, per-shard) initialisation
+(``layout_independent_init=False``): every value is overwritten by the switch, so drawing the
+layout-independent initial weights would be wasted work.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Dict, Optional
+
+import torch
+
+from puzzle.config import HEADS, ModelArch
+from puzzle.models.init import HEAD_LOCAL_NAME, HEAD_SPEC_NAME, param_specs
+from puzzle.parallel.plan import ParallelPlan, PlanError
+from puzzle.switch.routing import RoutingTable, build_routing_table
+
+_TABLES: Dict[tuple, RoutingTable] = {}
+
+
+def process_rss_bytes() -> int:
+    """Resident set size of this process (psutil), in bytes."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def param_bytes(module: Optional[torch.nn.Module]) -> int:
+    if module is None:
+        return 0
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def table_params(module: Optional[torch.nn.Module], role: str) -> Dict[str, torch.Tensor]:
+    """A model's parameters under the routing table's local names (the scalar head
+    ``output_layer.weight`` of critic/reward is the spec ``value_head.weight``). Tensors are the
+    parameters' data (writes land in the model)."""
+    if module is None:
+        return {}
+    out = {}
+    for name, p in module.named_parameters():
+        if name == HEAD_LOCAL_NAME and HEADS[role] != "lm":
+            name = HEAD_SPEC_NAME
+        out[name] = p.data
+    return out
+
+
+def routing_table_for(arch: ModelArch, role: str, src: ParallelPlan, dst: ParallelPlan,
+                      dtype_bytes: int = 4) -> RoutingTable:
+    """The (cached) routing table of role ``role`` of shape ``arch`` from ``src`` to ``dst``.
+    Raises PlanError when the plans do not cover the same ranks or the model does not split."""
+    key = (arch, role, src, dst, dtype_bytes)
+    if key not in _TABLES:
+        for what, plan in (("source", src), ("destination", dst)):
+            if not isinstance(plan, ParallelPlan):
+                raise PlanError(f"{what} plan must be a ParallelPlan, got {type(plan).__name__}")
+        if src.size != dst.size or src.offset != dst.offset:
+            raise PlanError(f"cannot switch {role} between plans on different ranks: source {src} uses "
+                            f"ranks {src.offset}..{src.offset + src.size - 1}, destination {dst} uses "
+                            f"{dst.offset}..{dst.offset + dst.size - 1}")
+        from puzzle.models.builders import check_layout
+
+        check_layout(arch, src, f"{role} (switch source)")
+        check_layout(arch, dst, f"{role} (switch destination)")
+        _TABLES[key] = build_routing_table(param_specs(arch, role), src, dst, dtype_bytes=dtype_bytes)
+    return _TABLES[key]
+
+
+class ShadowModel:
+    """A weights-only model of ``role`` in ``plan``'s layout on this rank (``module`` None off-plan).
+
+    ``memory`` records RSS and parameter bytes at build and release."""
+
+    def __init__(self, arch: ModelArch, role: str, plan: ParallelPlan, *, bf16: bool = False,
+                 fp16: bool = False, seed: int = 0):
+        from puzzle.models.builders import build_role_model
+        from puzzle.parallel.groups import layout_for
+
+        self.arch, self.role, self.plan = arch, role, plan
+        self.layout = layout_for(plan)  # collective (cached)
+        rss0 = process_rss_bytes()
+        t0 = time.perf_counter()
+        self.module = build_role_model(role, arch, self.layout, bf16=bf16, fp16=fp16, head_seed=seed,
+                                       layout_independent_init=False)
+        if self.module is not None:
+            for p in self.module.parameters():
+                p.requires_grad_(False)
+            self.module.eval()
+        self.memory = {"rss_before_build": rss0, "rss_after_build": process_rss_bytes(),
+                       "param_bytes": param_bytes(self.module), "build_s": time.perf_counter() - t0}
+
+    @property
+    def member(self) -> bool:
+        return self.module is not None
+
+    def params(self) -> Dict[str, torch.Tensor]:
+        """Parameters under the routing table's local names (see :func:`table_params`)."""
+        return table_params(self.module, self.role)
+
+    def param_bytes(self) -> int:
+        return param_bytes(self.module)
+
+    def release(self) -> dict:
+        """Free the shadow model; returns the memory report (param bytes go to 0)."""
+        before = process_rss_bytes()
+        self.module = None
+        gc.collect()
+        self.memory.update(rss_before_release=before, rss_after_release=process_rss_bytes(),
+                           param_bytes_after_release=0)
+        return dict(self.memory)
+
+    def __call__(self, *args, **kwargs):
+        if self.module is None:
+            raise RuntimeError("shadow model released or not on this rank")
+        return self.module(*args, **kwargs)
+
+
+def build_shadow(engine_arch: ModelArch, role: str, dst_plan: ParallelPlan, **kw) -> ShadowModel:
+    """Allocate the generation-layout model of ``role`` (collective: builds ``dst_plan``'s groups)."""
+    return ShadowModel(engine_arch, role, dst_plan, **kw)
+
+
+def _dtype_flags(engine) -> dict:
+    dt = engine.config.params_dtype if engine.config is not None else torch.float32
+    return {"bf16": dt == torch.bfloat16, "fp16": dt == torch.float16}
+
+
+def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1, *,
+                         shadow: Optional[ShadowModel] = None, optimizer_step: bool = False,
+                         group=None, bucket_bytes: Optional[int] = None):
+    """Switch ``train_engine`` (a ModelEngine) to ``dst_plan``: returns the ShadowModel whose
+    parameters are the destination-layout slices of the training weights (collective).
+
+    With ``optimizer_step`` the engine's optimizer step runs first, overlapped with the transfer
+    in ``segments`` segments (:func:`puzzle.switch.overlap.step_and_switch`); the step's result
+    is in ``shadow.step_result``. Without it the current weights are moved. ``shadow.switch_stats``
+    holds this rank's :class:`~puzzle.switch.executor.SwitchStats`. All plan checks run (and
+    raise PlanError) before anything is allocated or sent."""
+    from puzzle.switch import overlap
+
+    src_plan = train_engine.layout.plan
+    dtype = train_engine.config.params_dtype if train_engine.config is not None else torch.float32
+    table = routing_table_for(train_engine.arch, train_engine.role, src_plan, dst_plan,
+                              dtype_bytes=torch.tensor([], dtype=dtype).element_size())
+    if shadow is None:
+        shadow = build_shadow(train_engine.arch, train_engine.role, dst_plan, **_dtype_flags(train_engine))
+    elif shadow.module is None and shadow.layout.member:
+        raise RuntimeError("shadow model was released; build a new one")
+    kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    if optimizer_step:
+        result, stats = overlap.step_and_switch(train_engine, table, shadow.params(), segments=segments,
+                                                group=group, **kw)
+        shadow.step_result = result
+    else:
+        from puzzle.switch.executor import execute_routing
+
+        stats = execute_routing(table, table_params(train_engine.module, train_engine.role),
+                                shadow.params(), group=group, num_segments=segments, **kw)
+        shadow.step_result = None
+    shadow.switch_stats = stats
+    shadow.table = table
+    return shadow

@@ -1,0 +1,114 @@
+import pytest
+
+from tests.harness import run_world
+
+MAX_NEW = 8
+PROMPT_LENS = [5, 2, 7, 3]
+LP = max(PROMPT_LENS)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world("distributed/worlds/generation.py", 4)
+
+
+def _combined(entries, name):
+    """Rows of the whole batch from per-rank entries; asserts all ranks of a DP group agree."""
+    by_d = {}
+    for e in entries:
+        if e is None:
+            continue
+        out = e[name]
+        if out["d"] in by_d:
+            assert out["tokens"] == by_d[out["d"]]["tokens"], (name, out["p"], out["t"])
+            assert out["response_mask"] == by_d[out["d"]]["response_mask"]
+        else:
+            by_d[out["d"]] = out
+    rows = []
+    for d in sorted(by_d):
+        rows.extend(by_d[d]["responses"])
+    return rows
+
+
+def test_kv_cache_greedy_equals_no_cache_reference(world):
+    ref = world[0]["reference"]
+    assert ref["alone"]["greedy"] == ref["refs"]
+    base = _combined(world[0]["layouts"]["(P=1, D=1, T=1)"], "greedy")
+    assert base == ref["refs"]  # batched, left-padded prompts: same as each prompt alone
+
+
+def test_left_padding_equals_each_prompt_alone(world):
+    ref = world[0]["reference"]
+    for name, alone in ref["alone"].items():
+        assert _combined(world[0]["layouts"]["(P=1, D=1, T=1)"], name) == alone, name
+
+
+def test_same_tokens_at_every_layout(world):
+    layouts = world[0]["layouts"]
+    base = {name: _combined(layouts["(P=1, D=1, T=1)"], name)
+            for name in ("greedy", "t07_k20_p09", "t13_p08", "plain")}
+    assert base["t07_k20_p09"] != base["greedy"]  # sampling does sample
+    for plan, entries in layouts.items():
+        assert any(e is not None for e in entries), plan
+        for name, rows in base.items():
+            assert _combined(entries, name) == rows, (plan, name)
+
+
+def test_output_layout_and_masks(world):
+    out = next(e for e in world[0]["layouts"]["(P=1, D=1, T=1)"] if e)["plain"]
+    assert out["prompt_length"] == LP
+    assert out["prompt_lengths"] == PROMPT_LENS
+    for i, row in enumerate(out["tokens"]):
+        assert len(row) == LP + MAX_NEW
+        pm, rm, am = out["prompt_mask"][i], out["response_mask"][i], out["attention_mask"][i]
+        assert pm == [0] * (LP - PROMPT_LENS[i]) + [1] * PROMPT_LENS[i] + [0] * MAX_NEW
+        assert rm == [0] * LP + [1] * MAX_NEW
+        assert am == [a | b for a, b in zip(pm, rm)]
+        assert row[:LP - PROMPT_LENS[i]] == [0] * (LP - PROMPT_LENS[i])  # pad_id=0
+        assert all(0 <= t < 200 for t in row[LP:])
+
+
+def test_eos_stops_rows_and_masks(world):
+    res = world[0]["eos_and_limits"]
+    base, eos = res["base"], res["eos"]
+    expected_len = [r.index(eos) + 1 if eos in r else MAX_NEW for r in base]
+    assert expected_len[0] <= 3
+    for plan in ("(P=1, D=1, T=1)", "(P=2, D=1, T=2)", "(P=1, D=2, T=2)"):
+        entries = res[plan]
+        rows = _combined(entries, "eos")
+        assert rows == [r[:n] for r, n in zip(base, expected_len)], plan
+        for e in entries:
+            if e is None:
+                continue
+            out = e["eos"]
+            lp = out["prompt_length"]  # this DP rank's longest prompt
+            for row, rm, n in zip(out["tokens"], out["response_mask"], out["response_lengths"]):
+                assert rm == [0] * lp + [1] * n + [0] * (MAX_NEW - n)
+                assert row[lp + n:] == [3] * (MAX_NEW - n)  # pad_id=3 after EOS
+                assert row[lp + n - 1] == eos or n == MAX_NEW
+            # the whole batch finished at its first token: one model call, not MAX_NEW
+            one = e["all_done"]
+            assert one["response_lengths"] == [1] and one["forward_passes"] == 1, plan
+
+
+def test_max_new_tokens_respected(world):
+    res = world[0]["eos_and_limits"]
+    for plan in ("(P=1, D=1, T=1)", "(P=2, D=1, T=2)", "(P=1, D=2, T=2)"):
+        for e in res[plan]:
+            if e is None:
+                continue
+            short = e["short"]
+            assert all(len(r) == short["prompt_length"] + 1 for r in short["tokens"])
+            assert short["response_lengths"] == [1] * len(short["tokens"])
+        rows = _combined(res[plan], "short")
+        assert rows == [r[:1] for r in res["base"]]
+    for e in world[0]["layouts"]["(P=2, D=1, T=2)"]:
+        assert e["greedy"]["response_lengths"] == [MAX_NEW] * 4
+
+
+def test_invalid_arguments_raise_value_errors(world):
+    msgs = world[0]["errors"]
+    assert "non-empty" in msgs["empty_prompt"]
+    assert "outside [0, 200)" in msgs["bad_token"]
+    assert "max_position_embeddings" in msgs["too_long"]
+    assert "eos_id" in msgs["bad_eos"]
