@@ -46,7 +46,7 @@ PPO_ARGS=(
     --kl-coef 0.05 --kl-target 6.0 --kl-horizon 10000 --gamma 1.0 --lam 0.95
     --clip-eps 0.2 --value-clip-eps 0.2 --reward-model "$RM_DIR"
 )
-LOG_ARGS=(--log-interval 1 --log-dir "$OUT/logs" --save "$OUT" --save-interval 50 --load "$OUT")
+LOG_ARGS=(--log-interval 1 --log-dir "$OUT/logs")
 
 exec torchrun "${DISTRIBUTED_ARGS[@]}" train_ppo.py \
     "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \

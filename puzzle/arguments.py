@@ -289,8 +289,12 @@ def validate_args(args, world_size: int, vocab_size: int):
         _fail("--kl-coef", f"must be >= 0 (got {args.kl_coef})")
     if args.kl_target is not None and args.kl_target <= 0:
         _fail("--kl-target", f"must be > 0 (got {args.kl_target})")
-    if args.save_interval is not None and not args.save:
-        _fail("--save-interval", "needs --save DIR")
+    if args.save or args.load or args.save_interval:
+        _fail("--save" if args.save or args.save_interval else "--load",
+              "dist-checkpoint save/resume of PPO runs is not implemented yet; HF weights load with "
+              "--hf-actor-path/--hf-critic-path/--hf-reward-path")
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world_size % args.ranks_per_node):
+        _fail("--ranks-per-node", f"{args.ranks_per_node} must be >= 1 and divide the world size {world_size}")
 
     roles = {}
     for role in ("actor", "critic", "ref", "reward"):

@@ -48,7 +48,8 @@ class PPOTrainer:
         if gen_plan != cfg.roles["actor"].plan:
             from puzzle.training.actor_switch import ActorSwitch
 
-            self.switch = ActorSwitch(self.engines["actor"], gen_plan, cfg.switch_segments)
+            self.switch = ActorSwitch(self.engines["actor"], gen_plan, cfg.switch_segments,
+                                      ranks_per_node=cfg.ranks_per_node)
         self.kl_ctl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.reward_fn = None
         if cfg.reward_fn:

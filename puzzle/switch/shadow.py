@@ -55,10 +55,10 @@ def table_params(module: Optional[torch.nn.Module], role: str) -> Dict[str, torc
 
 
 def routing_table_for(arch: ModelArch, role: str, src: ParallelPlan, dst: ParallelPlan,
-                      dtype_bytes: int = 4) -> RoutingTable:
+                      dtype_bytes: int = 4, ranks_per_node: Optional[int] = None) -> RoutingTable:
     """The (cached) routing table of role ``role`` of shape ``arch`` from ``src`` to ``dst``.
     Raises PlanError when the plans do not cover the same ranks or the model does not split."""
-    key = (arch, role, src, dst, dtype_bytes)
+    key = (arch, role, src, dst, dtype_bytes, ranks_per_node)
     if key not in _TABLES:
         for what, plan in (("source", src), ("destination", dst)):
             if not isinstance(plan, ParallelPlan):
@@ -71,7 +71,8 @@ def routing_table_for(arch: ModelArch, role: str, src: ParallelPlan, dst: Parall
 
         check_layout(arch, src, f"{role} (switch source)")
         check_layout(arch, dst, f"{role} (switch destination)")
-        _TABLES[key] = build_routing_table(param_specs(arch, role), src, dst, dtype_bytes=dtype_bytes)
+        _TABLES[key] = build_routing_table(param_specs(arch, role), src, dst, dtype_bytes=dtype_bytes,
+                                           ranks_per_node=ranks_per_node)
     return _TABLES[key]
 
 
@@ -136,7 +137,8 @@ def _dtype_flags(engine) -> dict:
 
 def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1, *,
                          shadow: Optional[ShadowModel] = None, optimizer_step: bool = False,
-                         group=None, bucket_bytes: Optional[int] = None):
+                         group=None, bucket_bytes: Optional[int] = None,
+                         ranks_per_node: Optional[int] = None):
     """Switch ``train_engine`` (a ModelEngine) to ``dst_plan``: returns the ShadowModel whose
     parameters are the destination-layout slices of the training weights (collective).
 
@@ -150,7 +152,8 @@ def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1
     src_plan = train_engine.layout.plan
     dtype = train_engine.config.params_dtype if train_engine.config is not None else torch.float32
     table = routing_table_for(train_engine.arch, train_engine.role, src_plan, dst_plan,
-                              dtype_bytes=torch.tensor([], dtype=dtype).element_size())
+                              dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
+                              ranks_per_node=ranks_per_node)
     if shadow is None:
         shadow = build_shadow(train_engine.arch, train_engine.role, dst_plan, **_dtype_flags(train_engine))
     elif shadow.module is None and shadow.layout.member:

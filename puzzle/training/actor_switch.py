@@ -15,8 +15,9 @@ from puzzle.parallel.groups import layout_for
 
 
 class ActorSwitch:
-    def __init__(self, actor, gen_plan, segments: int = 1):
+    def __init__(self, actor, gen_plan, segments: int = 1, ranks_per_node=None):
         self.actor, self.gen_plan, self.segments = actor, gen_plan, segments
+        self.ranks_per_node = ranks_per_node  # same-node sources preferred among replicas
         self.shadow = None
         self.last_stats = None
         layout_for(gen_plan)  # collective: build the generation layout's groups up front
@@ -26,7 +27,8 @@ class ActorSwitch:
         from puzzle.switch.shadow import switch_to_generation
 
         if self.shadow is None:
-            self.shadow = switch_to_generation(self.actor, self.gen_plan, self.segments)
+            self.shadow = switch_to_generation(self.actor, self.gen_plan, self.segments,
+                                               ranks_per_node=self.ranks_per_node)
             self.last_stats = self.shadow.switch_stats
         m = self.shadow.module
         return SimpleNamespace(module=m, layout=self.shadow.layout, arch=self.actor.arch,
@@ -37,7 +39,8 @@ class ActorSwitch:
         """The actor's optimizer step overlapped with the switch into a fresh shadow model."""
         from puzzle.switch.shadow import switch_to_generation
 
-        self.shadow = switch_to_generation(self.actor, self.gen_plan, self.segments, optimizer_step=True)
+        self.shadow = switch_to_generation(self.actor, self.gen_plan, self.segments, optimizer_step=True,
+                                           ranks_per_node=self.ranks_per_node)
         self.last_stats = self.shadow.switch_stats
         return self.shadow.step_result
 
