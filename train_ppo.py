@@ -7,6 +7,10 @@ import sys
 
 
 def main(argv=None) -> int:
+    import warnings
+
+    # megatron-core warns at import that the optional TE/Apex kernels are absent (README explains)
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*")
     import megatron_patches
 
     megatron_patches.apply()

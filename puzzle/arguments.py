@@ -62,6 +62,10 @@ def _add_parallel_args(parser):
     for role in ("actor",) + ROLE_PREFIXED:
         g.add_argument(f"--{role}-tensor-model-parallel-size", type=int, default=None)
         g.add_argument(f"--{role}-pipeline-model-parallel-size", type=int, default=None)
+        g.add_argument(f"--{role}-data-parallel-size", type=int, default=None,
+                       help=f"{role}: D (default: the ranks from its offset to the end / (P*T)).")
+        g.add_argument(f"--{role}-rank-offset", type=int, default=0,
+                       help=f"{role}: first rank of its layout (disjoint placement).")
     g.add_argument("--actor-gen-tensor-model-parallel-size", type=int, default=None,
                    help="Actor generation-layout T (default: its training layout).")
     g.add_argument("--actor-gen-pipeline-model-parallel-size", type=int, default=None,
@@ -145,9 +149,15 @@ def _add_logging_args(parser):
     g = parser.add_argument_group("logging and checkpoints")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--log-dir", type=str, default=None, help="Writes DIR/metrics.jsonl (and TensorBoard events).")
-    g.add_argument("--save", type=str, default=None)
-    g.add_argument("--load", type=str, default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save", type=str, default=None,
+                   help="Checkpoint directory to save to (dist-checkpoint of every role; see docs/ppo.md).")
+    g.add_argument("--load", type=str, default=None,
+                   help="Checkpoint directory to resume from (its latest iteration; may be --save's).")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="Save every N iterations (and at the end); default: only at the end.")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="Resume weights, schedulers and counters but not the optimizer states.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not restore the per-rank RNG states.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,17 +218,51 @@ def _arch_for(args, role: str, vocab_size: int):
         _fail(f"--{prefix}num-layers/--{prefix}hidden-size/--{prefix}num-attention-heads", f"{role}: {e}")
 
 
-def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str):
+def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str, *,
+              offset: int = 0, D=None, size=None):
+    """The role's plan on ranks offset.. (D given, or all the ranks of ``size`` / the rest)."""
     from puzzle.parallel.plan import ParallelPlan, PlanError
 
     if P < 1 or T < 1:
         _fail(flags, f"{role} parallel sizes must be >= 1 (P={P}, T={T})")
-    if world_size % (P * T):
-        _fail(flags, f"{role} layout P*T={P * T} does not divide the world size {world_size}")
+    if offset < 0 or offset >= world_size:
+        _fail(flags, f"{role} rank offset {offset} is outside the world of {world_size} ranks")
+    avail = size if size is not None else world_size - offset
+    if D is None:
+        if avail % (P * T):
+            _fail(flags, f"{role} layout P*T={P * T} does not divide its {avail} ranks "
+                         f"(world size {world_size}, offset {offset})")
+        D = avail // (P * T)
     try:
-        return ParallelPlan(P=P, D=world_size // (P * T), T=T)
+        plan = ParallelPlan(P=P, D=D, T=T, offset=offset)
+        plan.check_world(world_size, what=role)
     except PlanError as e:
         _fail(flags, str(e))
+    return plan
+
+
+def _describe_plans(plans) -> str:
+    return ", ".join(f"{r} {p} on ranks {p.ranks[0]}..{p.ranks[-1]}" for r, p in plans.items())
+
+
+def _check_placement(flag: str, placement: str, plans) -> None:
+    """Models of one stage either share exactly the same ranks or use disjoint ones; time-sharing
+    needs identical layouts on shared ranks; disjoint needs at least two disjoint groups."""
+    ranges = {r: set(p.ranks) for r, p in plans.items()}
+    roles = list(plans)
+    for i, a in enumerate(roles):
+        for b in roles[i + 1:]:
+            shared = ranges[a] & ranges[b]
+            if shared and ranges[a] != ranges[b] and placement != "sequential":
+                _fail(flag, f"{placement} placement needs the models of a stage on the same or on "
+                            f"disjoint ranks; {a} and {b} partly overlap ({_describe_plans(plans)})")
+            if placement == "time-sharing" and shared and plans[a] != plans[b]:
+                _fail(flag, "time-sharing requires equal P (and the same D, T) for the models that share "
+                            f"devices in a stage; got {_describe_plans(plans)} (use sequential, or give "
+                            "them the same layout)")
+    if placement == "disjoint" and len({frozenset(v) for v in ranges.values()}) < 2:
+        _fail(flag, "disjoint placement needs models on disjoint rank ranges (e.g. --critic-rank-offset "
+                    f"with --critic-data-parallel-size); got {_describe_plans(plans)}")
 
 
 def _check_hf_shape(arch, hf_dir: str, role: str) -> None:
@@ -289,10 +333,14 @@ def validate_args(args, world_size: int, vocab_size: int):
         _fail("--kl-coef", f"must be >= 0 (got {args.kl_coef})")
     if args.kl_target is not None and args.kl_target <= 0:
         _fail("--kl-target", f"must be > 0 (got {args.kl_target})")
-    if args.save or args.load or args.save_interval:
-        _fail("--save" if args.save or args.save_interval else "--load",
-              "dist-checkpoint save/resume of PPO runs is not implemented yet; HF weights load with "
-              "--hf-actor-path/--hf-critic-path/--hf-reward-path")
+    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
+        _fail("--save-interval", f"needs --save DIR and must be >= 1 (got {args.save_interval})")
+    for flag in ("save", "load"):
+        path = getattr(args, flag)
+        if path is not None and (not path or os.path.exists(path) and not os.path.isdir(path)):
+            _fail(f"--{flag}", f"{path!r} is not a directory")
+    if (args.no_load_optim or args.no_load_rng) and not args.load:
+        _fail("--no-load-optim" if args.no_load_optim else "--no-load-rng", "needs --load DIR")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world_size % args.ranks_per_node):
         _fail("--ranks-per-node", f"{args.ranks_per_node} must be >= 1 and divide the world size {world_size}")
 
@@ -308,7 +356,11 @@ def validate_args(args, world_size: int, vocab_size: int):
             T = args.actor_tensor_model_parallel_size or T
         flags = (f"--{role}-tensor-model-parallel-size/--{role}-pipeline-model-parallel-size"
                  if role != "actor" else "--tensor-model-parallel-size/--pipeline-model-parallel-size")
-        plan = _plan_for(args, role, world_size, P, T, flags)
+        offset = getattr(args, f"{role}_rank_offset")
+        D = getattr(args, f"{role}_data_parallel_size")
+        if offset or D:
+            flags += f"/--{role}-rank-offset/--{role}-data-parallel-size"
+        plan = _plan_for(args, role, world_size, P, T, flags, offset=offset, D=D)
         try:
             check_layout(arch, plan, role)
         except PlanError as e:
@@ -318,7 +370,8 @@ def validate_args(args, world_size: int, vocab_size: int):
             gP = args.actor_gen_pipeline_model_parallel_size or P
             gT = args.actor_gen_tensor_model_parallel_size or T
             gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
-            gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags)
+            gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags,
+                                 offset=plan.offset, size=plan.size)
             try:
                 check_layout(arch, gen_plan, "actor (generation layout)")
             except PlanError as e:
@@ -355,15 +408,7 @@ def validate_args(args, world_size: int, vocab_size: int):
 
     for flag, placement, members in (("--score-placement", args.score_placement, list(roles)),
                                      ("--train-placement", args.train_placement, ["actor", "critic"])):
-        if placement == "time-sharing":
-            plans = {r: roles[r].plan for r in members}
-            if len(set(plans.values())) > 1:
-                _fail(flag, "time-sharing requires equal P (and the same D, T) for the models of a stage; got "
-                      + ", ".join(f"{r} {p}" for r, p in plans.items())
-                      + " (use sequential, or give the models the same layout)")
-        if placement == "disjoint":
-            _fail(flag, "disjoint placement needs models on disjoint rank ranges; layouts here span the whole "
-                        "world (placement offsets come with plan files) - use sequential or time-sharing")
+        _check_placement(flag, placement, {r: roles[r].plan for r in members})
 
     ppo = PPOParams(
         rollout_batch_size=args.rollout_batch_size, mini_batch_size=mini,

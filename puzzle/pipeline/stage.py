@@ -1,15 +1,20 @@
 """Running the models of one PPO stage under a placement (PUZZLE §4.3 hybrid placement).
 
-``sequential``   models one after another on their own layouts (the MBM baseline);
-``disjoint``     models on disjoint device groups: each rank runs only the models it holds, so
-                 the groups run concurrently (layouts with different rank offsets);
-``time-sharing`` models sharing devices and pipeline degree run as ONE interleaved 1F1B stream.
+Models are grouped by the ranks they occupy (their layout's rank range). Groups on disjoint
+ranks run concurrently: a rank only runs the models it holds. Within a group:
+
+``sequential``   models one after another, each through megatron's own schedule (MBM);
+``disjoint``     the same execution as sequential; the placement asks (and validation checks,
+                 puzzle.arguments) that the stage's models form at least two groups on disjoint
+                 ranks (SMDD), which then run concurrently;
+``time-sharing`` the models of a group (same layout) run as ONE interleaved 1F1B stream
+                 (puzzle.pipeline.executor).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 PLACEMENTS = ("sequential", "disjoint", "time-sharing")
 
@@ -26,6 +31,15 @@ class StageContext:
     micro_batch_size: int
 
 
+def rank_groups(contexts: List[StageContext]) -> Dict[Tuple[int, int], List[int]]:
+    """Context indices grouped by the rank range (first, last) their layout occupies."""
+    groups: Dict[Tuple[int, int], List[int]] = {}
+    for i, ctx in enumerate(contexts):
+        ranks = ctx.engine.layout.plan.ranks
+        groups.setdefault((ranks[0], ranks[-1]), []).append(i)
+    return groups
+
+
 def run_stage(contexts: List[StageContext], *, forward_only: bool, placement: str = "sequential"
               ) -> List[List[Any]]:
     """Forward(-backward) every context; returns each context's last-stage outputs ([] elsewhere).
@@ -35,17 +49,20 @@ def run_stage(contexts: List[StageContext], *, forward_only: bool, placement: st
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)} (got {placement!r})")
-    if placement == "time-sharing":
-        from puzzle.pipeline.executor import run_time_shared
+    outputs: List[List[Any]] = [[] for _ in contexts]
+    for indices in rank_groups(contexts).values():
+        group = [contexts[i] for i in indices]
+        if not group[0].engine.member:
+            continue  # another device group's models: they run concurrently there
+        if placement == "time-sharing":
+            from puzzle.pipeline.executor import run_time_shared
 
-        return run_time_shared(contexts, forward_only=forward_only)
-    outputs = []
-    for ctx in contexts:
-        if not ctx.engine.member:
-            outputs.append([])
-            continue
-        fb = ctx.engine.forward_backward(ctx.forward_step_func, ctx.data_iterator,
-                                         ctx.num_microbatches, ctx.seq_length,
-                                         ctx.micro_batch_size, forward_only=forward_only)
-        outputs.append(fb)
+            results = run_time_shared(group, forward_only=forward_only)
+        else:
+            results = [ctx.engine.forward_backward(ctx.forward_step_func, ctx.data_iterator,
+                                                   ctx.num_microbatches, ctx.seq_length,
+                                                   ctx.micro_batch_size, forward_only=forward_only)
+                       for ctx in group]
+        for i, out in zip(indices, results):
+            outputs[i] = out
     return outputs

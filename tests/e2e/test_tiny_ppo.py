@@ -44,30 +44,59 @@ def test_tiny_run_learns(tmp_path):
 
 SMALL = ["--train-iters", "2", "--greedy", "--rollout-batch-size", "8", "--global-batch-size", "8",
          "--micro-batch-size", "2", "--max-new-tokens", "8"]
+KEYS = ("reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "entropy", "value_mean",
+        "return_mean", "response_length_mean", "actor_grad_norm", "critic_grad_norm")
 
 
-def test_layout_changes_no_numbers(tmp_path):
-    """Greedy iteration-1 metrics at (1,1,1) on 1 rank == actor (2,1,2) on 4 ranks; and the
-    switch to a different generation layout changes no numbers (iterations 1-2)."""
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Greedy 2-iteration run: actor and reference at (2,1,2), critic at (1,2,2), sequential."""
+    return _tiny_script(SMALL, tmp_path_factory.mktemp("reference"), timeout=600)[1]
+
+
+def _same(a, b, iterations=2, rel=1e-5, abs_=1e-6):
+    for key in KEYS:
+        for it in range(iterations):
+            assert a[it][key] == pytest.approx(b[it][key], rel=rel, abs=abs_), (key, it)
+
+
+def test_layout_changes_no_numbers(tmp_path, reference):
+    """The same greedy metrics at (1,1,1) on 1 rank as with the actor at (2,1,2) on 4 ranks."""
     one = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
            "--critic-tensor-model-parallel-size", "1", "--critic-pipeline-model-parallel-size", "1"]
-    env = dict(ENV, NPROC="1")
     proc = subprocess.run(["bash", str(REPO / "examples/run_ppo_tiny.sh"), *SMALL, *one,
-                           "--log-dir", str(tmp_path / "a")], cwd=REPO, env=env,
+                           "--log-dir", str(tmp_path / "a")], cwd=REPO, env=dict(ENV, NPROC="1"),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     a = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    _, b = _tiny_script(SMALL, tmp_path / "b", timeout=600)  # actor (2,1,2), critic (2,2,1)
-    # the actor generating at (1,2,2) through the switch (overlapped with its optimizer step)
+    _same(a, reference, rel=1e-4, abs_=1e-5)
+
+
+def test_switch_changes_no_numbers(tmp_path, reference):
+    """The actor generating at (1,2,2) through the switch (overlapped with its optimizer step)."""
     _, c = _tiny_script(SMALL + ["--actor-gen-tensor-model-parallel-size", "2",
-                                 "--actor-gen-pipeline-model-parallel-size", "1", "--switch-segments", "4"],
-                        tmp_path / "c", timeout=600)
-    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "entropy", "actor_grad_norm"):
-        for it in range(2):
-            assert b[it][key] == pytest.approx(c[it][key], rel=1e-5, abs=1e-6), (key, it)
-    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "entropy",
-                "value_mean", "return_mean", "response_length_mean", "actor_grad_norm", "critic_grad_norm"):
-        assert a[0][key] == pytest.approx(b[0][key], rel=1e-4, abs=1e-5), key
+                                 "--actor-gen-pipeline-model-parallel-size", "1", "--switch-segments", "4",
+                                 "--ranks-per-node", "2"], tmp_path, timeout=600)
+    _same(c, reference)
+
+
+def test_time_sharing_changes_no_numbers(tmp_path, reference):
+    """Scoring (actor, ref, critic) and training (actor, critic) time-shared at P=2."""
+    _, ts = _tiny_script(SMALL + ["--critic-pipeline-model-parallel-size", "2",  # all at (2,1,2)
+                                  "--score-placement", "time-sharing", "--train-placement", "time-sharing"],
+                         tmp_path, timeout=600)
+    _same(ts, reference)
+
+
+def test_disjoint_placement_changes_no_numbers(tmp_path, reference):
+    """actor+ref on ranks 0-1, critic on ranks 2-3: the groups run concurrently (SMDD)."""
+    _, dj = _tiny_script(SMALL + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                                  "--actor-data-parallel-size", "2", "--ref-data-parallel-size", "2",
+                                  "--critic-rank-offset", "2", "--critic-data-parallel-size", "2",
+                                  "--critic-tensor-model-parallel-size", "1",
+                                  "--score-placement", "disjoint", "--train-placement", "disjoint"],
+                         tmp_path, timeout=600)
+    _same(dj, reference)
 
 
 def test_bad_flags_fail_before_allocation():
@@ -82,15 +111,3 @@ def test_bad_flags_fail_before_allocation():
                            "--reward-fn", "puzzle.nope:missing"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "cannot import module 'puzzle.nope'" in proc.stderr
-
-
-def test_time_sharing_changes_no_numbers(tmp_path):
-    """Scoring (actor, ref, critic) and training (actor, critic) time-shared at P=2: same metrics."""
-    same = SMALL + ["--critic-pipeline-model-parallel-size", "2"]  # every model at (2,1,2)
-    _, seq = _tiny_script(same, tmp_path / "seq", timeout=600)
-    _, ts = _tiny_script(same + ["--score-placement", "time-sharing", "--train-placement", "time-sharing"],
-                         tmp_path / "ts", timeout=600)
-    for key in ("reward_mean", "kl", "policy_loss", "value_loss", "entropy", "value_mean",
-                "actor_grad_norm", "critic_grad_norm"):
-        for it in range(2):
-            assert seq[it][key] == pytest.approx(ts[it][key], rel=1e-5, abs=1e-6), (key, it)

@@ -75,3 +75,17 @@ def test_time_sharing_needs_equal_layouts():
             "--train-placement", "time-sharing")
     c = cfg("--train-placement", "time-sharing", "--score-placement", "time-sharing")
     assert c.train_placement == "time-sharing"
+
+
+def test_disjoint_placement_layouts():
+    c = cfg("--critic-rank-offset", "2", "--critic-data-parallel-size", "2", "--critic-tensor-model-parallel-size", "1",
+            "--actor-data-parallel-size", "2", "--ref-data-parallel-size", "2",
+            "--train-placement", "disjoint", "--score-placement", "disjoint")
+    assert c.roles["critic"].plan.ranks == [2, 3] and c.roles["actor"].plan.ranks == [0, 1]
+    assert c.roles["actor"].gen_plan.ranks == [0, 1]
+    with pytest.raises(ArgumentError, match="--train-placement: disjoint placement needs models on disjoint"):
+        cfg("--train-placement", "disjoint")
+    with pytest.raises(ArgumentError, match="partly overlap"):
+        cfg("--critic-rank-offset", "2", "--critic-data-parallel-size", "2", "--train-placement", "disjoint")
+    with pytest.raises(ArgumentError, match="--critic-tensor-model-parallel-size.*outside the world"):
+        cfg("--critic-rank-offset", "4")
