@@ -5,7 +5,7 @@ Nothing below this layer reads argparse namespaces or globals: builders take the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 ROLES = ("actor", "critic", "ref", "reward")

@@ -64,26 +64,6 @@ def _timed(fn, repeats):
     return statistics.median(times)
 
 
-def _lm_step(arch):
-    import torch
-
-    from puzzle.training.vocab_parallel import vocab_parallel_logprobs
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        pos = torch.arange(mb.shape[1]).unsqueeze(0).expand_as(mb)
-        logits = model(mb, pos, None)
-        unwrapped = model.module if hasattr(model, "module") else model
-
-        def loss_func(output):
-            lp = vocab_parallel_logprobs(output[:, :-1], mb[:, 1:], unwrapped.pg_collection.tp, arch.vocab_size)
-            return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {}
-
-        return logits, loss_func
-
-    return forward_step
-
-
 def _worker(args):
     from datetime import timedelta
 
@@ -131,7 +111,9 @@ def _worker(args):
         mine = tokens[eng.layout.d * share:(eng.layout.d + 1) * share]
         eng.model.zero_grad_buffer()
         eng.optimizer.zero_grad()
-        eng.forward_backward(_lm_step(arch), iter(mine.split(MBS)), share // MBS, SEQ, MBS, forward_only=False)
+        from puzzle.training.steps import lm_nll_step
+
+        eng.forward_backward(lm_nll_step(arch.vocab_size), iter(mine.split(MBS)), share // MBS, SEQ, MBS, forward_only=False)
         seq, asy = [], []
         for i in range(args.repeats + 1):  # interleaved, first pair is a warm-up
             for k, out in ((1, seq), (args.segments, asy)):

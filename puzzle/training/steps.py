@@ -136,3 +136,22 @@ def critic_train_step(R: int, value_clip_eps):
         return _run(model, mb), partial(loss_func, mb)
 
     return forward_step
+
+
+# ---- plain language modelling ------------------------------------------------------------------
+def lm_nll_step(true_vocab: int, store=None):
+    """Next-token negative log-likelihood of [mb, S] token micro-batches (sum over tokens, in the
+    per-token convention). ``store``, when given, collects each micro-batch's log-probs
+    [mb, S-1] (last pipeline stage only). Used for checks and benchmarks of models and layouts."""
+
+    def loss_func(tokens, tp_group, output):
+        lp = vocab_parallel_logprobs(output[:, :-1], tokens[:, 1:], tp_group, true_vocab)
+        if store is not None:
+            store.append(lp.detach().clone())
+        return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {"nll_sum": -lp.detach().sum()}
+
+    def forward_step(data_iterator, model):
+        tokens = next(data_iterator)
+        return _run(model, {"tokens": tokens}), partial(loss_func, tokens, _unwrap(model).pg_collection.tp)
+
+    return forward_step

@@ -7,7 +7,7 @@ from puzzle.config import ModelArch
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.training.engine import ModelEngine, OptimConfig
-from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+from puzzle.training.steps import lm_nll_step
 from tests.harness import world_main
 
 ARCH = ModelArch(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
@@ -18,27 +18,6 @@ B, S = 4, 12
 def _tokens(seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, ARCH.vocab_size, (B, S), generator=g)
-
-
-def _lm_step(tokens, store):
-    """forward_step for an LM: token-mean of -log p(next token) (per-token loss convention)."""
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        pos = torch.arange(mb.shape[1]).unsqueeze(0).expand_as(mb)
-        logits = model(mb, pos, None)
-        unwrapped = model.module if hasattr(model, "module") else model
-
-        def loss_func(output):
-            lp = vocab_parallel_logprobs(output[:, :-1], mb[:, 1:], unwrapped.pg_collection.tp,
-                                         ARCH.vocab_size)
-            store.append(lp.detach())
-            n = torch.tensor(lp.numel(), dtype=torch.int)
-            return -lp.sum(), n, {"nll_sum": -lp.detach().sum()}
-
-        return logits, loss_func
-
-    return forward_step
 
 
 def _logprobs_at(plan: ParallelPlan, role="actor"):
@@ -52,7 +31,7 @@ def _logprobs_at(plan: ParallelPlan, role="actor"):
     mine = tokens[layout.d * share:(layout.d + 1) * share]
     store = []
     mbs = 1
-    eng.forward_batch(_lm_step(mine, store), iter(mine.split(mbs)), share // mbs, S, mbs)
+    eng.forward_batch(lm_nll_step(ARCH.vocab_size, store), iter(mine.split(mbs)), share // mbs, S, mbs)
     if not layout.is_last_stage or layout.t != 0:
         return None
     return {"d": layout.d, "lp": torch.cat(store).tolist()}
@@ -80,7 +59,7 @@ def check_two_layouts_train():
     res = {}
     before = [p.detach().clone() for p in actor.module.parameters()]
     store = []
-    st = actor.train_step(_lm_step(tokens, store), iter(tokens.split(1)), B, S, 1)
+    st = actor.train_step(lm_nll_step(ARCH.vocab_size, store), iter(tokens.split(1)), B, S, 1)
     res["actor_grad_norm"] = st["grad_norm"]
     res["actor_changed"] = any(not torch.equal(a, p) for a, p in zip(before, actor.module.parameters()))
 

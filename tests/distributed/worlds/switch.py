@@ -11,7 +11,7 @@ from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan, PlanError
 from puzzle.switch.shadow import param_bytes, switch_to_generation
 from puzzle.training.engine import ModelEngine, OptimConfig
-from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+from puzzle.training.steps import lm_nll_step
 from tests.harness import world_main
 
 ARCH = ModelArch(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
@@ -29,23 +29,6 @@ def _tokens(seed=0):
     return torch.randint(0, ARCH.vocab_size, (B, S), generator=g)
 
 
-def _lm_step(store):
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        pos = torch.arange(mb.shape[1]).unsqueeze(0).expand_as(mb)
-        logits = model(mb, pos, None)
-        unwrapped = model.module if hasattr(model, "module") else model
-
-        def loss_func(output):
-            lp = vocab_parallel_logprobs(output[:, :-1], mb[:, 1:], unwrapped.pg_collection.tp, ARCH.vocab_size)
-            store.append(lp.detach())
-            return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {"nll": -lp.detach().sum()}
-
-        return logits, loss_func
-
-    return forward_step
-
-
 def _logprobs(module, layout):
     """Log-probs of the fixed tokens through ``module`` in ``layout`` (forward only), gathered
     to every rank as a [B, S-1] list (rows in batch order)."""
@@ -60,7 +43,7 @@ def _logprobs(module, layout):
         fb = get_forward_backward_func(pp_size=plan.P)
         module.eval()
         with torch.no_grad():
-            fb(forward_step_func=_lm_step(store), data_iterator=iter(mine.split(1)), model=[module],
+            fb(forward_step_func=lm_nll_step(ARCH.vocab_size, store), data_iterator=iter(mine.split(1)), model=[module],
                num_microbatches=share, seq_length=S, micro_batch_size=1, forward_only=True,
                p2p_communicator=layout.p2p_communicator(module.config), pg_collection=layout.pg_collection)
         if layout.is_last_stage and layout.t == 0:
@@ -131,12 +114,12 @@ def _train_world(use_do: bool, mode: str, iters: int = 2):
         mine = tokens[layout.d * share:(layout.d + 1) * share]
         store = []
         if mode == "plain":
-            st = eng.train_step(_lm_step(store), iter(mine.split(1)), share, S, 1)
+            st = eng.train_step(lm_nll_step(ARCH.vocab_size, store), iter(mine.split(1)), share, S, 1)
             shadow = switch_to_generation(eng, dst, shadow=shadow)
         else:
             eng.model.zero_grad_buffer()
             eng.optimizer.zero_grad()
-            eng.forward_backward(_lm_step(store), iter(mine.split(1)), share, S, 1, forward_only=False)
+            eng.forward_backward(lm_nll_step(ARCH.vocab_size, store), iter(mine.split(1)), share, S, 1, forward_only=False)
             shadow = switch_to_generation(eng, dst, segments=int(mode[1:]), shadow=shadow, optimizer_step=True,
                                           bucket_bytes=16 * 1024)
             st = shadow.step_result

@@ -7,7 +7,6 @@ and compares gradients, updated weights, loss reports and per-rank in-flight pea
 """
 
 import torch
-import torch.distributed as dist
 
 from puzzle.config import ModelArch
 from puzzle.parallel.groups import layout_for
@@ -15,7 +14,7 @@ from puzzle.parallel.plan import ParallelPlan
 from puzzle.pipeline import executor
 from puzzle.pipeline.stage import StageContext, run_stage
 from puzzle.training.engine import ModelEngine, OptimConfig
-from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+from puzzle.training.steps import lm_nll_step
 from tests.harness import world_main
 
 SEQ = 12
@@ -28,24 +27,6 @@ ARCH_B = ModelArch(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attenti
 def _tokens(n, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, ARCH_A.vocab_size, (n, SEQ), generator=g)
-
-
-def _lm_step(store):
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        pos = torch.arange(mb.shape[1]).unsqueeze(0).expand_as(mb)
-        logits = model(mb, pos, None)
-        unwrapped = model.module if hasattr(model, "module") else model
-
-        def loss_func(output):
-            lp = vocab_parallel_logprobs(output[:, :-1], mb[:, 1:], unwrapped.pg_collection.tp,
-                                         ARCH_A.vocab_size)
-            store.append(lp.detach().clone())
-            return -lp.sum(), torch.tensor(lp.numel(), dtype=torch.int), {"nll": -lp.detach().sum()}
-
-        return logits, loss_func
-
-    return forward_step
 
 
 def _value_step(store):
@@ -77,7 +58,7 @@ def _contexts(plan, lay, a, b, n_a, n_b, stores):
     ta, tb = _tokens(n_a * plan.D, 1), _tokens(n_b * plan.D, 2)
     d = max(lay.d, 0)
     ma, mb_ = ta[d * n_a:(d + 1) * n_a], tb[d * n_b:(d + 1) * n_b]
-    return [StageContext(a, _lm_step(stores[0]), iter(ma.split(1)), n_a, SEQ, 1),
+    return [StageContext(a, lm_nll_step(ARCH_A.vocab_size, stores[0]), iter(ma.split(1)), n_a, SEQ, 1),
             StageContext(b, _value_step(stores[1]), iter(mb_.split(1)), n_b, SEQ, 1)]
 
 
