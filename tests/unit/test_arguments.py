@@ -43,7 +43,6 @@ def test_later_flags_override_and_no_abbreviations():
     (["--top-p", "1.5"], "--top-p"),
     (["--reward-fn", "no_colon"], "--reward-fn"),
     (["--bf16", "--fp16"], "--bf16/--fp16"),
-    (["--save", "/tmp/x"], "--save"),
     (["--ranks-per-node", "3"], "--ranks-per-node"),
     (["--actor-gen-tensor-model-parallel-size", "8"], "--actor-gen-tensor-model-parallel-size"),
 ])

@@ -1,0 +1,458 @@
+"""Time estimates of PPO stages under (P, D, T) plans, from a :class:`Profile` (pure Python).
+
+Stages of one PPO iteration (PUZZLE §4.3, Fig. 6): *generation* (actor, autoregressive),
+*scoring* (forward passes: actor log-probs, ref, reward, critic values) and *training*
+(actor and critic, ``ppo_epochs * ppo_minibatches`` optimizer steps).
+
+* Training of one model: 1F1B pipeline, ``(N_B + P - 1) * (t_f + t_b)`` per optimizer step, where
+  t_f / t_b are the per-micro-batch times of the slowest stage: profiled layer times x layers per
+  stage + 2 tensor-parallel all-reduces of b*s*h bf16 per layer and direction + the LM head on
+  the last stage + the pipeline send; then the data-parallel gradient reduce-scatter + parameter
+  all-gather (distributed optimizer) and the Adam step (HBM bound).
+* Scoring: forward only, ``(N_B + P - 1) * t_f``.
+* Generation: prefill + ``gen_len`` decode steps with a KV cache; a decode step of a layer is
+  the profiled context-0 step time (bounded below by weight bytes / HBM / T) + the KV-cache read
+  + 2 TP all-reduces. For P > 1 the hybrid inference scheduling of DeepSpeed Inference is used:
+  the replica's sequences are split into min(P, b) micro-batches that flow through the stages.
+* Time-sharing of several models with equal P on the same devices: PUZZLE Eq. (1), the sum of
+  the models' pipelined work plus ONE bubble of the largest per-micro-batch stage time.
+* Switching the actor from its training to its generation plan: :func:`switch_bytes_per_rank`
+  (the exact lower bound: destination-layout bytes a rank does not already hold) over the
+  intra-/inter-node bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from puzzle.parallel.plan import ParallelPlan, PlanError
+from puzzle.plan.profile_data import Profile, layer_params
+
+BF16 = 2  # bytes per bf16 value
+
+
+# ---- model / workload descriptions -------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    """A LLaMA-style decoder (RMSNorm, rotary positions, untied embedding and head)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    swiglu: bool = True
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden_size * self.num_query_groups // self.num_attention_heads
+
+    @property
+    def layer_split_params(self) -> int:
+        """Parameters of one layer that tensor parallelism splits (QKV, proj, MLP)."""
+        return layer_params(self)[0]
+
+    @property
+    def layer_replicated_params(self) -> int:
+        """Parameters of one layer every TP rank holds whole (the two RMSNorm weights)."""
+        return layer_params(self)[1]
+
+    def head_params(self, lm_head: bool = True) -> int:
+        return self.vocab_size * self.hidden_size if lm_head else self.hidden_size
+
+    def param_count(self, lm_head: bool = True) -> int:
+        """Embedding + layers + final norm + head (LM head V*h, or a scalar value head h)."""
+        L = self.num_layers
+        return (self.vocab_size * self.hidden_size + L * (self.layer_split_params + self.layer_replicated_params)
+                + self.hidden_size + self.head_params(lm_head))
+
+    def check_plan(self, plan: ParallelPlan, what: str = "model") -> None:
+        plan.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
+                         num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size,
+                         hidden_size=self.hidden_size, what=what)
+
+
+#: PUZZLE Table 1 (LLaMA, 32000 vocab, MHA) + LLaMA-2-70B (GQA with 8 groups).
+LLAMA_SHAPES: Dict[str, ModelShape] = {
+    "350M": ModelShape(16, 512, 11008, 8, 8, 32000),
+    "7B": ModelShape(32, 4096, 11008, 32, 32, 32000),
+    "13B": ModelShape(40, 5120, 13824, 40, 40, 32000),
+    "33B": ModelShape(64, 6656, 17920, 52, 52, 32000),
+    "70B": ModelShape(80, 8192, 28672, 64, 8, 32000),
+}
+
+
+@dataclass(frozen=True)
+class ModelRole:
+    """One of the four PPO models. ``lm_head``: vocabulary head (actor, ref) vs scalar value
+    head (critic, reward)."""
+
+    name: str
+    shape: ModelShape
+    trainable: bool
+    lm_head: bool
+
+    @property
+    def params(self) -> int:
+        return self.shape.param_count(self.lm_head)
+
+
+def ppo_roles(actor: ModelShape, critic: ModelShape, ref: Optional[ModelShape] = None,
+              reward: Optional[ModelShape] = None) -> Dict[str, ModelRole]:
+    """actor/critic/ref/reward; ref mirrors the actor and reward the critic unless given."""
+    return {"actor": ModelRole("actor", actor, True, True), "critic": ModelRole("critic", critic, True, False),
+            "ref": ModelRole("ref", ref or actor, False, True),
+            "reward": ModelRole("reward", reward or critic, False, False)}
+
+
+@dataclass(frozen=True)
+class PPOWorkload:
+    """One PPO iteration. ``rollout_batch_size`` prompts generate ``gen_len`` tokens each; training
+    and scoring run on ``prompt_len + gen_len`` tokens per sample."""
+
+    rollout_batch_size: int
+    prompt_len: int = 256
+    gen_len: int = 256
+    micro_batch_size: int = 4
+    ppo_epochs: int = 1
+    ppo_minibatches: int = 1
+    score_micro_batch_size: Optional[int] = None  # None: micro_batch_size
+    distributed_optimizer: bool = True
+    actor_logprobs_in_scoring: bool = True  # recompute the old log-probs in the scoring stage
+
+    def __post_init__(self):
+        for k in ("rollout_batch_size", "prompt_len", "gen_len", "micro_batch_size", "ppo_epochs", "ppo_minibatches"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"PPOWorkload.{k} must be a positive integer, got {v!r}")
+        if self.rollout_batch_size % self.ppo_minibatches:
+            raise ValueError(f"rollout_batch_size={self.rollout_batch_size} is not divisible by "
+                             f"ppo_minibatches={self.ppo_minibatches}")
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @property
+    def score_mbs(self) -> int:
+        return self.score_micro_batch_size or self.micro_batch_size
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.ppo_epochs * self.ppo_minibatches
+
+    def max_dp(self, stage: str) -> int:
+        """Largest D that still gives every data-parallel replica at least one sample."""
+        return self.rollout_batch_size // self.ppo_minibatches if stage == "training" else self.rollout_batch_size
+
+
+def plan_problems(shape: ModelShape, plan: ParallelPlan, workload: PPOWorkload, stage: str,
+                  ranks_per_node: int) -> List[str]:
+    """Why ``plan`` cannot run ``stage`` of this model (empty list: it can)."""
+    out = []
+    try:
+        shape.check_plan(plan)
+    except PlanError as e:
+        out.append(str(e).split(": ", 1)[-1])
+    if plan.T > ranks_per_node:
+        out.append(f"T={plan.T} > {ranks_per_node} ranks per node")
+    if plan.D > workload.max_dp(stage):
+        out.append(f"D={plan.D} > {workload.max_dp(stage)} samples per {stage} batch")
+    return out
+
+
+# ---- helpers ----------------------------------------------------------------------------------------
+def _crosses_node(first: int, stride: int, count: int, rpn: int) -> bool:
+    return count > 1 and first // rpn != (first + stride * (count - 1)) // rpn
+
+
+def _group_links(plan: ParallelPlan, rpn: int) -> Tuple[bool, bool, bool]:
+    """(TP group crosses a node, DP group crosses a node, a pipeline hop crosses a node)."""
+    P, D, T, o = plan.P, plan.D, plan.T, plan.offset
+    tp = any(_crosses_node(plan.rank(p, d, 0), 1, T, rpn) for p in range(P) for d in range(D))
+    dp = any(_crosses_node(plan.rank(p, 0, t), T, D, rpn) for p in range(P) for t in range(T))
+    pp = any(plan.rank(p, d, t) // rpn != plan.rank(p + 1, d, t) // rpn
+             for p in range(P - 1) for d in range(D) for t in range(T))
+    return tp, dp, pp
+
+
+def params_on_stage(role: ModelRole, P: int, T: int, p: int) -> float:
+    """Parameters one rank of pipeline stage p holds under degrees (P, T)."""
+    s = role.shape
+    n = s.num_layers // P * (s.layer_split_params / T + s.layer_replicated_params)
+    if p == 0:
+        n += s.vocab_size * s.hidden_size / T
+    if p == P - 1:
+        n += s.hidden_size + (s.vocab_size * s.hidden_size / T if role.lm_head else s.hidden_size)
+    return n
+
+
+@dataclass(frozen=True)
+class TaskCost:
+    """Estimated time of one model's work in one stage. For pipelined work (training, scoring):
+    ``repeats`` pipeline flushes of ``n_micro`` micro-batches at ``t_stage`` seconds per
+    micro-batch on the slowest stage, plus ``extra`` non-pipelined seconds per repeat (data-
+    parallel gradient sync + optimizer step). For generation: ``n_micro`` decode micro-batches,
+    ``t_stage`` one decode step of one stage, ``extra`` the prefill time."""
+
+    model: str
+    kind: str
+    plan: ParallelPlan
+    n_micro: int
+    t_stage: float
+    extra: float
+    repeats: int
+    total: float
+
+    @property
+    def work(self) -> float:
+        """Pipelined busy time without bubbles (a lower bound of any schedule of this task)."""
+        return self.repeats * (self.n_micro * self.t_stage + self.extra) if self.kind != "generate" else self.total
+
+
+def pipeline_time(n_micro: int, P: int, t_stage: float) -> float:
+    """1F1B / GPipe flush time: (N_B + P - 1) * t."""
+    return (n_micro + P - 1) * t_stage
+
+
+def sequential_time(tasks: Sequence[TaskCost]) -> float:
+    return sum(t.total for t in tasks)
+
+
+def time_sharing_time(tasks: Sequence[TaskCost]) -> float:
+    """PUZZLE Eq. (1): models with equal P time-share the same devices; the pipelines interleave
+    so only one warm-up/cool-down of the largest per-micro-batch time remains:
+    ``repeats * (sum_k N_B,k * t_k + (P - 1) * max_k t_k + sum_k extra_k)``."""
+    if not tasks:
+        return 0.0
+    P, reps = tasks[0].plan.P, tasks[0].repeats
+    if any(t.plan.P != P or t.repeats != reps for t in tasks) or any(t.kind == "generate" for t in tasks):
+        raise ValueError("time-sharing needs pipelined tasks with equal P and equal repeats")
+    if len(tasks) == 1:
+        return tasks[0].total
+    return reps * (sum(t.n_micro * t.t_stage + t.extra for t in tasks) + (P - 1) * max(t.t_stage for t in tasks))
+
+
+def grouped_time(tasks: Sequence[TaskCost]) -> Tuple[float, bool]:
+    """Tasks on the same devices: Eq. (1) within each set of equal P, sets one after another.
+    Returns (time, whether any time-sharing saved time)."""
+    groups: Dict[Tuple[int, int], List[TaskCost]] = {}
+    for t in tasks:
+        groups.setdefault((t.plan.P, t.repeats), []).append(t)
+    total, shared = 0.0, False
+    for (P, _), g in groups.items():
+        total += time_sharing_time(g)
+        shared = shared or (len(g) > 1 and P > 1)
+    return total, shared
+
+
+# ---- switching (exact lower bound of the bytes a rank must receive) ------------------------------
+def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPlan, *, lm_head: bool = True,
+                          ranks_per_node: Optional[int] = None, dtype_bytes: int = BF16) -> Dict[int, Tuple[int, int]]:
+    """For every rank of ``dst``: (intra-node, inter-node) bytes of its destination shard that it
+    does not already hold in the ``src`` layout. A missing piece counts as intra-node when some
+    src replica holding it lives on the receiver's node (``ranks_per_node`` None: all intra).
+
+    Shards are boxes of (layer range of the pipeline stage) x (TP fraction [t/T, (t+1)/T)) of
+    the split weights; RMSNorm weights, the final norm and a value head are replicated over TP;
+    the embedding (stage 0) and the LM head (last stage) are vocabulary-split. This is the
+    lower bound any routing table (puzzle.switch.routing) must move; it can later delegate."""
+    shape.check_plan(src, "switch source")
+    shape.check_plan(dst, "switch destination")
+    L = shape.num_layers
+    S, R = shape.layer_split_params, shape.layer_replicated_params
+    E = shape.vocab_size * shape.hidden_size
+    H_split = E if lm_head else 0
+    H_repl = 0 if lm_head else shape.hidden_size
+    F = shape.hidden_size
+    rpn = ranks_per_node or (1 << 62)
+    Ls, Ld = L // src.P, L // dst.P
+    Ps, Ds, Ts, Pd, Dd, Td = src.P, src.D, src.T, dst.P, dst.D, dst.T
+    out: Dict[int, Tuple[int, int]] = {}
+    memo: Dict[tuple, Tuple[int, int]] = {}
+    for pd in range(Pd):
+        a, b = pd * Ld, (pd + 1) * Ld
+        stages = range(a // Ls, (b - 1) // Ls + 1)
+        for td in range(Td):
+            f0, f1 = td / Td, (td + 1) / Td
+            ts0, ts1 = int(f0 * Ts + 1e-9), int(math.ceil(f1 * Ts - 1e-9))
+            for dd in range(Dd):
+                r = dst.offset + (pd * Dd + dd) * Td + td
+                rs = r - src.offset
+                own = (rs // (Ds * Ts), rs % Ts) if 0 <= rs < src.size else None
+                key = (pd, td, own, r // rpn)
+                if key in memo:
+                    out[r] = memo[key]
+                    continue
+                own_last = own is not None and own[0] == Ps - 1
+                intra = inter = 0.0
+                node_lo = (r // rpn) * rpn
+                for ps in stages:
+                    n = min(b, (ps + 1) * Ls) - max(a, ps * Ls)
+                    n_new = 0 if own is not None and own[0] == ps else n  # own stage: its norms are held
+                    both_first = ps == 0 and pd == 0
+                    both_last = ps == Ps - 1 and pd == Pd - 1
+                    for ts in range(ts0, ts1):
+                        if own == (ps, ts):
+                            continue
+                        fr = min(f1, (ts + 1) / Ts) - max(f0, ts / Ts)
+                        nbytes = n * S * fr + (E * fr if both_first else 0) + (H_split * fr if both_last else 0)
+                        if ts == ts0:  # replicated parts come from the first overlapping TP box
+                            nbytes += n_new * R + ((H_repl + F) if both_last and not own_last else 0)
+                        if ranks_per_node is None:
+                            intra += nbytes
+                            continue
+                        first = src.offset + ps * Ds * Ts + ts  # holders: first + d*T_src, d < D_src
+                        lo = max(0, -((first - node_lo) // Ts))
+                        hi = min(Ds - 1, (node_lo + rpn - 1 - first) // Ts)
+                        if lo <= hi:
+                            intra += nbytes
+                        else:
+                            inter += nbytes
+                memo[key] = out[r] = (int(round(intra * dtype_bytes)), int(round(inter * dtype_bytes)))
+    return dict(sorted(out.items()))
+
+
+def switch_bytes_max_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPlan, *, lm_head: bool = True) -> int:
+    """Largest number of bytes any destination rank lacks when switching ``src`` -> ``dst``."""
+    per = switch_bytes_per_rank(shape, src, dst, lm_head=lm_head)
+    return max((a + b for a, b in per.values()), default=0)
+
+
+# ---- the cost model ---------------------------------------------------------------------------
+class CostModel:
+    """Stage-time estimates of PPO models under plans; results are cached per (role, plan)."""
+
+    def __init__(self, profile: Profile, workload: PPOWorkload):
+        self.profile, self.workload = profile, workload
+        self._cache: Dict[tuple, object] = {}
+
+    def _links(self, plan: ParallelPlan):
+        key = ("links", plan)
+        if key not in self._cache:
+            self._cache[key] = _group_links(plan, self.profile.ranks_per_node)
+        return self._cache[key]
+
+    def _p2p(self, nbytes: float, P: int, inter: bool) -> float:
+        return 0.0 if P == 1 else nbytes / self.profile.bandwidth(inter) + self.profile.latency(inter)
+
+    def _head_fwd(self, role: ModelRole, tokens: float, T: int) -> float:
+        h, V = role.shape.hidden_size, role.shape.vocab_size
+        if not role.lm_head:
+            return 0.0
+        # logits GEMM + fp32 softmax/log-prob passes over the logits (3 reads/writes)
+        return self.profile.gemm_time(2.0 * tokens * h * V / T) + self.profile.hbm_time(3 * 4.0 * tokens * V / T)
+
+    # -- training ---------------------------------------------------------------------
+    def train_cost(self, role: ModelRole, plan: ParallelPlan) -> TaskCost:
+        key = ("train", role, plan)
+        if key in self._cache:
+            return self._cache[key]
+        w, prof, s = self.workload, self.profile, role.shape
+        P, D, T = plan.P, plan.D, plan.T
+        tp_x, dp_x, pp_x = self._links(plan)
+        samples = math.ceil(w.rollout_batch_size / w.ppo_minibatches / D)
+        mb = min(w.micro_batch_size, samples)
+        n_micro = math.ceil(samples / mb)
+        tokens = mb * w.seq_len
+        tab = prof.layer_table(s)
+        ar = 2 * prof.allreduce_time(tokens * s.hidden_size * BF16, T, tp_x)
+        layers = s.num_layers // P
+        p2p = self._p2p(tokens * s.hidden_size * BF16, P, pp_x)
+        head_f = self._head_fwd(role, tokens, T)
+        t_f = layers * (tab.fwd(tokens, T) + ar) + head_f + p2p
+        t_b = layers * (tab.bwd(tokens, T) + ar) + 2 * head_f + p2p
+        phi = max(params_on_stage(role, P, T, 0), params_on_stage(role, P, T, P - 1))
+        if D > 1:
+            if w.distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
+                dp = (D - 1) / D * 6.0 * phi / prof.bandwidth(dp_x) + 2 * prof.latency(dp_x)
+            else:
+                dp = prof.allreduce_time(4.0 * phi, D, dp_x)
+        else:
+            dp = 0.0
+        opt = prof.hbm_time(36.0 * phi / (D if w.distributed_optimizer else 1))  # Adam: ~36 B/param moved
+        reps = w.optimizer_steps
+        t = t_f + t_b
+        total = reps * (pipeline_time(n_micro, P, t) + dp + opt)
+        cost = TaskCost(role.name, "train", plan, n_micro, t, dp + opt, reps, total)
+        self._cache[key] = cost
+        return cost
+
+    # -- scoring (forward only) -------------------------------------------------------
+    def forward_cost(self, role: ModelRole, plan: ParallelPlan) -> TaskCost:
+        key = ("fwd", role, plan)
+        if key in self._cache:
+            return self._cache[key]
+        w, prof, s = self.workload, self.profile, role.shape
+        P, D, T = plan.P, plan.D, plan.T
+        tp_x, _, pp_x = self._links(plan)
+        samples = math.ceil(w.rollout_batch_size / D)
+        mb = min(w.score_mbs, samples)
+        n_micro = math.ceil(samples / mb)
+        tokens = mb * w.seq_len
+        tab = prof.layer_table(s)
+        ar = 2 * prof.allreduce_time(tokens * s.hidden_size * BF16, T, tp_x)
+        t = (s.num_layers // P * (tab.fwd(tokens, T) + ar) + self._head_fwd(role, tokens, T)
+             + self._p2p(tokens * s.hidden_size * BF16, P, pp_x))
+        cost = TaskCost(role.name, "forward", plan, n_micro, t, 0.0, 1, pipeline_time(n_micro, P, t))
+        self._cache[key] = cost
+        return cost
+
+    # -- generation -----------------------------------------------------------------------
+    def generation_cost(self, role: ModelRole, plan: ParallelPlan) -> TaskCost:
+        """Prefill + gen_len decode steps. Hybrid inference scheduling for P > 1: the replica's
+        b sequences form m = min(P, b) micro-batches; a decode step takes max(m, P) stage times
+        (the pipeline is full when m = P, latency-bound when b < P) = P stage times."""
+        key = ("gen", role, plan)
+        if key in self._cache:
+            return self._cache[key]
+        w, prof, s = self.workload, self.profile, role.shape
+        P, D, T = plan.P, plan.D, plan.T
+        tp_x, _, pp_x = self._links(plan)
+        h, V, layers = s.hidden_size, s.vocab_size, s.num_layers // P
+        tab = prof.layer_table(s)
+        b = math.ceil(w.rollout_batch_size / D)
+        m = min(P, b)
+        bm = math.ceil(b / m)
+        # prefill: the replica's prompts in m_pre micro-batches through P stages; the scheduler
+        # picks m_pre (powers of two from m up to b) trading bubbles against GEMM efficiency
+        prefill = math.inf
+        m_pre = m
+        while True:
+            bp = math.ceil(b / m_pre)
+            tok = bp * w.prompt_len
+            t_pre = (layers * (tab.fwd(tok, T) + 2 * prof.allreduce_time(tok * h * BF16, T, tp_x))
+                     + self._head_fwd(role, bp, T) + self._p2p(tok * h * BF16, P, pp_x))
+            prefill = min(prefill, pipeline_time(math.ceil(b / bp), P, t_pre))
+            if P == 1 or m_pre >= b:
+                break
+            m_pre *= 2
+        # decode: weights (profiled step at context 0) + KV-cache read at the mean context length
+        ctx = w.prompt_len + (w.gen_len + 1) / 2.0
+        kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16)
+        head = (max(prof.hbm_time(V * h / T * BF16), 2.0 * bm * h * V / T / (prof.peak_flops * prof.gemm_efficiency))
+                if role.lm_head else 0.0)
+        t_dec = (layers * (tab.decode(bm, T) + kv_read + 2 * prof.allreduce_time(bm * h * BF16, T, tp_x))
+                 + head + self._p2p(bm * h * BF16, P, pp_x))
+        decode = w.gen_len * (max(m, P) * t_dec + prof.decode_step_overhead_s)
+        cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
+        self._cache[key] = cost
+        return cost
+
+    # -- switching ----------------------------------------------------------------------------
+    def switch(self, role: ModelRole, src: ParallelPlan, dst: ParallelPlan) -> Tuple[int, float]:
+        """(max bytes a rank lacks, time of the slowest rank) to move ``role`` from src to dst."""
+        if src == dst:
+            return 0, 0.0
+        key = ("switch", role.shape, role.lm_head, src, dst)
+        if key not in self._cache:
+            per = switch_bytes_per_rank(role.shape, src, dst, lm_head=role.lm_head,
+                                        ranks_per_node=self.profile.ranks_per_node)
+            prof = self.profile
+            nbytes = max((a + b for a, b in per.values()), default=0)
+            t = max((a / prof.bandwidth(False) + b / prof.bandwidth(True) for a, b in per.values()), default=0.0)
+            self._cache[key] = (nbytes, t)
+        return self._cache[key]

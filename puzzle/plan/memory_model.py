@@ -1,0 +1,215 @@
+"""Per-device memory of PPO models under (P, D, T) plans (pure Python).
+
+Static (resident for the whole run):
+  * weights, bf16: 2 B/param of the rank's shard (every model);
+  * trainable models (actor, critic): fp32 gradient buffer 4 B/param (megatron's main_grad)
+    and Adam (fp32 master + 2 moments) 12 B/param, divided by D with the distributed optimizer.
+Active (only during a stage; the peak of a rank is static + the largest stage):
+  * training: activations of the micro-batches in flight; 1F1B keeps min(P - p, N_B) of them on
+    stage p. Per layer and token (bf16, flash attention, SwiGLU, no recomputation): 8h bytes
+    replicated over TP (the two norms' inputs/outputs) + (4h + 4*kv + 6*ffn)/T bytes split
+    (Q, K, V, attention output, gate/up/product). Last stage with an LM head: fp32 logits and
+    their gradient, 8*tokens*V/T bytes;
+  * scoring: two layers' worth of one micro-batch's activations + fp32 logits;
+  * generation: the shadow generation model (bf16 weights in the generation layout; absent when
+    the generation plan equals the training plan) + the KV cache of the replica's sequences for
+    the stage's layers (prompt + generated tokens) + one prefill micro-batch's activations.
+Models placed on the same devices in one stage run one after another or time-shared; PUZZLE
+§4.2 shows time-sharing keeps the sequential peak, so a stage's active memory is the largest
+of its models', not the sum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+from puzzle.parallel.plan import ParallelPlan
+from puzzle.plan.cost_model import BF16, ModelRole, PPOWorkload, params_on_stage
+from puzzle.plan.profile_data import Profile
+
+GiB = float(1 << 30)
+
+
+class MemoryFitError(ValueError):
+    """A model/plan that does not fit the device; the message names model, plan and numbers."""
+
+STAGES = ("generation", "scoring", "training")
+
+
+def gib(x: float) -> str:
+    return f"{x / GiB:.1f} GiB"
+
+
+def fmt_plan(plan: ParallelPlan) -> str:
+    s = f"({plan.P},{plan.D},{plan.T})"
+    return s if plan.offset == 0 else f"{s}@{plan.offset}"
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Peak memory of one rank: ``items`` are (label, bytes); ``fits`` against the device."""
+
+    rank: int
+    stage: str
+    items: Tuple[Tuple[str, float], ...]
+    device_bytes: int
+
+    @property
+    def total(self) -> float:
+        return sum(b for _, b in self.items)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device_bytes
+
+    @property
+    def overflow(self) -> float:
+        return max(0.0, self.total - self.device_bytes)
+
+    def describe(self, what: str = "") -> str:
+        parts = " + ".join(f"{label} {b / GiB:.1f}" for label, b in self.items if b >= 0.05 * GiB)
+        head = f"{what}: " if what else ""
+        rel = ">" if not self.fits else "<="
+        return (f"{head}rank {self.rank} during {self.stage} needs {gib(self.total)} {rel} "
+                f"{gib(self.device_bytes)} ({parts} GiB)")
+
+
+class MemoryModel:
+    """Per-rank memory of roles under plans. Vectors are indexed by global rank 0..world-1."""
+
+    def __init__(self, profile: Profile, workload: PPOWorkload):
+        self.profile, self.workload = profile, workload
+        self._cache: Dict[tuple, object] = {}
+
+    # ---- per stage-index items -------------------------------------------------------
+    def act_per_token_layer(self, role: ModelRole, T: int) -> float:
+        s = role.shape
+        return 8.0 * s.hidden_size + (4.0 * s.hidden_size + 4.0 * s.kv_dim + 6.0 * s.ffn_hidden_size) / T
+
+    def _logits(self, role: ModelRole, tokens: float, T: int, factor: float) -> float:
+        return factor * tokens * role.shape.vocab_size / T if role.lm_head else 0.0
+
+    def static_items(self, role: ModelRole, plan: ParallelPlan, p: int) -> List[Tuple[str, float]]:
+        phi = params_on_stage(role, plan.P, plan.T, p)
+        items = [(f"{role.name} weights", BF16 * phi)]
+        if role.trainable:
+            items.append((f"{role.name} grads", 4.0 * phi))
+            shards = plan.D if self.workload.distributed_optimizer else 1
+            items.append((f"{role.name} optimizer", 12.0 * phi / shards))
+        return items
+
+    def train_items(self, role: ModelRole, plan: ParallelPlan, p: int) -> List[Tuple[str, float]]:
+        w = self.workload
+        samples = math.ceil(w.rollout_batch_size / w.ppo_minibatches / plan.D)
+        mb = min(w.micro_batch_size, samples)
+        n_micro = math.ceil(samples / mb)
+        tokens = mb * w.seq_len
+        inflight = min(plan.P - p, n_micro)
+        act = inflight * (role.shape.num_layers // plan.P) * tokens * self.act_per_token_layer(role, plan.T)
+        items = [(f"{role.name} activations", act)]
+        if p == plan.P - 1 and role.lm_head:
+            items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 8.0)))
+        return items
+
+    def forward_items(self, role: ModelRole, plan: ParallelPlan, p: int) -> List[Tuple[str, float]]:
+        w = self.workload
+        mb = min(w.score_mbs, math.ceil(w.rollout_batch_size / plan.D))
+        tokens = mb * w.seq_len
+        items = [(f"{role.name} activations", 2 * tokens * self.act_per_token_layer(role, plan.T))]
+        if p == plan.P - 1 and role.lm_head:
+            items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 4.0)))
+        return items
+
+    def generation_items(self, role: ModelRole, plan: ParallelPlan, p: int, shadow: bool) -> List[Tuple[str, float]]:
+        w, s = self.workload, role.shape
+        b = math.ceil(w.rollout_batch_size / plan.D)
+        bm = math.ceil(b / min(plan.P, b))
+        layers = s.num_layers // plan.P
+        items = []
+        if shadow:
+            items.append((f"{role.name} shadow weights", BF16 * params_on_stage(role, plan.P, plan.T, p)))
+        items.append((f"{role.name} KV cache", b * w.seq_len * 2.0 * s.kv_dim / plan.T * BF16 * layers))
+        prefill = 2 * bm * w.prompt_len * self.act_per_token_layer(role, plan.T)
+        items.append((f"{role.name} prefill activations", prefill))
+        if p == plan.P - 1:
+            items.append((f"{role.name} logits", self._logits(role, bm, plan.T, 4.0)))
+        return items
+
+    def items(self, kind: str, role: ModelRole, plan: ParallelPlan, p: int, shadow: bool = True):
+        if kind == "static":
+            return self.static_items(role, plan, p)
+        if kind == "training":
+            return self.train_items(role, plan, p)
+        if kind == "scoring":
+            return self.forward_items(role, plan, p)
+        if kind == "generation":
+            return self.generation_items(role, plan, p, shadow)
+        raise ValueError(f"unknown memory kind {kind!r}")
+
+    # ---- per-rank vectors (fast path of the search) ------------------------------------------
+    def vector(self, kind: str, role: ModelRole, plan: ParallelPlan, world: int,
+               shadow: bool = True) -> Tuple[float, ...]:
+        """Bytes of ``kind`` ('static', 'training', 'scoring', 'generation') on every global rank."""
+        key = (kind, role, plan, world, shadow)
+        v = self._cache.get(key)
+        if v is None:
+            per_stage = [sum(b for _, b in self.items(kind, role, plan, p, shadow)) for p in range(plan.P)]
+            stage_ranks = plan.D * plan.T
+            v = tuple(per_stage[(r - plan.offset) // stage_ranks] if plan.contains(r) else 0.0 for r in range(world))
+            self._cache[key] = v
+        return v
+
+    # ---- single-model check ----------------------------------------------------------
+    def usable_report(self, rank: int, stage: str, items: Sequence[Tuple[str, float]]) -> MemoryReport:
+        its = tuple(items) + (("reserved", float(self.profile.memory_reserved_bytes)),)
+        return MemoryReport(rank, stage, its, self.profile.device_memory_bytes)
+
+    def model_alone(self, role: ModelRole, plan: ParallelPlan, stage: str) -> MemoryReport:
+        """Peak rank of ``role`` alone running ``stage`` under ``plan`` (static + that stage).
+        For generation the static part is the generation layout's weights only (no shadow)."""
+        worst = None
+        for p in range(plan.P):
+            if stage == "generation":
+                its = [(f"{role.name} weights", BF16 * params_on_stage(role, plan.P, plan.T, p))]
+                its += self.generation_items(role, plan, p, shadow=False)
+            else:
+                its = self.static_items(role, plan, p) + self.items(stage, role, plan, p)
+            rep = self.usable_report(plan.rank(p, 0, 0), stage, its)
+            if worst is None or rep.total > worst.total:
+                worst = rep
+        return worst
+
+    def check_model(self, role: ModelRole, plan: ParallelPlan, stage: str) -> MemoryReport:
+        """Raise :class:`MemoryFitError` naming model, plan and numbers when ``role`` alone does not fit."""
+        rep = self.model_alone(role, plan, stage)
+        if not rep.fits:
+            raise MemoryFitError(rep.describe(f"{role.name} {stage} plan {fmt_plan(plan)}"))
+        return rep
+
+    # ---- whole-configuration breakdown (for messages) -----------------------------------
+    def rank_report(self, rank: int, placement: Dict[str, Dict[str, ParallelPlan]],
+                    roles: Dict[str, ModelRole], shadow: bool) -> MemoryReport:
+        """Worst stage of ``rank`` for a configuration ``placement[model][stage] = plan``;
+        static memory comes from each model's home (training or scoring) plan."""
+        static: List[Tuple[str, float]] = []
+        for name, stages in placement.items():
+            home = stages.get("training") or stages.get("scoring")
+            if home is not None and home.contains(rank):
+                static += self.static_items(roles[name], home, home.coords(rank)[0])
+        best = None
+        for stage in STAGES:
+            act: List[List[Tuple[str, float]]] = []
+            for name, stages in placement.items():
+                plan = stages.get(stage)
+                if plan is not None and plan.contains(rank):
+                    act.append(self.items(stage, roles[name], plan, plan.coords(rank)[0], shadow))
+            if stage == "generation":
+                chosen = [i for a in act for i in a]
+            else:
+                chosen = max(act, key=lambda a: sum(b for _, b in a), default=[])
+            rep = self.usable_report(rank, stage, static + chosen)
+            if best is None or rep.total > best.total:
+                best = rep
+        return best
