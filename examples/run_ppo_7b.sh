@@ -28,6 +28,7 @@ MODEL_ARGS=(   # LLaMA-2-7B
 )
 DATA_ARGS=(
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$SFT_DIR"
+    --vocab-size 32000                       # only used when the tokenizer files are absent (--dry-run)
     --prompt-data "$DATA" --prompt-key prompt
 )
 PARALLEL_ARGS=(
@@ -37,17 +38,21 @@ PARALLEL_ARGS=(
     --use-distributed-optimizer --switch-segments 8 --ranks-per-node "$GPUS_PER_NODE"
 )
 TRAIN_ARGS=(
-    --micro-batch-size 4 --global-batch-size 128 --train-iters 500
+    --micro-batch-size 4 --global-batch-size 64 --train-iters 500
     --lr 1e-6 --critic-lr 5e-6 --min-lr 1e-7 --lr-decay-style cosine --lr-warmup-iters 10
     --weight-decay 0.0 --clip-grad 1.0 --seed 1234
 )
 PPO_ARGS=(
-    --rollout-batch-size 512 --ppo-epochs 1 --max-new-tokens 512 --temperature 1.0 --top-p 1.0
+    --rollout-batch-size 128 --ppo-epochs 1 --max-new-tokens 512 --temperature 1.0 --top-p 1.0
     --kl-coef 0.05 --kl-target 6.0 --kl-horizon 10000 --gamma 1.0 --lam 0.95
     --clip-eps 0.2 --value-clip-eps 0.2 --reward-model "$RM_DIR"
 )
 LOG_ARGS=(--log-interval 1 --log-dir "$OUT/logs")
 
+ALL_ARGS=("${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${PPO_ARGS[@]}" "${LOG_ARGS[@]}" "$@")
+if [[ " $* " == *" --dry-run "* ]]; then   # validate + memory estimate on any machine, no GPUs needed
+    exec python3 train_ppo.py --world-size $((GPUS_PER_NODE * NNODES)) "${ALL_ARGS[@]}"
+fi
 exec torchrun "${DISTRIBUTED_ARGS[@]}" train_ppo.py \
     "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
     "${PPO_ARGS[@]}" "${LOG_ARGS[@]}" "$@"

@@ -158,12 +158,33 @@ def _add_logging_args(parser):
     g.add_argument("--no-load-optim", action="store_true",
                    help="Resume weights, schedulers and counters but not the optimizer states.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore the per-rank RNG states.")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="Resume this iteration of --load instead of its latest one.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="PPO on megatron-core (puzzle)", allow_abbrev=False)
+def _add_plan_args(parser):
+    g = parser.add_argument_group("plan")
+    g.add_argument("--dry-run", action="store_true",
+                   help="Validate every flag, print the layouts and a per-device memory estimate, exit "
+                        "without allocating.")
+    g.add_argument("--plan-file", type=str, default=None,
+                   help="Use the layouts and placements of a plan written by search_plan.py --save-plan "
+                        "(they replace layout flags given on the command line).")
+    g.add_argument("--plan", choices=["auto", "flags"], default="flags",
+                   help="auto: search the plan at start with --profile; flags: the layout flags as given.")
+    g.add_argument("--profile", type=str, default=None,
+                   help="Device profile for planning and memory estimates: a JSON file from "
+                        "python -m puzzle.plan.profile, or a bundled name (default a100_80gb).")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="World size to plan for in --dry-run / search_plan.py (default: $WORLD_SIZE).")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="Vocabulary size when the tokenizer files are not at hand (dry runs, planning).")
+
+
+def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_ppo_args,
-                _add_data_args, _add_logging_args):
+                _add_data_args, _add_logging_args, _add_plan_args):
         add(parser)
     return parser
 
@@ -283,10 +304,11 @@ def _check_hf_shape(arch, hf_dir: str, role: str) -> None:
               f"{hf_dir}/config.json does not match the {role} model flags: " + "; ".join(diff))
 
 
-def validate_args(args, world_size: int, vocab_size: int):
+def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = True):
     """Derive and check every flag; returns a RunConfig. Raises ArgumentError naming the flag.
 
-    Runs before any model is allocated.
+    Runs before any model is allocated. ``check_paths=False`` (dry runs, planning on a laptop)
+    skips the checks that need checkpoint files to be present.
     """
     from puzzle.config import PPOParams, RoleSpec, RunConfig
     from puzzle.models.builders import check_layout
@@ -310,7 +332,7 @@ def validate_args(args, world_size: int, vocab_size: int):
                              "or --reward-model (an HF checkpoint directory, or 'random' for tests)")
     if args.reward_model and args.reward_model != "random" and not args.hf_reward_path:
         args.hf_reward_path = args.reward_model
-    for flag in ("hf_actor_path", "hf_critic_path", "hf_reward_path"):
+    for flag in ("hf_actor_path", "hf_critic_path", "hf_reward_path") if check_paths else ():
         path = getattr(args, flag)
         if path and not os.path.isfile(os.path.join(path, "config.json")):
             _fail("--" + flag.replace("_", "-"), f"{path!r} is not an HF checkpoint directory (no config.json)")
@@ -339,8 +361,11 @@ def validate_args(args, world_size: int, vocab_size: int):
         path = getattr(args, flag)
         if path is not None and (not path or os.path.exists(path) and not os.path.isdir(path)):
             _fail(f"--{flag}", f"{path!r} is not a directory")
-    if (args.no_load_optim or args.no_load_rng) and not args.load:
-        _fail("--no-load-optim" if args.no_load_optim else "--no-load-rng", "needs --load DIR")
+    for flag in ("no_load_optim", "no_load_rng", "ckpt_step"):
+        if getattr(args, flag) not in (None, False) and not args.load:
+            _fail("--" + flag.replace("_", "-"), "needs --load DIR")
+    if args.ckpt_step is not None and args.ckpt_step < 1:
+        _fail("--ckpt-step", f"must be >= 1 (got {args.ckpt_step})")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world_size % args.ranks_per_node):
         _fail("--ranks-per-node", f"{args.ranks_per_node} must be >= 1 and divide the world size {world_size}")
 
@@ -380,7 +405,7 @@ def validate_args(args, world_size: int, vocab_size: int):
         lr = args.lr if role == "actor" else (args.critic_lr if args.critic_lr is not None else args.lr)
         hf = {"actor": args.hf_actor_path, "ref": args.hf_actor_path, "critic": args.hf_critic_path,
               "reward": args.hf_reward_path}[role]
-        if hf:
+        if hf and check_paths:
             _check_hf_shape(arch, hf, role)
         roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan,
                                trainable=trainable, lr=lr, hf_path=hf)
@@ -438,3 +463,60 @@ def validate_args(args, world_size: int, vocab_size: int):
         ranks_per_node=args.ranks_per_node,
         score_placement=args.score_placement, train_placement=args.train_placement,
     )
+
+
+def resolve_world_size(args) -> int:
+    if args.world_size is not None:
+        if args.world_size < 1:
+            _fail("--world-size", f"must be >= 1 (got {args.world_size})")
+        return args.world_size
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_vocab_size(args) -> int:
+    """The tokenizer's vocabulary; --vocab-size when its files are not at hand."""
+    from puzzle.data.tokenizers import build_tokenizer
+
+    try:
+        return build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+    except (ValueError, OSError) as e:
+        if args.vocab_size:
+            return args.vocab_size
+        _fail("--tokenizer-model", f"{e} (for a dry run or plan search, --vocab-size N stands in)")
+
+
+def config_for_planning(args):
+    """A RunConfig for planning and dry runs: no files needed, a reward model assumed if none given."""
+    if not args.reward_fn and not args.reward_model and not args.hf_reward_path:
+        args.reward_model = "random"
+    return validate_args(args, resolve_world_size(args), resolve_vocab_size(args), check_paths=False)
+
+
+def plan_flags(doc: dict) -> List[str]:
+    """Layout and placement flags of a plan document (search_plan.py --save-plan / SearchResult.to_dict)."""
+    from puzzle.parallel.plan import ParallelPlan, PlanError
+
+    flags: List[str] = []
+    try:
+        plans = {m: {s: ParallelPlan.parse(p) for s, p in st.items()} for m, st in doc["plans"].items()}
+    except (KeyError, AttributeError, PlanError) as e:
+        _fail("--plan-file", f"not a plan document ({e})")
+    for role, stages in plans.items():
+        home = stages.get("training") or stages.get("scoring")
+        if home is None:
+            continue
+        flags += [f"--{role}-tensor-model-parallel-size", str(home.T),
+                  f"--{role}-pipeline-model-parallel-size", str(home.P),
+                  f"--{role}-data-parallel-size", str(home.D), f"--{role}-rank-offset", str(home.offset)]
+        if role == "actor" and "generation" in stages:
+            gen = stages["generation"]
+            if (gen.offset, gen.size) != (home.offset, home.size):
+                _fail("--plan-file", f"the actor generates on {gen} but trains on {home}: the switch moves "
+                                     "weights between layouts of the same ranks only")
+            flags += ["--actor-gen-tensor-model-parallel-size", str(gen.T),
+                      "--actor-gen-pipeline-model-parallel-size", str(gen.P)]
+    placements = doc.get("placements", {})
+    for stage, flag in (("scoring", "--score-placement"), ("training", "--train-placement")):
+        if placements.get(stage) in ("sequential", "disjoint", "time-sharing"):
+            flags += [flag, placements[stage]]
+    return flags

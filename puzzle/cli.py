@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -10,12 +11,14 @@ def run(argv) -> int:
     from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
 
-    import os
-
-    args = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:  # everything is checked before torch.distributed starts and before any allocation
+        args = _with_plan(parse_args(argv), argv)
+        if args.dry_run:
+            return _dry_run(args, rank)
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.world_size is not None and args.world_size != world_size:
+            raise ArgumentError(f"--world-size: {args.world_size} but the job has {world_size} ranks")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         cfg = validate_args(args, world_size, tokenizer.vocab_size)
         if cfg.reward_fn:
@@ -30,7 +33,54 @@ def run(argv) -> int:
         return 2
     if rank == 0:
         _print_plan(cfg)
-    return _train(cfg, tokenizer, dataset)
+    return _train(cfg, tokenizer, dataset, load_optim=not args.no_load_optim,
+                  load_rng=not args.no_load_rng, ckpt_step=args.ckpt_step)
+
+
+def _with_plan(args, argv):
+    """--plan-file / --plan auto: the plan's layout and placement flags are appended, so they win
+    over layout flags given on the command line (or by a launch script); other flags are kept."""
+    from puzzle.arguments import ArgumentError, config_for_planning, parse_args, plan_flags
+
+    if args.plan_file and args.plan == "auto":
+        raise ArgumentError("--plan-file: give either --plan-file or --plan auto")
+    if args.plan_file:
+        import json
+
+        try:
+            with open(args.plan_file) as f:
+                doc = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ArgumentError(f"--plan-file: cannot read {args.plan_file!r} ({e})") from None
+    elif args.plan == "auto":
+        from puzzle.plan.command import search
+        from puzzle.plan.profile_data import load_profile
+        from puzzle.plan.search import InfeasibleError
+
+        try:
+            result, _ = search(config_for_planning(args), load_profile(args.profile or "a100_80gb"))
+        except InfeasibleError as e:
+            raise ArgumentError(f"--plan: no plan fits: {e}") from None
+        doc = result.to_dict()
+    else:
+        return args
+    extra = plan_flags(doc)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("plan: " + " ".join(extra), flush=True)
+    return parse_args(list(argv) + extra)
+
+
+def _dry_run(args, rank: int) -> int:
+    from puzzle.arguments import config_for_planning
+    from puzzle.plan.command import print_dry_run
+    from puzzle.plan.profile_data import load_profile
+
+    cfg = config_for_planning(args)
+    fits = True
+    if rank == 0:
+        _print_plan(cfg)
+        fits = print_dry_run(cfg, load_profile(args.profile or "a100_80gb"))
+    return 0 if fits else 3
 
 
 def _print_plan(cfg) -> None:
@@ -43,20 +93,38 @@ def _print_plan(cfg) -> None:
               flush=True)
 
 
-def _train(cfg, tokenizer, dataset) -> int:
+def _train(cfg, tokenizer, dataset, *, load_optim: bool = True, load_rng: bool = True,
+           ckpt_step=None) -> int:
     import torch.distributed as dist
 
+    from puzzle import checkpointing
     from puzzle.data.prompts import PromptLoader
     from puzzle.parallel.groups import init_distributed
     from puzzle.trainer import PPOTrainer
 
+    if cfg.load:  # metadata only: a wrong model shape fails here, before any model is built
+        try:
+            checkpointing.check_checkpoint(cfg, cfg.load, ckpt_step)
+        except checkpointing.CheckpointError as e:
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
     init_distributed()
     loader = PromptLoader(dataset.prompts, cfg.ppo.rollout_batch_size, dp_rank=0, dp_size=1,
                           seed=cfg.seed)
     trainer = PPOTrainer(cfg, tokenizer, dataset)
     try:
-        for _ in range(cfg.train_iters):
+        if cfg.load:
+            checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=load_optim,
+                                          load_rng=load_rng, iteration=ckpt_step)
+        saved = trainer.iteration
+        while trainer.iteration < cfg.train_iters:
             trainer.step(next(loader).prompts)
+            if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
+                checkpointing.save_checkpoint(trainer, loader, cfg.save)
+                saved = trainer.iteration
+        if cfg.save and saved != trainer.iteration:  # the final state, as Megatron-LM does
+            checkpointing.save_checkpoint(trainer, loader, cfg.save)
     finally:
         trainer.close()
     dist.barrier()

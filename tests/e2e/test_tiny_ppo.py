@@ -99,6 +99,13 @@ def test_disjoint_placement_changes_no_numbers(tmp_path, reference):
     _same(dj, reference)
 
 
+def test_plan_auto_runs_and_changes_no_numbers(tmp_path, reference):
+    """--plan auto searches the layouts at start (bundled profile); the chosen plan runs."""
+    stdout, auto = _tiny_script(SMALL + ["--plan", "auto"], tmp_path, timeout=600)
+    assert stdout.startswith("plan: --actor-tensor-model-parallel-size")
+    _same(auto, reference)
+
+
 def test_bad_flags_fail_before_allocation():
     proc = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--num-layers", "2",
                            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -1,0 +1,185 @@
+"""The plan search and dry-run commands on top of the pure planner.
+
+``python search_plan.py --world-size N --ranks-per-node 8 [--profile FILE] <model flags>`` takes
+the same Megatron-style model, PPO and role flags as train_ppo.py, searches the plan of every
+model and stage (similarity-guided, optionally checked against exhaustive search) and prints it,
+or writes it with ``--save-plan FILE`` for ``train_ppo.py --plan-file FILE``.
+``train_ppo.py --dry-run`` validates every flag and prints the layouts with a per-device memory
+estimate without allocating anything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Dict, List, Optional
+
+from puzzle.plan.cost_model import (CostModel, ModelShape, PPOWorkload, ppo_roles, sequential_time,
+                                     time_sharing_time)
+from puzzle.plan.memory_model import GiB, MemoryModel, fmt_plan
+from puzzle.plan.profile_data import load_profile
+
+
+def shapes_from_config(cfg) -> Dict[str, ModelShape]:
+    out = {}
+    for role, spec in cfg.roles.items():
+        a = spec.arch
+        out[role] = ModelShape(num_layers=a.num_layers, hidden_size=a.hidden_size,
+                               ffn_hidden_size=a.ffn_hidden_size, num_attention_heads=a.num_attention_heads,
+                               num_query_groups=a.num_query_groups, vocab_size=a.padded_vocab_size,
+                               swiglu=a.swiglu)
+    return out
+
+
+def workload_from_config(cfg) -> PPOWorkload:
+    ppo = cfg.ppo
+    return PPOWorkload(rollout_batch_size=ppo.rollout_batch_size, prompt_len=ppo.max_prompt_length,
+                       gen_len=ppo.max_new_tokens, micro_batch_size=ppo.micro_batch_size,
+                       ppo_epochs=ppo.ppo_epochs,
+                       ppo_minibatches=ppo.rollout_batch_size // ppo.mini_batch_size,
+                       distributed_optimizer=cfg.optim.use_distributed_optimizer)
+
+
+def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:
+    """{model: {stage: plan}} of a validated RunConfig (the planner's view of a run)."""
+    out = {}
+    for role, spec in cfg.roles.items():
+        stages = {"scoring": spec.plan}
+        if spec.trainable:
+            stages["training"] = spec.plan
+        if role == "actor":
+            stages["generation"] = spec.gen_plan
+        out[role] = stages
+    return out
+
+
+def memory_estimate(cfg, profile) -> list:
+    """The worst-stage MemoryReport of every rank under the run's layouts."""
+    shapes = shapes_from_config(cfg)
+    roles = ppo_roles(shapes["actor"], shapes["critic"], shapes.get("ref"), shapes.get("reward"))
+    roles = {r: roles[r] for r in shapes}
+    mem = MemoryModel(profile, workload_from_config(cfg))
+    placement = placement_from_config(cfg)
+    shadow = cfg.roles["actor"].gen_plan != cfg.roles["actor"].plan
+    return [mem.rank_report(r, placement, roles, shadow) for r in range(cfg.world_size)]
+
+
+def _stage_time(tasks, placement: str) -> float:
+    """Models on the same ranks run in turn (Eq. (1) when time-shared); groups on disjoint ranks
+    run concurrently (puzzle.pipeline.stage.run_stage); partly overlapping groups add up."""
+    groups: Dict[tuple, list] = {}
+    for t in tasks:
+        groups.setdefault((t.plan.offset, t.plan.size), []).append(t)
+    times = [time_sharing_time(g) if placement == "time-sharing" else sequential_time(g)
+             for g in groups.values()]
+    spans = [set(range(o, o + n)) for o, n in groups]
+    disjoint = all(not (a & b) for i, a in enumerate(spans) for b in spans[i + 1:])
+    return max(times) if disjoint else sum(times)
+
+
+def stage_estimate(cfg, profile) -> Dict[str, float]:
+    """Estimated seconds per stage of the run's layouts and placements."""
+    shapes = shapes_from_config(cfg)
+    roles = ppo_roles(shapes["actor"], shapes["critic"], shapes.get("ref"), shapes.get("reward"))
+    cm = CostModel(profile, workload_from_config(cfg))
+    actor = cfg.roles["actor"]
+    gen = cm.generation_cost(roles["actor"], actor.gen_plan).total
+    score = _stage_time([cm.forward_cost(roles[r], s.plan) for r, s in cfg.roles.items()],
+                        cfg.score_placement)
+    train = _stage_time([cm.train_cost(roles[r], s.plan) for r, s in cfg.roles.items() if s.trainable],
+                        cfg.train_placement)
+    switch = cm.switch(roles["actor"], actor.plan, actor.gen_plan)[1] if actor.gen_plan != actor.plan else 0.0
+    return {"generation": gen, "scoring": score, "training": train, "switch": switch}
+
+
+def print_dry_run(cfg, profile, out=sys.stdout) -> bool:
+    """Print the dry-run report; returns whether every rank fits its device."""
+    reports = memory_estimate(cfg, profile)
+    print(f"dry run: every flag is valid; world size {cfg.world_size}; profile {profile.name}", file=out)
+    for role, spec in cfg.roles.items():
+        gen = f", generation {fmt_plan(spec.gen_plan)}" if role == "actor" else ""
+        print(f"  {role:7s} {fmt_plan(spec.plan)}{gen}", file=out)
+    print(f"  placements: scoring {cfg.score_placement}, training {cfg.train_placement}", file=out)
+    est = stage_estimate(cfg, profile)
+    print("  estimated stage seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in est.items()), file=out)
+    worst = max(reports, key=lambda r: r.total)
+    print(f"  per-device memory estimate (worst stage, GiB; device {profile.device_memory_bytes / GiB:.0f}):",
+          file=out)
+    for rep in reports:
+        print(f"    rank {rep.rank:3d}: {rep.total / GiB:7.2f} during {rep.stage}{'' if rep.fits else '  DOES NOT FIT'}",
+              file=out)
+    print("  worst: " + worst.describe(), file=out)
+    fits = all(r.fits for r in reports)
+    if not fits:
+        print("error: the estimate exceeds device memory; try python search_plan.py with the same flags, "
+              "--plan auto, smaller --rollout-batch-size/--max-new-tokens, or more ranks", file=out)
+    return fits
+
+
+def job_from_config(cfg, profile):
+    from puzzle.plan.search import PPOJob
+
+    shapes = shapes_from_config(cfg)
+    return PPOJob(world_size=cfg.world_size, actor=shapes["actor"], critic=shapes["critic"],
+                  workload=workload_from_config(cfg), profile=profile, ref=shapes.get("ref"),
+                  reward=shapes.get("reward") or shapes["critic"])
+
+
+def search(cfg, profile, exhaustive: bool = False):
+    from puzzle.plan.search import exhaustive_search, similarity_search
+
+    job = job_from_config(cfg, profile)
+    result = similarity_search(job)
+    check = exhaustive_search(job) if exhaustive else None
+    return result, check
+
+
+def _add_search_args(parser) -> None:
+    g = parser.add_argument_group("plan search")
+    g.add_argument("--json", action="store_true", help="Print the result as JSON.")
+    g.add_argument("--exhaustive", action="store_true", help="Also run the exhaustive search and report the gap.")
+    g.add_argument("--save-plan", type=str, default=None, help="Write the plan file for train_ppo.py --plan-file.")
+
+
+def search_main(argv: Optional[List[str]] = None) -> int:
+    from puzzle.arguments import ArgumentError, build_parser, config_for_planning
+    from puzzle.plan.search import InfeasibleError
+
+    parser = build_parser(prog="search_plan.py")
+    _add_search_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_for_planning(args)
+        profile = load_profile(args.profile or "a100_80gb")
+        result, check = search(cfg, profile, exhaustive=args.exhaustive)
+    except (ArgumentError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except InfeasibleError as e:
+        print(f"error: no plan fits: {e}", file=sys.stderr)
+        return 3
+    doc = result.to_dict()
+    if check is not None:
+        doc["exhaustive_total_time"] = round(check.total_time, 6)
+        doc["gap"] = round(result.total_time / check.total_time - 1.0, 6)
+    doc["world_size"] = cfg.world_size
+    doc["profile"] = profile.name
+    if args.save_plan:
+        with open(args.save_plan, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    print(f"plan for {cfg.world_size} ranks (profile {profile.name}, layout {doc['layout']}, "
+          f"{doc['plans_evaluated']} plans evaluated in {doc['seconds']:.3f} s)")
+    for model, stages in doc["plans"].items():
+        print(f"  {model:7s} " + ", ".join(f"{s} {p}" for s, p in stages.items()))
+    print("  placements: " + ", ".join(f"{s} {p}" for s, p in doc["placements"].items()))
+    print("  estimated stage seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in doc["stage_times"].items()))
+    print(f"  switch: {doc['switch_bytes'] / 2**20:.1f} MiB on the busiest rank, {doc['switch_time']:.3f} s")
+    print(f"  peak memory per device: {doc['peak_memory_gib']} GiB; iteration estimate {doc['total_time']:.3f} s")
+    if "gap" in doc:
+        print(f"  exhaustive optimum {doc['exhaustive_total_time']:.3f} s (gap {100 * doc['gap']:.2f} %)")
+    if args.save_plan:
+        print(f"  plan written to {args.save_plan} (train_ppo.py --plan-file {args.save_plan})")
+    return 0

@@ -1,0 +1,13 @@
+"""Plan search: python search_plan.py --world-size 16 --ranks-per-node 8 <model flags> [--save-plan F]."""
+
+import sys
+
+
+def main(argv=None) -> int:
+    from puzzle.plan.command import search_main
+
+    return search_main(sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

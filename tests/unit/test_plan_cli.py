@@ -1,0 +1,78 @@
+"""search_plan.py, plan files and dry runs (no allocation, no torch.distributed)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from puzzle.arguments import ArgumentError, parse_args, plan_flags, validate_args
+from puzzle.plan.command import search_main
+
+REPO = Path(__file__).resolve().parents[2]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--tokenizer-type",
+         "HuggingFaceTokenizer", "--tokenizer-model", "/nonexistent", "--vocab-size", "32000"]
+SEVEN_B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "11008",
+           "--num-attention-heads", "32", "--seq-length", "1024", *LLAMA]
+CRITIC_350M = ["--critic-num-layers", "24", "--critic-hidden-size", "1024", "--critic-ffn-hidden-size",
+               "4096", "--critic-num-attention-heads", "16"]
+BATCH = ["--rollout-batch-size", "128", "--global-batch-size", "64", "--micro-batch-size", "4",
+         "--max-new-tokens", "256", "--use-distributed-optimizer"]
+
+
+def test_search_plan_json_and_plan_file(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = search_main(["--world-size", "8", "--ranks-per-node", "8", *SEVEN_B, *CRITIC_350M, *BATCH,
+                      "--exhaustive", "--json", "--save-plan", str(out)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["world_size"] == 8 and doc["gap"] <= 0.02 and doc["peak_memory_gib"] <= 80
+    assert set(doc["plans"]) == {"actor", "critic", "ref", "reward"}
+    assert set(doc["plans"]["actor"]) == {"generation", "scoring", "training"}
+    assert json.loads(out.read_text())["plans"] == doc["plans"]
+    # the plan's flags are a valid run configuration on 8 ranks
+    flags = plan_flags(doc)
+    cfg = validate_args(parse_args(SEVEN_B + CRITIC_350M + BATCH + ["--reward-model", "random"] + flags),
+                        8, 32000, check_paths=False)
+    train = cfg.roles["actor"].plan
+    assert f"({train.P},{train.D},{train.T})" == doc["plans"]["actor"]["training"].split("@")[0]
+    gen = cfg.roles["actor"].gen_plan
+    assert f"({gen.P},{gen.D},{gen.T})" == doc["plans"]["actor"]["generation"].split("@")[0]
+
+
+def test_infeasible_request_explains(capsys):
+    seventy_b = ["--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672",
+                 "--num-attention-heads", "64", "--group-query-attention", "--num-query-groups", "8",
+                 "--seq-length", "1024", *LLAMA]
+    rc = search_main(["--world-size", "8", "--ranks-per-node", "8", *seventy_b, *BATCH])
+    err = capsys.readouterr().err
+    assert rc == 3 and "no plan fits" in err and "GiB" in err
+
+
+def test_plan_flags_refuse_generation_on_other_ranks():
+    doc = {"plans": {"actor": {"training": "(1,2,1)", "scoring": "(1,2,1)", "generation": "(1,4,1)"}},
+           "placements": {}}
+    with pytest.raises(ArgumentError, match="--plan-file: the actor generates on"):
+        plan_flags(doc)
+    with pytest.raises(ArgumentError, match="--plan-file: not a plan document"):
+        plan_flags({"plans": {"actor": {"training": "bogus"}}})
+
+
+def _script(*extra):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(["bash", str(REPO / "examples/run_ppo_7b.sh"), "--dry-run", *extra],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_dry_run_of_the_7b_script_on_a_cpu_machine():
+    proc = _script()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dry run: every flag is valid; world size 8" in proc.stdout
+    assert "per-device memory estimate" in proc.stdout and "DOES NOT FIT" not in proc.stdout
+    proc = _script("--rollout-batch-size", "1024", "--global-batch-size", "128")
+    assert proc.returncode == 3 and "exceeds device memory" in proc.stdout
+    proc = _script("--tensor-model-parallel-size", "3")
+    assert proc.returncode == 2 and "--tensor-model-parallel-size" in proc.stderr
