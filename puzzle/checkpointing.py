@@ -1,0 +1,421 @@
+"""Save and resume a whole PPO run with megatron-core dist_checkpointing (torch_dist).
+
+On disk (``--save DIR``)::
+
+    DIR/latest_checkpointed_iteration.txt   "3" - written last, by rank 0, after the rename
+    DIR/iter_0000003/
+        metadata.json                       format, puzzle version, world size, per role: arch,
+                                            layout(s), trainable, source of frozen weights
+        trainer_state.json                  iteration, KL controller, LR schedulers, prompt loader
+        actor/  critic/                     dist_checkpointing (torch_dist) of each trainable role:
+                                            {"model": GPTModel.sharded_state_dict,
+                                             "optimizer": optimizer.sharded_state_dict}
+        rng/rank_00000.pt ...               per-rank RNG: torch CPU generator, megatron's RNG tracker
+                                            (and the CUDA generator, Python, NumPy)
+
+A save writes ``iter_N.tmp`` on every rank, barriers, then rank 0 renames it to ``iter_N`` and
+only then rewrites the tracker file (write + ``os.replace``), so a checkpoint becomes visible
+only once every rank has finished writing it; a save killed half way leaves the previous
+checkpoint as the latest one (and a stale ``.tmp`` that the next save of that iteration replaces).
+
+Frozen models (ref, reward) are saved **by reference**: their weights are a pure function of
+(arch, seed) or of their HF checkpoint (``RoleSpec.hf_path``), so metadata.json records that
+source plus a weight fingerprint (float64 sum and sum of squares over the unique parameter
+shards). On resume they are rebuilt from the same source and the fingerprint is checked; a
+changed HF directory or seed is an error instead of a silently different reference model.
+
+Parallel groups: every model has its own ``ProcessGroupCollection``; megatron's global
+``parallel_state`` is never initialised. ``GPTModel.sharded_state_dict`` takes its TP/PP ranks
+from the model's own ``pg_collection`` (layers, embeddings, output layer) and its DP group from
+``metadata['dp_cp_group']``, which we always pass (megatron would otherwise fall back to the
+global DP group). The optimizers map their state onto the model's sharded tensors (plain
+optimizer) or use the ``fully_sharded_model_space`` format (DistributedOptimizer), which is
+layout-free; so weights *and* optimizer state reshard across (P, D, T) on load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import puzzle
+
+FORMAT = 1
+TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "metadata.json"
+TRAINER_STATE = "trainer_state.json"
+FAIL_ENV = "PUZZLE_TEST_FAIL_SAVE_AT"  # "rank:iteration": raise half way through that save (tests)
+_FINGERPRINT_RTOL = 1e-6
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed by this run; the message names the file and the problem."""
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The latest complete iteration under ``root`` (None: no checkpoint there)."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+# ---- metadata (layout-free description of the run) -------------------------------------------
+def _plan_dict(plan) -> Optional[dict]:
+    return None if plan is None else {"P": plan.P, "D": plan.D, "T": plan.T}
+
+
+def _role_source(cfg, role: str) -> dict:
+    """Where a model's initial weights come from (trainer.py: seed offsets per role)."""
+    spec = cfg.roles[role]
+    offset = 0 if role in ("actor", "ref") else {"critic": 1, "reward": 2}[role]
+    return {"hf_path": os.path.abspath(spec.hf_path) if spec.hf_path else None,
+            "seed": cfg.seed + offset}
+
+
+def run_metadata(cfg) -> dict:
+    roles = {}
+    for role, spec in cfg.roles.items():
+        roles[role] = {"arch": asdict(spec.arch), "plan": _plan_dict(spec.plan),
+                       "gen_plan": _plan_dict(spec.gen_plan), "trainable": bool(spec.trainable)}
+        if not spec.trainable:
+            roles[role]["source"] = _role_source(cfg, role)
+    return {"format": FORMAT, "puzzle_version": puzzle.__version__, "world_size": cfg.world_size,
+            "seed": cfg.seed, "roles": roles,
+            "optimizer": {"use_distributed_optimizer": bool(cfg.optim.use_distributed_optimizer),
+                          "bf16": bool(cfg.bf16), "fp16": bool(cfg.fp16)}}
+
+
+def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optional[int]:
+    """Read ``root``'s latest checkpoint metadata and compare it with ``cfg``; no tensor is touched.
+
+    Returns the iteration to resume from (``iteration``, else the tracker's; None: nothing to
+    resume). Raises CheckpointError naming the metadata file and every mismatching role/field.
+    Runs on every rank before models exist.
+    """
+    it = read_tracker(root) if iteration is None else iteration
+    if it is None:
+        return None
+    if iteration is not None and not os.path.isdir(iter_dir(root, it)):
+        raise CheckpointError(f"--ckpt-step {it}: {iter_dir(root, it)} does not exist")
+    path = os.path.join(iter_dir(root, it), METADATA)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing (the tracker {os.path.join(root, TRACKER)} names "
+                              f"iteration {it} but that checkpoint is incomplete)")
+    try:
+        meta = json.load(open(path))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: unreadable metadata ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')} is not {FORMAT}")
+    problems = []
+    saved_roles = meta.get("roles", {})
+    for role, spec in cfg.roles.items():
+        if role not in saved_roles:
+            problems.append(f"role {role}: not in the checkpoint (it has {', '.join(saved_roles)})")
+            continue
+        saved = saved_roles[role]
+        mine = asdict(spec.arch)
+        diff = [f"{k}: checkpoint {saved['arch'].get(k)!r} vs this run {v!r}"
+                for k, v in mine.items() if saved["arch"].get(k) != v]
+        if diff:
+            problems.append(f"role {role} model shape differs: " + "; ".join(diff))
+        if bool(saved["trainable"]) != bool(spec.trainable):
+            problems.append(f"role {role}: trainable={saved['trainable']} in the checkpoint")
+        if not spec.trainable:
+            src, want = saved.get("source", {}), _role_source(cfg, role)
+            if src.get("hf_path") != want["hf_path"]:
+                problems.append(f"role {role} (frozen, saved by reference): weights came from "
+                                f"hf_path={src.get('hf_path')!r}, this run uses {want['hf_path']!r}")
+            elif want["hf_path"] is None and src.get("seed") != want["seed"]:
+                problems.append(f"role {role} (frozen, saved by reference): weights were initialised "
+                                f"from seed {src.get('seed')}, this run's --seed gives {want['seed']}")
+    for role in saved_roles:
+        if role not in cfg.roles:
+            problems.append(f"role {role}: in the checkpoint but not in this run")
+    if problems:
+        raise CheckpointError(f"cannot resume from {path}: " + " | ".join(problems))
+    return it
+
+
+# ---- per-role sharded state dicts --------------------------------------------------------------
+def _sharding_metadata(engine) -> dict:
+    # the model's own DP group: without it megatron falls back to the (unset) global parallel_state
+    return {"dp_cp_group": engine.layout.pg_collection.dp_cp,
+            "distrib_optim_sharding_type": "fully_reshardable",
+            "chained_optim_avoid_prefix": True, "singleton_local_shards": False}
+
+
+def _role_sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool) -> dict:
+    if not engine.member:
+        return {}  # this rank holds no part of the model; the collective save/load still runs here
+    metadata = _sharding_metadata(engine)
+    model_sd = engine.module.sharded_state_dict(prefix="", metadata=metadata)
+    sd = {"model": model_sd}
+    if with_optimizer and engine.optimizer is not None:
+        if is_loading:
+            _ensure_optimizer_state(engine.optimizer)
+        sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                              metadata=metadata)
+    return sd
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """A fresh DistributedOptimizer has no Adam state to load into (megatron asserts on its
+    'step' without apex/TE): create it with megatron's own zero-gradient dummy step; every value
+    it touches (moments, fp32 main params, model weights) is then overwritten by the load."""
+    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(leaf, "_init_optimizer_states_with_dummy_values") and not leaf.optimizer.state:
+            leaf._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept(optimizer):
+    """Work around two megatron-core 0.16.1 DistributedOptimizer bugs with torch Adam (no
+    apex/TE). 1) load_parameter_state_from_fully_reshardable drops each param's "step" from the loaded
+    tensors but then copies every key of the live state, "step" included -> KeyError. The step
+    itself is restored from the param groups by load_state_dict; here the live "step" is passed
+    through unchanged. Scoped to this optimizer instance for the duration of the load.
+    TODO(lead): move to megatron_patches/ (target: distrib_optimizer._set_main_param_and_
+    optimizer_states; remove when megatron-core skips "step" there)."""
+    leaves = [leaf for leaf in getattr(optimizer, "chained_optimizers", [optimizer])
+              if hasattr(leaf, "_set_main_param_and_optimizer_states")]
+    for leaf in leaves:
+        original = leaf._set_main_param_and_optimizer_states
+
+        def keep_step(model_param, tensors, _leaf=leaf, _original=original):
+            if "step" not in tensors and not _leaf.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                group, order = _leaf.model_param_group_index_map[model_param]
+                live = _leaf.optimizer.state.get(_leaf.optimizer.param_groups[group]["params"][order], {})
+                if "step" in live:
+                    tensors = {**tensors, "step": live["step"].clone()}
+            return _original(model_param, tensors)
+
+        leaf._set_main_param_and_optimizer_states = keep_step
+    try:
+        yield
+    finally:
+        for leaf in leaves:
+            del leaf._set_main_param_and_optimizer_states  # back to the class method
+    # Second 0.16.1 bug on the same path: DistributedOptimizer.load_state_dict gives every param
+    # the SAME "step" tensor, and torch Adam increments each param's step in place, so after one
+    # step it is N too large (wrong bias correction). Give each param its own copy.
+    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(leaf, "optimizer", None)
+        for st in (inner.state.values() if inner is not None else ()):
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+
+
+@torch.no_grad()
+def weight_fingerprint(engine) -> list:
+    """[sum, sum of squares] (float64) over the model's unique parameter shards, whole world."""
+    acc = torch.zeros(2, dtype=torch.float64)
+    if engine.member:
+        lay, arch = engine.layout, engine.arch
+        for name, p in engine.module.named_parameters():
+            if lay.d != 0 or (lay.t != 0 and not getattr(p, "tensor_model_parallel", False)):
+                continue  # DP replicas and TP-replicated tensors (norms, scalar heads) count once
+            if (name == "output_layer.weight" and not arch.untie_embeddings_and_output_weights
+                    and not lay.is_first_stage):
+                continue  # the last stage's tied copy of the word embeddings
+            x = p.detach().double()
+            acc += torch.stack([x.sum(), (x * x).sum()])
+    dist.all_reduce(acc)
+    return [float(v) for v in acc]
+
+
+def _fingerprints_match(a, b) -> bool:
+    return all(abs(x - y) <= _FINGERPRINT_RTOL * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b))
+
+
+# ---- RNG ------------------------------------------------------------------------------------------
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"torch_cpu": torch.get_rng_state(), "python": random.getstate(),
+             "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and not _on_cpu():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch_cpu"])
+    random.setstate(state["python"])
+    if state.get("tracker"):
+        get_cuda_rng_tracker().set_states(state["tracker"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available() and not _on_cpu():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _on_cpu() -> bool:
+    import megatron_patches
+
+    return megatron_patches.on_cpu()
+
+
+# ---- save ------------------------------------------------------------------------------------------
+def _maybe_fail(rank: int, iteration: int) -> None:
+    spec = os.environ.get(FAIL_ENV)
+    if spec and spec == f"{rank}:{iteration}":
+        raise RuntimeError(f"{FAIL_ENV}={spec}: simulated failure in the middle of saving iteration {iteration}")
+
+
+def _log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[checkpoint] {msg}", flush=True)
+
+
+def save_checkpoint(trainer, loader, root: str) -> str:
+    """Collective: write every rank's part of iteration ``trainer.iteration`` under ``root``."""
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    rank, it = dist.get_rank(), trainer.iteration
+    final = iter_dir(root, it)
+    tmp = final + ".tmp"
+    trainable = [r for r, e in trainer.engines.items() if e.trainable]
+    if rank == 0:
+        if os.path.exists(tmp):  # left by a save that died
+            shutil.rmtree(tmp)
+        for sub in trainable + ["rng"]:
+            os.makedirs(os.path.join(tmp, sub))
+    dist.barrier()
+    for role in trainable:
+        sd = _role_sharded_state_dict(trainer.engines[role], is_loading=False, with_optimizer=True)
+        dist_checkpointing.save(sd, os.path.join(tmp, role))
+        _maybe_fail(rank, it)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+    meta = run_metadata(trainer.cfg)
+    meta["fingerprints"] = {r: weight_fingerprint(e) for r, e in trainer.engines.items()
+                            if not e.trainable}
+    if rank == 0:
+        state = {"iteration": it, "kl_ctl": trainer.kl_ctl.state_dict(),
+                 "schedulers": {r: trainer.engines[r].scheduler.state_dict() for r in trainable},
+                 "loader": loader.state_dict() if loader is not None else None}
+        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
+            json.dump(state, f, indent=1)
+        meta["iteration"] = it
+        with open(os.path.join(tmp, METADATA), "w") as f:
+            json.dump(meta, f, indent=1)
+    dist.barrier()  # every rank has written everything: publish
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        tracker = os.path.join(root, TRACKER)
+        with open(tracker + ".tmp", "w") as f:
+            f.write(f"{it}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker + ".tmp", tracker)
+    dist.barrier()
+    _log(f"saved iteration {it} to {final} in {time.perf_counter() - t0:.2f}s")
+    return final
+
+
+# ---- load ------------------------------------------------------------------------------------------
+def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load_rng: bool = True,
+                    iteration: Optional[int] = None) -> int:
+    """Collective: restore the latest checkpoint under ``root`` into ``trainer`` (and ``loader``).
+
+    Returns the restored iteration (0 when ``root`` has no checkpoint yet: a fresh start).
+    Models and optimizers reshard to this run's layouts; with ``load_optim=False`` only weights
+    (and the LR schedulers' step counts) are restored, as Megatron-LM's --no-load-optim.
+    """
+    from megatron.core import dist_checkpointing
+
+    t0 = time.perf_counter()
+    it = check_checkpoint(trainer.cfg, root, iteration)
+    if it is None:
+        _log(f"no {TRACKER} under {root}: starting from scratch")
+        return 0
+    d = iter_dir(root, it)
+    meta = json.load(open(os.path.join(d, METADATA)))
+    same_opt = meta["optimizer"]["use_distributed_optimizer"] == trainer.cfg.optim.use_distributed_optimizer
+    for role, eng in trainer.engines.items():
+        if not eng.trainable:
+            continue
+        sd = _role_sharded_state_dict(eng, is_loading=True, with_optimizer=load_optim)
+        try:
+            state = dist_checkpointing.load(sd, os.path.join(d, role))
+        except Exception as e:
+            hint = ("" if same_opt or not load_optim else
+                    " (saved with use_distributed_optimizer="
+                    f"{meta['optimizer']['use_distributed_optimizer']}; retry with --no-load-optim)")
+            raise CheckpointError(f"loading {role} from {os.path.join(d, role)} failed{hint}: {e}") from e
+        if eng.member:
+            eng.module.load_state_dict(state["model"], strict=True)
+            if load_optim:
+                with _torch_adam_step_kept(eng.optimizer):
+                    eng.optimizer.load_state_dict(state["optimizer"])  # fp32 main params included
+            else:
+                _refresh_main_params(eng)
+    for role, eng in trainer.engines.items():  # frozen roles: rebuilt from their source; verify
+        if eng.trainable:
+            continue
+        saved = meta.get("fingerprints", {}).get(role)
+        now = weight_fingerprint(eng)
+        if saved is not None and not _fingerprints_match(saved, now):
+            raise CheckpointError(f"{os.path.join(d, METADATA)}: frozen role {role} was rebuilt from "
+                                  f"{meta['roles'][role]['source']} but its weights differ from the "
+                                  f"saved run's (fingerprint {saved} vs {now})")
+    state = json.load(open(os.path.join(d, TRAINER_STATE)))
+    trainer.iteration = int(state["iteration"])
+    trainer.kl_ctl.load_state_dict(state["kl_ctl"])
+    for role, sched_state in state["schedulers"].items():
+        eng = trainer.engines[role]
+        if eng.scheduler is not None:
+            eng.scheduler.load_state_dict(sched_state)
+    if loader is not None and state.get("loader") is not None:
+        loader.load_state_dict(state["loader"])
+    if load_rng:
+        path = os.path.join(d, "rng", f"rank_{dist.get_rank():05d}.pt")
+        if meta["world_size"] != dist.get_world_size():
+            _log(f"world size {meta['world_size']} -> {dist.get_world_size()}: RNG states not restored "
+                 f"(sampling and shuffling are keyed by (seed, iteration), so numbers are unaffected)")
+        else:
+            _set_rng_state(torch.load(path, weights_only=False))
+    if trainer.switch is not None:
+        trainer.switch.release()  # the next generation switches from the loaded weights
+    dist.barrier()
+    _log(f"resumed iteration {it} from {d} in {time.perf_counter() - t0:.2f}s"
+         + ("" if load_optim else " (weights only: --no-load-optim)"))
+    return trainer.iteration
+
+
+def _refresh_main_params(engine) -> None:
+    """Weights-only load: copy the loaded model params into the optimizer's fp32 main params."""
+    opt = engine.optimizer
+    if hasattr(opt, "reload_model_params"):
+        opt.reload_model_params()
