@@ -336,6 +336,9 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         path = getattr(args, flag)
         if path and not os.path.isfile(os.path.join(path, "config.json")):
             _fail("--" + flag.replace("_", "-"), f"{path!r} is not an HF checkpoint directory (no config.json)")
+    if args.reward_fn and args.reward_model:
+        _fail("--reward-fn", f"give one reward source, not both --reward-fn and a reward model "
+                             f"({args.reward_model})")
     if args.reward_fn and ":" not in args.reward_fn:
         _fail("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
     if not 0.0 < args.top_p <= 1.0:

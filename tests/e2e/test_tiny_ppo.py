@@ -106,6 +106,16 @@ def test_plan_auto_runs_and_changes_no_numbers(tmp_path, reference):
     _same(auto, reference)
 
 
+def test_reward_model_at_two_layouts(tmp_path):
+    """Four models: a (random) reward model scores at (1,4,1) and at (2,1,2) with the same result."""
+    base = SMALL + ["--reward-fn", "", "--reward-model", "random"]
+    _, a = _tiny_script(base + ["--reward-tensor-model-parallel-size", "1",
+                                "--reward-pipeline-model-parallel-size", "1"], tmp_path / "a", timeout=600)
+    _, b = _tiny_script(base, tmp_path / "b", timeout=600)  # reward follows the actor: (2,1,2)
+    _same(a, b)
+    assert a[0]["reward_mean"] != 0.0
+
+
 def test_bad_flags_fail_before_allocation():
     proc = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--num-layers", "2",
                            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -52,6 +52,11 @@ def test_bad_flags_name_the_flag(extra, flag):
     assert str(e.value).startswith(flag), str(e.value)
 
 
+def test_two_reward_sources_are_refused():
+    with pytest.raises(ArgumentError, match="--reward-fn: give one reward source"):
+        cfg("--reward-model", "random")
+
+
 def test_missing_reward_source():
     args = [a for a in BASE if a not in ("--reward-fn", "puzzle.rewards:lowercase_fraction")]
     with pytest.raises(ArgumentError, match="--reward-fn: no reward source"):
