@@ -70,12 +70,21 @@ class PPOTrainer:
         adv_stats = self.compute_advantages(batch)
         train_stats = self.train(batch)
         t3 = time.perf_counter()
-        metrics = {"iteration": self.iteration, **adv_stats, **train_stats,
+        metrics = {"iteration": self.iteration, **adv_stats, **train_stats, **self._switch_metrics(),
                    "response_length_mean": float(batch.response_lengths.float().mean()),
                    "samples_per_sec": batch.size / (t3 - t0),
                    "time_generate": t1 - t0, "time_score": t2 - t1, "time_train": t3 - t2}
         self.logger.log(metrics)
         return metrics
+
+    def _switch_metrics(self) -> dict:
+        """The busiest rank's received bytes and the slowest rank's time of the last switch."""
+        if self.switch is None or self.switch.last_stats is None:
+            return {}
+        st = self.switch.last_stats
+        v = torch.tensor([float(st.bytes_received), st.time_s], dtype=torch.float64)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return {"switch_bytes_max_rank": int(v[0]), "switch_seconds": float(v[1])}
 
     # ---- stage 1: generation -----------------------------------------------------------------
     def generate(self, prompt_ids: List[List[int]]) -> RolloutBatch:
