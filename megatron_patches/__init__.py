@@ -8,6 +8,8 @@ checked on and when it can be removed.
 Patches:
 - ``cpu_backend``: runs the unmodified megatron-core models, tensor-parallel layers, schedules,
   DDP, optimizer and dist-checkpointing on CPU tensors over gloo when CUDA is unavailable.
+- ``distrib_optimizer_step``: keeps Adam's per-parameter "step" intact when a DistributedOptimizer
+  loads a checkpoint (two megatron-core 0.16 bugs on the fully_reshardable path); CPU and GPU.
 """
 
 from __future__ import annotations
@@ -52,13 +54,15 @@ def apply(force_cpu: bool | None = None) -> dict:
     """
     global _applied
     check_version()
-    from megatron_patches import cpu_backend
+    from megatron_patches import cpu_backend, distrib_optimizer_step
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
     result = {"cpu_backend": False}
     if use_cpu:
-        cpu_backend.apply()
+        cpu_backend.apply()  # first: it must precede other megatron imports (JIT fuser)
         result["cpu_backend"] = True
+    distrib_optimizer_step.apply()
+    result["distrib_optimizer_step"] = True
     _applied = True
     return result
 

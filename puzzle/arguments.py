@@ -495,8 +495,12 @@ def config_for_planning(args):
     return validate_args(args, resolve_world_size(args), resolve_vocab_size(args), check_paths=False)
 
 
-def plan_flags(doc: dict) -> List[str]:
-    """Layout and placement flags of a plan document (search_plan.py --save-plan / SearchResult.to_dict)."""
+def plan_flags(doc: dict, strict: bool = False) -> List[str]:
+    """Layout and placement flags of a plan document (search_plan.py --save-plan / SearchResult.to_dict).
+
+    The trainer time-shares only models with identical layouts on the same ranks (the search's
+    Eq. (1) needs equal P only): a 'time-sharing' stage whose co-located plans differ becomes
+    'sequential' (``strict``: an ArgumentError instead)."""
     from puzzle.parallel.plan import ParallelPlan, PlanError
 
     flags: List[str] = []
@@ -520,6 +524,18 @@ def plan_flags(doc: dict) -> List[str]:
                       "--actor-gen-pipeline-model-parallel-size", str(gen.P)]
     placements = doc.get("placements", {})
     for stage, flag in (("scoring", "--score-placement"), ("training", "--train-placement")):
-        if placements.get(stage) in ("sequential", "disjoint", "time-sharing"):
-            flags += [flag, placements[stage]]
+        placement = placements.get(stage)
+        if placement not in ("sequential", "disjoint", "time-sharing"):
+            continue
+        members = {r: st[stage] for r, st in plans.items() if stage in st}
+        if placement == "time-sharing":
+            items = list(members.items())
+            clash = [(a, pa, b, pb) for i, (a, pa) in enumerate(items) for b, pb in items[i + 1:]
+                     if set(pa.ranks) & set(pb.ranks) and pa != pb]
+            if clash and strict:
+                a, pa, b, pb = clash[0]
+                _fail("--plan-file", f"{stage}: time-sharing needs equal layouts on shared ranks; {a} {pa} vs {b} {pb}")
+            if clash:
+                placement = "sequential"
+        flags += [flag, placement]
     return flags

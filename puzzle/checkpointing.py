@@ -35,7 +35,6 @@ layout-free; so weights *and* optimizer state reshard across (P, D, T) on load.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -79,7 +78,8 @@ def read_tracker(root: str) -> Optional[int]:
 
 # ---- metadata (layout-free description of the run) -------------------------------------------
 def _plan_dict(plan) -> Optional[dict]:
-    return None if plan is None else {"P": plan.P, "D": plan.D, "T": plan.T}
+    return None if plan is None else {"P": plan.P, "D": plan.D, "T": plan.T,
+                                      "offset": getattr(plan, "offset", 0)}
 
 
 def _role_source(cfg, role: str) -> dict:
@@ -184,44 +184,6 @@ def _ensure_optimizer_state(optimizer) -> None:
     for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
         if hasattr(leaf, "_init_optimizer_states_with_dummy_values") and not leaf.optimizer.state:
             leaf._init_optimizer_states_with_dummy_values()
-
-
-@contextlib.contextmanager
-def _torch_adam_step_kept(optimizer):
-    """Work around two megatron-core 0.16.1 DistributedOptimizer bugs with torch Adam (no
-    apex/TE). 1) load_parameter_state_from_fully_reshardable drops each param's "step" from the loaded
-    tensors but then copies every key of the live state, "step" included -> KeyError. The step
-    itself is restored from the param groups by load_state_dict; here the live "step" is passed
-    through unchanged. Scoped to this optimizer instance for the duration of the load.
-    TODO(lead): move to megatron_patches/ (target: distrib_optimizer._set_main_param_and_
-    optimizer_states; remove when megatron-core skips "step" there)."""
-    leaves = [leaf for leaf in getattr(optimizer, "chained_optimizers", [optimizer])
-              if hasattr(leaf, "_set_main_param_and_optimizer_states")]
-    for leaf in leaves:
-        original = leaf._set_main_param_and_optimizer_states
-
-        def keep_step(model_param, tensors, _leaf=leaf, _original=original):
-            if "step" not in tensors and not _leaf.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-                group, order = _leaf.model_param_group_index_map[model_param]
-                live = _leaf.optimizer.state.get(_leaf.optimizer.param_groups[group]["params"][order], {})
-                if "step" in live:
-                    tensors = {**tensors, "step": live["step"].clone()}
-            return _original(model_param, tensors)
-
-        leaf._set_main_param_and_optimizer_states = keep_step
-    try:
-        yield
-    finally:
-        for leaf in leaves:
-            del leaf._set_main_param_and_optimizer_states  # back to the class method
-    # Second 0.16.1 bug on the same path: DistributedOptimizer.load_state_dict gives every param
-    # the SAME "step" tensor, and torch Adam increments each param's step in place, so after one
-    # step it is N too large (wrong bias correction). Give each param its own copy.
-    for leaf in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(leaf, "optimizer", None)
-        for st in (inner.state.values() if inner is not None else ()):
-            if torch.is_tensor(st.get("step")):
-                st["step"] = st["step"].clone()
 
 
 @torch.no_grad()
@@ -377,8 +339,8 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
         if eng.member:
             eng.module.load_state_dict(state["model"], strict=True)
             if load_optim:
-                with _torch_adam_step_kept(eng.optimizer):
-                    eng.optimizer.load_state_dict(state["optimizer"])  # fp32 main params included
+                # (megatron_patches.distrib_optimizer_step keeps Adam's "step" right on this path)
+                eng.optimizer.load_state_dict(state["optimizer"])  # fp32 main params included
             else:
                 _refresh_main_params(eng)
     for role, eng in trainer.engines.items():  # frozen roles: rebuilt from their source; verify
@@ -396,7 +358,12 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
     for role, sched_state in state["schedulers"].items():
         eng = trainer.engines[role]
         if eng.scheduler is not None:
-            eng.scheduler.load_state_dict(sched_state)
+            try:
+                eng.scheduler.load_state_dict(sched_state)
+            except AssertionError as e:  # megatron checks the schedule's shape against the checkpoint
+                raise CheckpointError(f"{os.path.join(d, TRAINER_STATE)}: {role} LR schedule differs from "
+                                      f"the checkpoint's ({e}); the decay length follows --train-iters, "
+                                      f"--global-batch-size and --ppo-epochs") from e
     if loader is not None and state.get("loader") is not None:
         loader.load_state_dict(state["loader"])
     if load_rng:

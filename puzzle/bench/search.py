@@ -1,6 +1,7 @@
 """Plan-search benchmark: similarity search vs exhaustive search on the PUZZLE configurations.
 
     python -m puzzle.bench.search [--only 7B/350M@8 ...] [--profile a100_80gb] [--no-exhaustive]
+    python -m puzzle.bench.search --calibrate [--cpu-profile FILE] [--train-iters 4]
 
 Prints one JSON object per line: ``config, world_size, batch, searched_cost, exhaustive_cost,
 gap, search_seconds, exhaustive_seconds`` (wall clock), ``search_cpu_seconds,
@@ -76,13 +77,81 @@ def run(only: Optional[List[str]] = None, profile_name: str = "a100_80gb", exhau
     return rows
 
 
+def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 4, log_root: str = "tmp/calibrate",
+              procs: int = 4) -> List[dict]:
+    """Cost model vs the CPU tiny PPO run (examples/run_ppo_tiny.sh, 4 ranks): profile the tiny
+    shapes on this machine (or load ``cpu_profile``), run the script's default plan, compare per-stage
+    estimates with the measured medians (iteration 1 skipped); then run the plan the similarity
+    search picks with that profile (world 4) and compare iteration times. Prints two JSON rows."""
+    import os
+
+    from puzzle.plan import ModelShape  # noqa: F401  (re-exported for users of this module)
+    from puzzle.plan.calibration import (default_tiny_plans, estimate_error, estimate_stages, plan_flags, run_tiny,
+                                         tiny_shape, tiny_workload)
+    from puzzle.plan.profile import SHAPES, run_profile
+
+    if cpu_profile and os.path.exists(cpu_profile):
+        prof_src = cpu_profile
+        profile = load_profile(cpu_profile)
+    else:
+        prof_src = os.path.join(log_root, "cpu_tiny_profile.json")
+        os.makedirs(log_root, exist_ok=True)
+        spec = {"shape": dict(SHAPES["tiny"]), "tp_sizes": [1, 2], "micro_batch_sizes": [1, 2, 4],
+                "seq_lengths": [32, 64], "decode_batch_sizes": [1, 2, 4, 8], "procs": procs, "repeats": 5,
+                "decode_steps": 8, "name": None}
+        t0 = time.perf_counter()
+        run_profile(spec, prof_src, log=lambda m: print(m, file=sys.stderr))
+        profile = load_profile(prof_src)
+        print(f"profiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    w = tiny_workload()
+    rows = []
+    base = default_tiny_plans()
+    est = estimate_stages(profile, w, base["plans"], base["placements"])
+    meas = run_tiny([], os.path.join(log_root, "default"), train_iters)
+    err = {k: round(estimate_error(est[k], meas[k]), 3) for k in est}
+    rows.append({"config": "calibrate tiny PPO (CPU, 4 ranks), default plan", "profile": prof_src,
+                 "plans": "actor/ref (2,1,2), critic (1,2,2), sequential",
+                 "workload": {"rollout": w.rollout_batch_size, "prompt_len": w.prompt_len, "gen_len": w.gen_len,
+                              "micro_batch": w.micro_batch_size, "epochs": w.ppo_epochs},
+                 "estimated_s": {k: round(v, 4) for k, v in est.items()},
+                 "measured_median_s": {k: round(meas[k], 4) for k in est}, "estimate_error": err,
+                 "iterations_timed": meas["iterations_timed"]})
+    print(json.dumps(rows[-1]), flush=True)
+    # colocated layouts only: train_ppo.py generates on the actor's training ranks, so a disjoint
+    # layout's all-ranks generation plan cannot run as such (plan_flags raises PlanFlagsError)
+    job = PPOJob(procs, tiny_shape(), tiny_shape(), w, profile, disjoint_fractions=())
+    res = similarity_search(job)
+    flags = plan_flags(res)
+    srch = run_tiny(flags, os.path.join(log_root, "searched"), train_iters)
+    d = res.to_dict()
+    est_s = estimate_stages(profile, w, res.plans, res.placements)
+    rows.append({"config": "tiny PPO (CPU, world 4): searched plan vs default plan", "searched_layout": d["layout"],
+                 "searched_plans": d["plans"], "searched_placements": d["placements"], "plan_flags": " ".join(flags),
+                 "searched_estimated_iteration_s": round(sum(est_s.values()), 4),
+                 "default_estimated_iteration_s": round(sum(est.values()), 4),
+                 "searched_measured_iteration_s": round(srch["iteration"], 4),
+                 "default_measured_iteration_s": round(meas["iteration"], 4),
+                 "searched_measured_s": {k: round(srch[k], 4) for k in est},
+                 "speedup": round(meas["iteration"] / srch["iteration"], 3)})
+    print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", help="configurations to run, e.g. 7B/350M@8")
     ap.add_argument("--profile", default="a100_80gb", help="bundled profile name or JSON path")
     ap.add_argument("--no-exhaustive", action="store_true", help="skip the exhaustive verification")
     ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="only the calibration rows: cost model vs the CPU tiny PPO run (profiles this machine)")
+    ap.add_argument("--cpu-profile", default=None, help="with --calibrate: a saved CPU profile instead of profiling")
+    ap.add_argument("--train-iters", type=int, default=4, help="with --calibrate: iterations of each tiny run")
+    ap.add_argument("--log-dir", default="tmp/calibrate", help="with --calibrate: where the tiny runs log")
     args = ap.parse_args(argv)
+    if args.calibrate:
+        calibrate(args.cpu_profile, args.train_iters, args.log_dir)
+        return 0
     known = {config_name(a, c, g) for a, c, g, _ in CONFIGS}
     bad = [o for o in args.only or [] if o not in known]
     if bad:

@@ -4,7 +4,7 @@ A configuration chooses, for a world of N ranks:
 
 * a *layout*: ``colocated`` (all four models on all N ranks) or ``disjoint@k`` (actor and ref on
   ranks [0, k), critic and reward on [k, N), k in N/4, N/2, 3N/4);
-* plans: A = actor training plan (also its home for scoring), G = actor generation plan (all N
+* plans: A = actor training plan (also its home for scoring), G = actor generation plan (the actor's
   ranks), C = critic plan (training and scoring), R = ref plan, W = reward plan (scoring).
 
 Stage placement follows: colocated stages run their models on the same devices, time-shared by
@@ -42,7 +42,9 @@ from puzzle.plan.profile_data import Profile, load_profile
 
 VARS = ("A", "G", "C", "R", "W")
 #: variable -> (model, stage whose time/memory picks it alone, device group 'a' | 'c' | 'all')
-VAR_INFO = {"A": ("actor", "training", "a"), "G": ("actor", "generation", "all"),
+# The actor generates on its training ranks: the switch reshards between layouts of the same ranks
+# (puzzle.switch), so in a disjoint layout generation stays on the actor's group.
+VAR_INFO = {"A": ("actor", "training", "a"), "G": ("actor", "generation", "a"),
             "C": ("critic", "training", "c"), "R": ("ref", "scoring", "a"), "W": ("reward", "scoring", "c")}
 _EXCHANGES = [(i, j) for i in range(3) for j in range(3) if i != j]  # multiply dim i by 2, divide dim j by 2
 

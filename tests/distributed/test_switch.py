@@ -47,6 +47,7 @@ def test_release_frees_shadow_parameters(world):
             c = res["pairs"][pair]
             assert c["param_bytes_before_release"] > 0, (r, pair)
             assert c["param_bytes_after_release"] == 0 and c["module_gone"], (r, pair)
+            assert c["tensors_alive"] == 0, (r, pair)  # freed at release, without a gc pass
 
 
 def test_critic_value_head_switches(world):

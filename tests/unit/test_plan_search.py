@@ -278,14 +278,17 @@ def test_infeasible_error_when_world_has_no_layout():
     odd = ModelShape(num_layers=5, hidden_size=66, ffn_hidden_size=99, num_attention_heads=3, num_query_groups=3,
                      vocab_size=100)
     with pytest.raises(InfeasibleError) as ei:
-        similarity_search(PPOJob(3, odd, odd, PPOWorkload(2), PROFILE))
+        similarity_search(PPOJob(3, odd, odd, PPOWorkload(2), PROFILE, disjoint_fractions=()))
     msg = str(ei.value)
     assert msg.startswith("no feasible plan for actor 0.2M / critic 0.2M on 3 ranks")
     assert "layout colocated: actor training on 3 ranks has no valid (P,D,T): (1,3,1): D=3 > 2 samples" in msg
-    assert "layout disjoint@1: actor generation on 3 ranks has no valid (P,D,T)" in msg
     assert "closest configurations" not in msg
+    # a disjoint layout fits: the actor generates on its own training ranks (the switch stays there)
+    res = similarity_search(PPOJob(3, odd, odd, PPOWorkload(2), PROFILE))
+    assert res.layout.startswith("disjoint")
+    assert res.plans["actor"]["generation"].ranks == res.plans["actor"]["training"].ranks
     with pytest.raises(InfeasibleError) as ei:
-        exhaustive_search(PPOJob(2, odd, odd, PPOWorkload(1), PROFILE))
+        exhaustive_search(PPOJob(2, odd, odd, PPOWorkload(1), PROFILE, disjoint_fractions=()))
     msg = str(ei.value)
     assert ("actor generation on 2 ranks has no valid (P,D,T): (1,2,1): D=2 > 1 samples per generation batch; "
             "(1,1,2): num_attention_heads=3 is not divisible by T=2; num_query_groups=3 is not divisible by T=2; "

@@ -2,6 +2,8 @@
 
 from types import SimpleNamespace
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -81,13 +83,15 @@ def check_pairs():
         shadow_lp = _logprobs(shadow.module, shadow.layout)
         diff = max(abs(x - y) for r1, r2 in zip(shadow_lp, lps[src]) for x, y in zip(r1, r2))
         pb_before = shadow.param_bytes()
+        alive = [weakref.ref(t) for t in shadow.module.parameters()]
         mem = shadow.release()
         out[f"{src}->{dst}"] = {
             "bitwise": ok, "bad": bad[:5], "bytes_received": st.bytes_received, "bytes_sent": st.bytes_sent,
             "lacking": shadow.table.bytes_lacking(me), "sent_expected": shadow.table.bytes_sent(me),
             "messages": st.messages_received, "max_lp_diff": diff, "n_lp": len(shadow_lp),
             "param_bytes_before_release": pb_before, "param_bytes_after_release": param_bytes(shadow.module),
-            "module_gone": shadow.module is None, "rss": [mem["rss_after_build"], mem["rss_after_release"]],
+            "module_gone": shadow.module is None, "tensors_alive": sum(r() is not None for r in alive),
+            "rss": [mem["rss_after_build"], mem["rss_after_release"]],
         }
     # the critic (scalar value head: output_layer.weight <-> value_head.weight)
     src, dst = P(2, 1, 2), P(1, 2, 2)

@@ -1,0 +1,160 @@
+"""Calibration of the cost model against the tiny PPO run, and SearchResult -> train_ppo.py flags.
+
+* :func:`plan_flags`: the ``train_ppo.py`` layout/placement flags that run a :class:`SearchResult`.
+* :func:`tiny_workload` / :func:`tiny_shape` / :func:`default_tiny_plans`: the workload, model shape
+  and plans of ``examples/run_ppo_tiny.sh`` (its defaults), as the cost model sees them.
+* :func:`estimate_stages`: the cost model's generation / scoring / training seconds of a run with
+  given plans and placements (same stage boundaries as ``PPOTrainer.step``'s ``time_*`` metrics:
+  the actor's train->generation switch overlaps its last optimizer step, so it counts in training;
+  with ``--reward-fn`` there is no reward-model forward).
+* :func:`run_tiny`: run the tiny PPO script with extra flags; medians of the per-stage times
+  (iteration 1, the warm-up, skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from puzzle.parallel.plan import ParallelPlan
+from puzzle.plan.cost_model import (CostModel, ModelShape, PPOWorkload, grouped_time, ppo_roles, sequential_time)
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_SCRIPT = REPO / "examples" / "run_ppo_tiny.sh"
+
+#: examples/run_ppo_tiny.sh defaults
+TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+            seq_length=64, vocab_size=259, make_vocab_size_divisible_by=128, rollout_batch_size=16,
+            global_batch_size=16, micro_batch_size=2, ppo_epochs=2, max_new_tokens=16, seed=1234, world_size=4)
+
+
+class PlanFlagsError(ValueError):
+    """A SearchResult that train_ppo.py cannot run as such."""
+
+
+def _dp_flags(prefix: str, plan: ParallelPlan, disjoint: bool) -> List[str]:
+    out = []
+    if disjoint:
+        out += [f"--{prefix}-rank-offset", str(plan.offset), f"--{prefix}-data-parallel-size", str(plan.D)]
+    return out
+
+
+def plan_flags(result, strict: bool = False) -> List[str]:
+    """train_ppo.py flags for a SearchResult (see puzzle.arguments.plan_flags, which reads the same
+    plan as a document: the layout flags of every role, --actor-gen-*, and the placements)."""
+    from puzzle.arguments import ArgumentError
+    from puzzle.arguments import plan_flags as flags_of_document
+
+    try:
+        return flags_of_document(result.to_dict(), strict=strict)
+    except ArgumentError as e:
+        raise PlanFlagsError(str(e)) from None
+
+
+# ---- the tiny run as the cost model sees it -----------------------------------------------------
+def tiny_shape() -> ModelShape:
+    v = TINY["vocab_size"]
+    m = TINY["make_vocab_size_divisible_by"]
+    return ModelShape(TINY["num_layers"], TINY["hidden_size"], TINY["ffn_hidden_size"], TINY["num_attention_heads"],
+                      TINY["num_query_groups"], -(-v // m) * m, True)
+
+
+def tiny_prompt_len(iterations: range = range(2, 5)) -> int:
+    """Mean (over the given 1-based iterations) of the longest prompt of the rollout batch: the
+    scored/trained sequences are that + max_new_tokens wide."""
+    from puzzle.data.prompts import PromptLoader, bundled_prompts_path, load_prompt_dataset
+    from puzzle.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer("ByteLevelTokenizer", None)
+    ds = load_prompt_dataset(bundled_prompts_path(), tok, "prompt",
+                             max_prompt_len=TINY["seq_length"] - TINY["max_new_tokens"])
+    loader = PromptLoader(ds.prompts, TINY["rollout_batch_size"], seed=TINY["seed"])
+    lens = []
+    for it in range(1, max(iterations) + 1):
+        b = next(loader)
+        if it in iterations:
+            lens.append(max(len(p) for p in b.prompts))
+    return int(round(statistics.mean(lens)))
+
+
+def tiny_workload(prompt_len: Optional[int] = None) -> PPOWorkload:
+    return PPOWorkload(rollout_batch_size=TINY["rollout_batch_size"], prompt_len=prompt_len or tiny_prompt_len(),
+                       gen_len=TINY["max_new_tokens"], micro_batch_size=TINY["micro_batch_size"],
+                       ppo_epochs=TINY["ppo_epochs"],
+                       ppo_minibatches=TINY["rollout_batch_size"] // TINY["global_batch_size"],
+                       distributed_optimizer=False)
+
+
+def default_tiny_plans() -> dict:
+    """The script's layout: actor and ref (P,D,T) = (2,1,2), critic (1,2,2), sequential stages."""
+    a = ParallelPlan(2, 1, 2)
+    return {"plans": {"actor": {"training": a, "generation": a, "scoring": a},
+                      "critic": {"training": ParallelPlan(1, 2, 2), "scoring": ParallelPlan(1, 2, 2)},
+                      "ref": {"scoring": a}},
+            "placements": {"scoring": "sequential", "training": "sequential"}}
+
+
+def _combine(tasks, placement: str) -> float:
+    if placement == "sequential":
+        return sequential_time(tasks)
+    if placement == "time-sharing":
+        return grouped_time(tasks)[0]
+    # disjoint: groups of identical rank sets run concurrently
+    groups: Dict[tuple, list] = {}
+    for t in tasks:
+        groups.setdefault(tuple(t.plan.ranks), []).append(t)
+    return max(sequential_time(g) for g in groups.values())
+
+
+def estimate_stages(profile, workload: PPOWorkload, plans: dict, placements: dict, shape: Optional[ModelShape] = None,
+                    reward_model: bool = False) -> Dict[str, float]:
+    """Cost-model seconds of generation, scoring and training (see the module docstring)."""
+    shape = shape or tiny_shape()
+    roles = ppo_roles(shape, shape)
+    cm = CostModel(profile, workload)
+    A, G = plans["actor"]["training"], plans["actor"]["generation"]
+    C, R = plans["critic"]["training"], plans["ref"]["scoring"]
+    gen = cm.generation_cost(roles["actor"], G).total
+    score = [cm.forward_cost(roles["actor"], A), cm.forward_cost(roles["ref"], R), cm.forward_cost(roles["critic"], C)]
+    if reward_model:
+        score.append(cm.forward_cost(roles["reward"], plans["reward"]["scoring"]))
+    train = [cm.train_cost(roles["actor"], A), cm.train_cost(roles["critic"], C)]
+    switch = cm.switch(roles["actor"], A, G)[1]
+    return {"generation": gen, "scoring": _combine(score, placements.get("scoring", "sequential")),
+            "training": _combine(train, placements.get("training", "sequential")) + switch}
+
+
+# ---- running the tiny PPO script -------------------------------------------------------------------
+def run_tiny(extra: List[str], log_dir: str, train_iters: int = 4, nproc: int = 4, timeout: int = 900) -> dict:
+    """Run examples/run_ppo_tiny.sh with ``extra`` flags; per-stage medians without iteration 1."""
+    os.makedirs(log_dir, exist_ok=True)
+    metrics = Path(log_dir) / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    env = dict(os.environ, NPROC=str(nproc), OMP_NUM_THREADS="1")
+    cmd = ["bash", str(TINY_SCRIPT), "--train-iters", str(train_iters), "--log-dir", log_dir, *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not metrics.exists():
+        tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-30:])
+        raise RuntimeError(f"tiny run failed (rc={proc.returncode}): {' '.join(cmd)}\n{tail}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "time_generate" in r]
+    timed = [r for r in rows if r.get("iteration", 0) > 1] or rows
+    med = {s: statistics.median(r[f"time_{k}"] for r in timed)
+           for s, k in (("generation", "generate"), ("scoring", "score"), ("training", "train"))}
+    med["iteration"] = statistics.median(r["time_generate"] + r["time_score"] + r["time_train"] for r in timed)
+    med["iterations_timed"] = len(timed)
+    med["wall_s"] = round(wall, 1)
+    return med
+
+
+def estimate_error(est: float, measured: float) -> float:
+    return abs(est - measured) / measured if measured > 0 else math.inf

@@ -1,0 +1,563 @@
+"""On-machine profiler: writes a device profile (the ``load_profile`` JSON) for the plan search.
+
+    python -m puzzle.plan.profile --out puzzle/plan/profiles/cpu_tiny.json --shapes tiny --procs 4 \\
+        [--tp-sizes 1,2] [--micro-batch-sizes 1,2,4] [--seq-lengths 32,64] [--decode-batch-sizes 1,2,4,8]
+    python -m puzzle.plan.profile --out my.json --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 \\
+        --num-attention-heads 4 --num-query-groups 2 --swiglu --seq-length 64
+
+What is measured (real megatron-core GPTModel built by our ``ModelEngine``, on CUDA when
+available, else on CPU/gloo through ``megatron_patches``), for every tensor-parallel degree T
+(a world of ``procs`` ranks spawned with torchrun by this module, running ``procs / T`` replicas
+of the (P, D, T) = (1, procs/T, T) layout at once):
+
+* ``fwd_s[T]`` / ``bwd_s[T]`` per (micro-batch size x sequence length = tokens): one micro-batch
+  forward / backward of the whole model as PPO runs it (embedding, layers, head, the vocab-parallel
+  log-prob + entropy of ``puzzle.training.vocab_parallel``), minus what the cost model adds back
+  (its LM-head estimate; its 2 TP all-reduces per layer from the fitted latency/bandwidth),
+  divided by the number of layers. The tables therefore hold the layers' kernels *and* their share
+  of the per-micro-batch fixed costs the cost model has no term for (Python/launch overheads, the
+  loss's own TP collectives), so the cost model reproduces the measured micro-batch at the
+  profiled depth; on CPU these fixed costs dominate small models. (Floor: 10 % of the hooked
+  layer-only forward time.) The layer-only time seen by forward hooks, collectives excluded, is
+  ``layer_fwd_s`` in the raw results and the profile's ``layer_overhead_s`` is its minimum.
+* ``decode_s[T]`` per number of sequences: one layer's share of a KV-cache decode step measured
+  inside ``puzzle.rollout.generation.generate`` (forward hooks on the layers, TP collectives
+  removed); ``decode_step_overhead_s``: the rest of a measured decode step (embedding, head,
+  sampling and its collectives, the Python loop) beyond what the cost model adds, median over T.
+* collectives over groups of 2 ranks (pairs run at the same time, as in a run): all-reduce
+  latency/bandwidth fit ``t = latency + 2(n-1)/n * bytes / bandwidth`` -> ``intra_node_*``;
+  point-to-point send/recv is fitted too (recorded in the comment; the cost model uses the
+  all-reduce figures for both). Bandwidths are *per bf16 byte*: the cost model counts 2 bytes per
+  element, so a run in fp32 (CPU) moves twice that and the reported bandwidth is halved.
+* GEMM rate (``peak_flops``: best fp32/bf16 matmul rate seen, ``gemm_efficiency`` 1.0,
+  ``gemm_half_efficiency_flops`` from a small GEMM), memory streaming rate (``hbm_bandwidth``:
+  a large tensor copy), ``device_memory_bytes`` (GPU memory, or host RAM / procs on CPU),
+  ``memory_reserved_bytes`` (the worker's resident memory before any model: torch, megatron).
+
+``--procs``: how many ranks share this host in the run the profile is for. A CPU "device" is a
+share of the host: 4 ranks on 2 cores each run at about half speed and their collectives wait
+for the scheduler, so profile with the run's rank count (4 for examples/run_ppo_tiny.sh).
+
+Writing a profile by hand for a cluster we do not have: copy ``profiles/a100_80gb.json``, set the
+``hardware`` block from the vendor's figures (memory per device, ranks per node, NVLink and
+inter-node bandwidth per direction and collective latency, achievable HBM rate, dense peak and a
+GEMM efficiency curve, kernel-launch overhead per layer and host overhead per decode step) and
+either leave ``layers`` empty (the cost model then uses ``analytic_layer_table``, the roofline of
+those constants) or paste tables from this profiler run on one node of that cluster (each entry:
+``shape`` hidden/ffn/heads/groups/swiglu, ``fwd_s``/``bwd_s`` {T: [[tokens, s], ...]},
+``decode_s`` {T: [[sequences, s], ...]}). ``validate_profile`` names any malformed field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: named shape sets (the tiny PPO run of examples/run_ppo_tiny.sh)
+SHAPES = {
+    "tiny": dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                 swiglu=True, seq_length=64, vocab_size=259),
+}
+
+
+def _pow2_list(text: str, what: str) -> List[int]:
+    vals = sorted({int(v) for v in text.split(",") if v.strip()})
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{what}: expected positive integers, got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="Profile per-layer and collective times into a plan-search profile JSON.",
+                                 allow_abbrev=False)
+    ap.add_argument("--out", required=True, help="profile JSON to write")
+    ap.add_argument("--name", default=None, help="profile name (default: cpu-<procs>ranks or the GPU name)")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="a named shape set instead of model flags")
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--ffn-hidden-size", type=int, default=None)
+    ap.add_argument("--num-attention-heads", type=int, default=4)
+    ap.add_argument("--num-query-groups", type=int, default=None)
+    ap.add_argument("--group-query-attention", action="store_true", help="accepted for train_ppo.py compatibility")
+    ap.add_argument("--swiglu", action="store_true")
+    ap.add_argument("--seq-length", type=int, default=64)
+    ap.add_argument("--vocab-size", type=int, default=259, help="tokenizer vocabulary (ByteLevelTokenizer: 259)")
+    ap.add_argument("--tp-sizes", default="1,2", help="tensor-parallel degrees (powers of two)")
+    ap.add_argument("--micro-batch-sizes", default="1,2,4")
+    ap.add_argument("--seq-lengths", default=None, help="default: half and all of --seq-length")
+    ap.add_argument("--decode-batch-sizes", default="1,2,4,8")
+    ap.add_argument("--procs", type=int, default=None, help="ranks sharing this host (default: the largest T)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repetitions per point (after one warm-up)")
+    ap.add_argument("--decode-steps", type=int, default=8, help="generated tokens per decode measurement")
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: the spec JSON of a worker
+    return ap
+
+
+def spec_from_args(args) -> dict:
+    shape = dict(SHAPES[args.shapes]) if args.shapes else dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups or args.num_attention_heads, swiglu=args.swiglu,
+        seq_length=args.seq_length, vocab_size=args.vocab_size)
+    tps = _pow2_list(args.tp_sizes, "--tp-sizes")
+    if any(t & (t - 1) for t in tps):
+        raise SystemExit(f"--tp-sizes must be powers of two, got {tps}")
+    seqs = _pow2_list(args.seq_lengths, "--seq-lengths") if args.seq_lengths else sorted(
+        {max(8, shape["seq_length"] // 2), shape["seq_length"]})
+    if max(seqs) > shape["seq_length"]:
+        raise SystemExit(f"--seq-lengths {seqs} exceed --seq-length {shape['seq_length']}")
+    procs = args.procs or max(tps)
+    if any(procs % t for t in tps):
+        raise SystemExit(f"--procs {procs} must be a multiple of every T in {tps}")
+    return {"shape": shape, "tp_sizes": tps, "micro_batch_sizes": _pow2_list(args.micro_batch_sizes, "--micro-batch-sizes"),
+            "seq_lengths": seqs, "decode_batch_sizes": _pow2_list(args.decode_batch_sizes, "--decode-batch-sizes"),
+            "procs": procs, "repeats": max(1, args.repeats), "decode_steps": max(2, args.decode_steps),
+            "name": args.name}
+
+
+# ---- the driver (no torch.distributed here) ------------------------------------------------------
+def run_profile(spec: dict, out: str, timeout: int = 600, log=print) -> dict:
+    """Spawn the measurement world, build the profile, write ``out``; returns the raw results."""
+    with tempfile.TemporaryDirectory(prefix="puzzle-profile-") as tmp:
+        spec_path, res_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
+        Path(spec_path).write_text(json.dumps(dict(spec, result=res_path)))
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        if spec["procs"] == 1:
+            cmd = [sys.executable, "-m", "puzzle.plan.profile", "--out", out, "--worker", spec_path]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['procs']}",
+                   "-m", "puzzle.plan.profile", "--out", out, "--worker", spec_path]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not os.path.exists(res_path):
+            tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-40:])
+            raise RuntimeError(f"profiler world failed (rc={proc.returncode}):\n{tail}")
+        raw = json.loads(Path(res_path).read_text())
+    raw["wall_s"] = round(time.perf_counter() - t0, 1)
+    prof = build_profile(spec, raw)
+    from puzzle.plan.profile_data import save_profile
+
+    save_profile(prof, out)
+    log(f"wrote {out} ({raw['wall_s']} s): {len(prof.layers)} layer table(s), T={spec['tp_sizes']}, "
+        f"allreduce {prof.intra_node_latency_s * 1e6:.0f} us + bytes/{prof.intra_node_bandwidth / 1e9:.2f} GB/s")
+    return raw
+
+
+def _fit_latency_bw(points, factor: float):
+    """Least squares t = a + factor * bytes * c -> (latency a >= 0, bandwidth 1/c)."""
+    xs = [factor * b for b, _ in points]
+    ys = [t for _, t in points]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    c = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    c = max(c, 1e-12)
+    a = max(my - c * mx, 0.0)
+    return a, 1.0 / c
+
+
+def build_profile(spec: dict, raw: dict):
+    """Profile from the worker's raw measurements (see the module docstring for the attribution)."""
+    from puzzle.plan.cost_model import CostModel, ModelRole, ModelShape, PPOWorkload
+    from puzzle.plan.profile_data import LayerTable, Profile
+
+    sh = spec["shape"]
+    elt = raw["elem_bytes"]  # bytes per element of the measured run (4 on CPU fp32)
+    to_bf16 = 2.0 / elt
+    if raw.get("allreduce"):
+        lat, bw = _fit_latency_bw(raw["allreduce"], 1.0)
+        p2p_lat, p2p_bw = _fit_latency_bw(raw["p2p"], 1.0)
+        bw, p2p_bw = bw * to_bf16, p2p_bw * to_bf16
+        comm_note = (f"all-reduce (pairs, {spec['procs']} ranks busy) {lat * 1e6:.0f} us + bytes/{bw / 1e9:.3f} GB/s; "
+                     f"p2p send/recv {p2p_lat * 1e6:.0f} us + bytes/{p2p_bw / 1e9:.3f} GB/s (per bf16 byte)")
+    else:
+        lat, bw = 5e-5, 1e10
+        comm_note = "collectives not measured (one rank): placeholder 50 us, 10 GB/s"
+    hw = dict(device_memory_bytes=int(raw["device_memory_bytes"]), memory_reserved_bytes=int(raw["reserved_bytes"]),
+              ranks_per_node=int(raw["ranks_per_node"]), intra_node_bandwidth=bw, inter_node_bandwidth=bw,
+              intra_node_latency_s=lat, inter_node_latency_s=lat, hbm_bandwidth=float(raw["hbm_bandwidth"]),
+              peak_flops=float(raw["peak_flops"]), gemm_efficiency=1.0,
+              gemm_half_efficiency_flops=float(raw["gemm_half_flops"]), layer_overhead_s=1e-6,
+              decode_step_overhead_s=0.0)
+    prof = Profile(name=spec.get("name") or raw["device_name"], comment="", **hw)
+    shape = ModelShape(sh["num_layers"], sh["hidden_size"], sh["ffn_hidden_size"], sh["num_attention_heads"],
+                       sh["num_query_groups"], raw["padded_vocab"], sh["swiglu"])
+    role = ModelRole("actor", shape, True, True)
+    L = sh["num_layers"]
+    cm = CostModel(prof, PPOWorkload(1))
+    fwd, bwd, dec = {}, {}, {}
+    floor = []
+    for T in spec["tp_sizes"]:
+        rows_f, rows_b = {}, {}
+        for m in raw["train"][str(T)]:
+            tok = m["tokens"]
+            head = cm._head_fwd(role, tok, T)
+            ar = 2 * prof.allreduce_time(tok * sh["hidden_size"] * 2, T, False)  # what the cost model adds per layer
+            floor_f = 0.1 * max(m["layer_fwd_s"], 1e-6)
+            f = max((m["fwd_s"] - head) / L - ar, floor_f)
+            b = max((m["bwd_s"] - 2 * head) / L - ar, floor_f)
+            rows_f.setdefault(tok, []).append(f)
+            rows_b.setdefault(tok, []).append(b)
+            floor.append(m["layer_fwd_s"])
+        fwd[T] = [(float(t), float(f"{statistics.median(v):.4g}")) for t, v in sorted(rows_f.items())]
+        bwd[T] = [(float(t), float(f"{statistics.median(v):.4g}")) for t, v in sorted(rows_b.items())]
+        dec[T] = [(float(d["seqs"]), float(f"{max(d['layer_s'] - d['layer_comm_s'], 1e-7):.4g}"))
+                  for d in raw["decode"][str(T)]]
+    # host overhead of a decode step: the measured step time minus what the cost model accounts for
+    # (layers' decode share + their TP all-reduces + the LM head), median over every T and batch size
+    over = []
+    for T in spec["tp_sizes"]:
+        for d in raw["decode"][str(T)]:
+            head = max(prof.hbm_time(raw["padded_vocab"] * sh["hidden_size"] / T * 2),
+                       2.0 * d["seqs"] * sh["hidden_size"] * raw["padded_vocab"] / T / prof.peak_flops)
+            ar = 2 * prof.allreduce_time(d["seqs"] * sh["hidden_size"] * 2, T, False)
+            over.append(d["step_s"] - L * (max(d["layer_s"] - d["layer_comm_s"], 1e-7) + ar) - head)
+    prof.decode_step_overhead_s = float(f"{max(statistics.median(over), 0.0):.4g}")
+    prof.layer_overhead_s = float(f"{min(floor):.4g}")
+    prof.layers[(sh["hidden_size"], sh["ffn_hidden_size"], sh["num_attention_heads"], sh["num_query_groups"],
+                 bool(sh["swiglu"]))] = LayerTable(
+        name=f"L{L}-h{sh['hidden_size']}-f{sh['ffn_hidden_size']}-a{sh['num_attention_heads']}-g{sh['num_query_groups']}",
+        hidden_size=sh["hidden_size"], ffn_hidden_size=sh["ffn_hidden_size"],
+        num_attention_heads=sh["num_attention_heads"], num_query_groups=sh["num_query_groups"],
+        swiglu=bool(sh["swiglu"]), seq_len=max(spec["seq_lengths"]), fwd_s=fwd, bwd_s=bwd, decode_s=dec)
+    prof.comment = (
+        f"Measured by `python -m puzzle.plan.profile` on {raw['device_name']} with {spec['procs']} ranks on this host "
+        f"(torch {raw['torch']}, {raw['dtype']}, OMP_NUM_THREADS={raw['omp']}), {raw['wall_s']} s. Layer tables: whole "
+        f"{L}-layer GPTModel micro-batch fwd/bwd with the PPO log-prob loss, minus the cost model's LM-head and per-layer "
+        f"TP all-reduce estimates, per layer (layers + their share of per-micro-batch fixed costs; exact for {L} layers); decode: per-layer "
+        f"share of a generate() decode step (hooks), decode_step_overhead_s = rest of the step. {comm_note}. "
+        f"GEMM peak {raw['peak_flops'] / 1e9:.1f} GFLOP/s, memory copy {raw['hbm_bandwidth'] / 1e9:.1f} GB/s. "
+        f"One host: inter-node figures = intra-node. See puzzle/plan/profile.py.")
+    return prof
+
+
+# ---- the worker (inside the torchrun world) ------------------------------------------------------
+class _CommTimer:
+    """Times torch.distributed collectives (and p2p) while installed; megatron calls them through the
+    torch.distributed module attributes, so wrapping those attributes sees every TP collective."""
+
+    NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "_all_gather_base",
+             "_reduce_scatter_base", "all_gather", "broadcast")
+
+    def __init__(self):
+        self.total = 0.0
+        self._orig = {}
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        for n in self.NAMES:
+            f = getattr(dist, n, None)
+            if f is None:
+                continue
+            self._orig[n] = f
+
+            def wrap(*a, _f=f, **k):
+                t = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    self.total += time.perf_counter() - t
+            setattr(dist, n, wrap)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for n, f in self._orig.items():
+            setattr(dist, n, f)
+        self._orig.clear()
+        return False
+
+
+class _LayerHooks:
+    """Forward time of every transformer layer call (and the collective time inside it)."""
+
+    def __init__(self, layers, comm: _CommTimer):
+        self.layers, self.comm = layers, comm
+        self.calls: List[tuple] = []  # (seq dim of the input, seconds, comm seconds)
+        self._h = []
+        self._t = None
+
+    def __enter__(self):
+        for layer in self.layers:
+            self._h.append(layer.register_forward_pre_hook(self._pre, with_kwargs=True))
+            self._h.append(layer.register_forward_hook(self._post))
+        return self
+
+    def _pre(self, module, args, kwargs):
+        hs = args[0] if args else kwargs.get("hidden_states")
+        self._t = (time.perf_counter(), self.comm.total, int(hs.shape[0]))
+
+    def _post(self, module, args, out):
+        t0, c0, s = self._t
+        self.calls.append((s, time.perf_counter() - t0, self.comm.total - c0))
+
+    def __exit__(self, *exc):
+        for h in self._h:
+            h.remove()
+        self._h.clear()
+        return False
+
+
+def _sync(dev):
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _hardware(dev, dtype) -> dict:
+    import torch
+
+    def rate(n, k=None, reps=5):
+        k = k or n
+        a, b = torch.randn(n, k, dtype=dtype, device=dev), torch.randn(k, n, dtype=dtype, device=dev)
+        a @ b
+        _sync(dev)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            a @ b
+            _sync(dev)
+            ts.append(time.perf_counter() - t)
+        return 2.0 * n * n * k / statistics.median(ts)
+
+    big = 4096 if dev.type == "cuda" else 512
+    peak = max(rate(big), rate(big // 2))
+    small_f = 2.0 * 64 * 64 * 64
+    r_small = rate(64)
+    half = max(small_f * (peak / r_small - 1.0), 1.0)
+    x = torch.empty(16 * 2 ** 20 if dev.type != "cuda" else 256 * 2 ** 20, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    ts = []
+    for _ in range(5):
+        _sync(dev)
+        t = time.perf_counter()
+        y.copy_(x)
+        _sync(dev)
+        ts.append(time.perf_counter() - t)
+    hbm = 2.0 * x.numel() / statistics.median(ts)  # read + write
+    return {"peak_flops": peak, "gemm_half_flops": half, "hbm_bandwidth": hbm}
+
+
+def _collectives(dev, dtype, rank: int, world: int, reps: int) -> dict:
+    """Pairs (0,1), (2,3), ... all at once: all-reduce and send/recv times per message size."""
+    import torch
+    import torch.distributed as dist
+
+    if world < 2:
+        return {"allreduce": [], "p2p": []}
+    pairs = [[2 * i, 2 * i + 1] for i in range(world // 2)]
+    mine = None
+    for p in pairs:
+        g = dist.new_group(p)
+        if rank in p:
+            mine = (g, p)
+    ar, pp = [], []
+    esz = torch.tensor([], dtype=dtype).element_size()
+    for nel in (256, 4096, 65536, 262144):
+        x = torch.ones(nel, dtype=dtype, device=dev)
+        dist.barrier()
+        if mine is None:
+            continue
+        g, p = mine
+        dist.all_reduce(x, group=g)
+        ts = []
+        for _ in range(max(reps, 5)):
+            _sync(dev)
+            t = time.perf_counter()
+            dist.all_reduce(x, group=g)
+            _sync(dev)
+            ts.append(time.perf_counter() - t)
+        ar.append([nel * esz, statistics.median(ts)])
+        ts = []
+        for _ in range(max(reps, 5)):
+            _sync(dev)
+            t = time.perf_counter()
+            if rank == p[0]:
+                dist.send(x, p[1])
+                dist.recv(x, p[1])
+            else:
+                dist.recv(x, p[0])
+                dist.send(x, p[0])
+            _sync(dev)
+            ts.append((time.perf_counter() - t) / 2)  # one direction of a ping-pong
+        pp.append([nel * esz, statistics.median(ts)])
+    return {"allreduce": ar, "p2p": pp}
+
+
+def _measure_T(spec, T, world, rank, dev, comm: _CommTimer) -> tuple:
+    import torch
+
+    from puzzle.config import ModelArch
+    from puzzle.parallel.groups import layout_for
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.rollout.generation import generate
+    from puzzle.rollout.sampling import SamplingParams
+    from puzzle.training.engine import ModelEngine
+    from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+
+    sh, reps = spec["shape"], spec["repeats"]
+    arch = ModelArch(num_layers=sh["num_layers"], hidden_size=sh["hidden_size"], ffn_hidden_size=sh["ffn_hidden_size"],
+                     num_attention_heads=sh["num_attention_heads"], num_query_groups=sh["num_query_groups"],
+                     vocab_size=sh["vocab_size"], seq_length=sh["seq_length"], swiglu=sh["swiglu"])
+    layout = layout_for(ParallelPlan(1, world // T, T))
+    eng = ModelEngine("actor", arch, layout, trainable=True)
+    model = eng.module
+    layers = list(model.decoder.layers)
+    gen = torch.Generator().manual_seed(1234 + layout.d)
+    train = []
+    for s in spec["seq_lengths"]:
+        for b in spec["micro_batch_sizes"]:
+            ids = torch.randint(0, sh["vocab_size"], (b, s), generator=gen).to(dev)
+            pos = torch.arange(s, device=dev).unsqueeze(0).expand(b, s)
+            f_t, b_t, f_c, b_c, lay = [], [], [], [], []
+            for it in range(reps + 1):
+                eng.model.train()
+                hooks = _LayerHooks(layers, comm)
+                _sync(dev)
+                with hooks:
+                    c0, t0 = comm.total, time.perf_counter()
+                    out = eng.model(ids, pos, None)
+                    lp, ent = vocab_parallel_logprobs(out[:, :-1], ids[:, 1:], layout.tp_group, sh["vocab_size"],
+                                                      with_entropy=True)  # the PPO steps' loss path
+                    loss = lp.mean() + ent.mean()
+                    _sync(dev)
+                    c1, t1 = comm.total, time.perf_counter()
+                    loss.backward()
+                    _sync(dev)
+                    c2, t2 = comm.total, time.perf_counter()
+                del out, loss, lp, ent
+                if it:
+                    f_t.append(t1 - t0)
+                    b_t.append(t2 - t1)
+                    f_c.append(c1 - c0)
+                    b_c.append(c2 - c1)
+                    lay.append(sum(d - c for _, d, c in hooks.calls) / len(layers))
+            eng.zero_grad()
+            train.append({"tokens": b * s, "mbs": b, "seq": s, "fwd_s": statistics.median(f_t),
+                          "bwd_s": statistics.median(b_t), "fwd_comm_s": statistics.median(f_c),
+                          "bwd_comm_s": statistics.median(b_c), "layer_fwd_s": statistics.median(lay)})
+    decode = []
+    n_new = spec["decode_steps"]
+    prompt = 8
+    for nb in spec["decode_batch_sizes"]:
+        prompts = [[int(v) for v in torch.randint(3, sh["vocab_size"], (prompt,), generator=gen)] for _ in range(nb)]
+        walls = {}
+        per_layer, per_comm = [], []
+        for k in (1, n_new):
+            params = SamplingParams(max_new_tokens=k, temperature=1.0, eos_id=None, pad_id=0)
+            ts = []
+            for it in range(max(2, reps // 2) + 1):
+                hooks = _LayerHooks(layers, comm)
+                _sync(dev)
+                with hooks:
+                    t = time.perf_counter()
+                    generate(eng, prompts, params, seed=it)
+                    _sync(dev)
+                    ts.append(time.perf_counter() - t)
+                if it and k == n_new:
+                    dcalls = [(d, c) for s, d, c in hooks.calls if s == 1]
+                    if dcalls:
+                        per_layer.append(statistics.median(d for d, _ in dcalls))
+                        per_comm.append(statistics.median(c for _, c in dcalls))
+            walls[k] = statistics.median(ts[1:])
+        step = max((walls[n_new] - walls[1]) / (n_new - 1), 1e-7)
+        decode.append({"seqs": nb, "step_s": step, "layer_s": statistics.median(per_layer),
+                       "layer_comm_s": statistics.median(per_comm)})
+    return train, decode, arch.padded_vocab_size
+
+
+def worker(spec_path: str) -> None:
+    import megatron_patches
+
+    megatron_patches.apply()
+    import torch
+    import torch.distributed as dist
+
+    from puzzle.parallel.groups import destroy_layouts, init_distributed
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world = init_distributed()
+    dev = torch.device("cuda", torch.cuda.current_device()) if (
+        torch.cuda.is_available() and not megatron_patches.on_cpu()) else torch.device("cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except Exception:  # pragma: no cover
+        rss = 2 ** 30
+    hw = _hardware(dev, dtype)
+    comm_raw = _collectives(dev, dtype, rank, world, spec["repeats"])
+    comm = _CommTimer()
+    train, decode = {}, {}
+    with comm:
+        for T in spec["tp_sizes"]:
+            tr, de, padded = _measure_T(spec, T, world, rank, dev, comm)
+            train[str(T)], decode[str(T)] = tr, de
+            dist.barrier()
+    # every rank measured; rank 0 reports the medians over ranks (one figure per point)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"train": train, "decode": decode, "hw": hw, "comm": comm_raw})
+    if rank == 0:
+        def med_rows(rows_per_rank):
+            out = []
+            for i, row in enumerate(rows_per_rank[0]):
+                m = dict(row)
+                for k, v in row.items():
+                    if k.endswith("_s"):
+                        m[k] = statistics.median(r[i][k] for r in rows_per_rank)
+                out.append(m)
+            return out
+
+        res = {
+            "train": {T: med_rows([g["train"][T] for g in gathered]) for T in train},
+            "decode": {T: med_rows([g["decode"][T] for g in gathered]) for T in decode},
+            "peak_flops": statistics.median(g["hw"]["peak_flops"] for g in gathered),
+            "gemm_half_flops": statistics.median(g["hw"]["gemm_half_flops"] for g in gathered),
+            "hbm_bandwidth": statistics.median(g["hw"]["hbm_bandwidth"] for g in gathered),
+            "allreduce": [[b, statistics.median(g["comm"]["allreduce"][i][1] for g in gathered if g["comm"]["allreduce"])]
+                          for i, (b, _) in enumerate(comm_raw["allreduce"])],
+            "p2p": [[b, statistics.median(g["comm"]["p2p"][i][1] for g in gathered if g["comm"]["p2p"])]
+                    for i, (b, _) in enumerate(comm_raw["p2p"])],
+            "elem_bytes": torch.tensor([], dtype=dtype).element_size(), "padded_vocab": padded,
+            "device_name": (torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu-{os.cpu_count()}cores-{world}ranks"),
+            "device_memory_bytes": (torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda"
+                                    else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world),
+            "reserved_bytes": rss, "ranks_per_node": world, "torch": torch.__version__, "dtype": str(dtype),
+            "omp": os.environ.get("OMP_NUM_THREADS", "unset"),
+        }
+        Path(spec["result"]).write_text(json.dumps(res))
+    dist.barrier()
+    destroy_layouts()
+    dist.destroy_process_group()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+    spec = spec_from_args(args)
+    run_profile(spec, args.out, timeout=args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The on-machine profiler (puzzle.plan.profile) and SearchResult -> train_ppo.py flags."""
+
+import json
+
+import pytest
+
+from puzzle.parallel.plan import ParallelPlan
+from puzzle.plan import SearchResult, load_profile, save_profile, validate_profile
+from puzzle.plan.calibration import PlanFlagsError, plan_flags
+from puzzle.plan.profile import SHAPES, run_profile
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prof") / "cpu.json"
+    spec = {"shape": dict(SHAPES["tiny"]), "tp_sizes": [1], "micro_batch_sizes": [1, 4], "seq_lengths": [32],
+            "decode_batch_sizes": [1, 4], "procs": 1, "repeats": 3, "decode_steps": 4, "name": "test-cpu"}
+    raw = run_profile(spec, str(out), timeout=300, log=lambda m: None)
+    return out, raw
+
+
+def test_profile_round_trips(tiny_profile, tmp_path):
+    path, _ = tiny_profile
+    prof = load_profile(str(path))
+    assert prof.name == "test-cpu"
+    again = tmp_path / "again.json"
+    save_profile(prof, str(again))
+    assert validate_profile(json.loads(again.read_text())).to_json() == prof.to_json()
+
+
+def test_profile_tables_positive_and_monotone_enough(tiny_profile):
+    path, raw = tiny_profile
+    prof = load_profile(str(path))
+    assert len(prof.layers) == 1
+    tab = next(iter(prof.layers.values()))
+    assert (tab.hidden_size, tab.ffn_hidden_size, tab.num_attention_heads, tab.num_query_groups, tab.swiglu) == \
+        (64, 128, 4, 2, True)
+    assert sorted(tab.fwd_s) == sorted(tab.bwd_s) == sorted(tab.decode_s) == [1]
+    assert [x for x, _ in tab.fwd_s[1]] == [32.0, 128.0] and [x for x, _ in tab.decode_s[1]] == [1.0, 4.0]
+    for rows in (tab.fwd_s[1], tab.bwd_s[1], tab.decode_s[1]):
+        assert all(y > 0 for _, y in rows)
+        # a shared machine makes strict monotonicity flaky: larger inputs are not 2x faster
+        assert rows[-1][1] >= rows[0][1] / 2
+    # the raw whole-model micro-batch times grow with tokens (within the same tolerance)
+    tr = raw["train"]["1"]
+    assert tr[-1]["fwd_s"] >= tr[0]["fwd_s"] / 2 and all(m["fwd_s"] > 0 and m["bwd_s"] > 0 for m in tr)
+    for k in ("peak_flops", "hbm_bandwidth", "device_memory_bytes"):
+        assert getattr(prof, k) > 0
+    assert prof.decode_step_overhead_s >= 0
+
+
+def _result(layout, plans, placements):
+    return SearchResult("hand", layout, plans, placements, {}, 0.0, 0, 0.0, [0.0], 0, 0, 0.0)
+
+
+def _validate(flags):
+    from puzzle.arguments import parse_args, validate_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+            "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64", "--swiglu",
+            "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--micro-batch-size", "2",
+            "--rollout-batch-size", "16", "--max-new-tokens", "16", "--reward-fn", "puzzle.rewards:lowercase_fraction"]
+    return validate_args(parse_args(base + flags), world_size=4, vocab_size=259)
+
+
+def test_plan_flags_colocated():
+    A, G, C = ParallelPlan(2, 1, 2), ParallelPlan(1, 2, 2), ParallelPlan(1, 2, 2)
+    res = _result("colocated", {"actor": {"generation": G, "scoring": A, "training": A},
+                                "critic": {"scoring": C, "training": C}, "ref": {"scoring": A},
+                                "reward": {"scoring": C}},
+                  {"generation": "single", "scoring": "time-sharing", "training": "sequential"})
+    flags = plan_flags(res)
+    # actor/ref (2,1,2) and critic (1,2,2) share ranks with different layouts: the trainer cannot
+    # time-share them, so scoring falls back to sequential
+    assert flags[-4:] == ["--score-placement", "sequential", "--train-placement", "sequential"]
+    cfg = _validate(flags)
+    assert cfg.roles["actor"].plan == A and cfg.roles["actor"].gen_plan == G
+    assert cfg.roles["critic"].plan == C and cfg.roles["ref"].plan == A
+    assert cfg.score_placement == "sequential"
+    with pytest.raises(PlanFlagsError):
+        plan_flags(res, strict=True)
+
+
+def test_plan_flags_disjoint_and_time_sharing():
+    A, C = ParallelPlan(1, 2, 1), ParallelPlan(1, 2, 1, offset=2)
+    res = _result("disjoint@2", {"actor": {"generation": A, "scoring": A, "training": A},
+                                 "critic": {"scoring": C, "training": C}, "ref": {"scoring": A},
+                                 "reward": {"scoring": C}},
+                  {"generation": "single", "scoring": "disjoint", "training": "disjoint"})
+    flags = plan_flags(res)
+    assert flags[-4:] == ["--score-placement", "disjoint", "--train-placement", "disjoint"]
+    cfg = _validate(flags)
+    assert cfg.roles["critic"].plan == C and cfg.roles["actor"].plan == A and cfg.score_placement == "disjoint"
+    assert cfg.roles["ref"].plan == A and cfg.roles["actor"].gen_plan == A
+    # colocated, equal layouts: time-sharing survives and validates
+    P = ParallelPlan(2, 2, 1)
+    ts = _result("colocated", {"actor": {"generation": ParallelPlan(1, 4, 1), "scoring": P, "training": P},
+                               "critic": {"scoring": P, "training": P}, "ref": {"scoring": P}, "reward": {"scoring": P}},
+                 {"generation": "single", "scoring": "time-sharing", "training": "time-sharing"})
+    f = plan_flags(ts)
+    assert f[-4:] == ["--score-placement", "time-sharing", "--train-placement", "time-sharing"]
+    assert _validate(f).train_placement == "time-sharing"
+    # generation on ranks the actor does not train on: not expressible
+    bad = _result("disjoint@2", {"actor": {"generation": ParallelPlan(1, 4, 1), "scoring": A, "training": A},
+                                 "critic": {"scoring": C, "training": C}, "ref": {"scoring": A},
+                                 "reward": {"scoring": C}}, {"scoring": "disjoint", "training": "disjoint"})
+    with pytest.raises(PlanFlagsError):
+        plan_flags(bad)
