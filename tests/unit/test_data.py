@@ -45,8 +45,7 @@ def test_hf_tokenizer_missing_directory_is_named(tmp_path):
 @pytest.fixture(scope="module")
 def hf_tok_dir(tmp_path_factory):
     """A tiny word-level fast tokenizer with a chat template, saved locally (no downloads)."""
-    pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = "hello world what is the sun a of capital france user assistant : ? .".split()
@@ -87,7 +86,7 @@ def test_bundled_prompts(byte_tok):
 
 
 def test_jsonl_parquet_and_arrow_load_the_same(tmp_path, byte_tok):
-    datasets = pytest.importorskip("datasets")
+    import datasets
     texts = ["alpha", "beta gamma", "delta"]
     jl = _write_jsonl(tmp_path / "p.jsonl", [json.dumps({"text": t, "id": i}) for i, t in enumerate(texts)])
     table = datasets.Dataset.from_dict({"text": texts, "id": [0, 1, 2]})
