@@ -97,7 +97,7 @@ def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 4, log_root:
         prof_src = os.path.join(log_root, "cpu_tiny_profile.json")
         os.makedirs(log_root, exist_ok=True)
         spec = {"shape": dict(SHAPES["tiny"]), "tp_sizes": [1, 2], "micro_batch_sizes": [1, 2, 4],
-                "seq_lengths": [32, 64], "decode_batch_sizes": [1, 2, 4, 8], "procs": procs, "repeats": 5,
+                "seq_lengths": [32, 64], "decode_batch_sizes": [1, 2, 4, 8], "procs": procs, "repeats": 15,
                 "decode_steps": 8, "name": None}
         t0 = time.perf_counter()
         run_profile(spec, prof_src, log=lambda m: print(m, file=sys.stderr))

@@ -435,9 +435,14 @@ class CostModel:
         kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16)
         head = (max(prof.hbm_time(V * h / T * BF16), 2.0 * bm * h * V / T / (prof.peak_flops * prof.gemm_efficiency))
                 if role.lm_head else 0.0)
+        # vocab-parallel sampling exchanges (value, id) pairs across the TP group every step
+        sample = prof.allreduce_time(bm * 16, T, tp_x) if role.lm_head else 0.0
         t_dec = (layers * (tab.decode(bm, T) + kv_read + 2 * prof.allreduce_time(bm * h * BF16, T, tp_x))
-                 + head + self._p2p(bm * h * BF16, P, pp_x))
-        decode = w.gen_len * (max(m, P) * t_dec + prof.decode_step_overhead_s)
+                 + head + sample + self._p2p(bm * h * BF16, P, pp_x))
+        # P > 1: each step's sampled tokens go back from the last stage to the first before that
+        # micro-batch's next step can start (puzzle.rollout.schedule): one more hop per step cycle
+        token_return = self._p2p(bm * 8, P, pp_x)
+        decode = w.gen_len * (max(m, P) * t_dec + token_return + prof.decode_step_overhead_s)
         cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
         self._cache[key] = cost
         return cost
