@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-lengths", default=None, help="default: half and all of --seq-length")
     ap.add_argument("--decode-batch-sizes", default="1,2,4,8")
     ap.add_argument("--procs", type=int, default=None, help="ranks sharing this host (default: the largest T)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed repetitions per point (after one warm-up)")
+    ap.add_argument("--repeats", type=int, default=15, help="timed repetitions per point (after one warm-up; 5 proved too noisy on a shared CPU)")
     ap.add_argument("--decode-steps", type=int, default=8, help="generated tokens per decode measurement")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: the spec JSON of a worker
