@@ -36,7 +36,7 @@ class ScalarHead(torch.nn.Module):
 
 
 def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, fp16: bool = False,
-                       recompute: bool = False, initialize: bool = True):
+                       recompute: bool = False):
     """megatron TransformerConfig of a model of shape ``arch`` in ``layout``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -69,7 +69,10 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
         bf16=bf16,
         fp16=fp16,
         use_cpu_initialization=not on_gpu,
-        perform_initialization=initialize,
+        # always: on megatron's CPU-init path the tensor-parallel attributes of a weight
+        # (partition_dim, stride, read by grad clipping, checkpoints and resharding) are set only
+        # while initialising it
+        perform_initialization=True,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -107,14 +110,12 @@ def layer_spec(arch: ModelArch):
 
 def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool = False,
                      fp16: bool = False, recompute: bool = False,
-                     head_seed: int = 0, layout_independent_init: bool = True,
-                     initialize: bool = True) -> Optional[torch.nn.Module]:
+                     head_seed: int = 0, layout_independent_init: bool = True
+                     ) -> Optional[torch.nn.Module]:
     """GPTModel for ``role`` (actor, ref, critic, reward) in ``layout``; None off-layout.
 
     With ``layout_independent_init`` the weights depend only on (seed, role arch), not on the
     layout (see puzzle/models/init.py); otherwise megatron's own per-shard initialisation.
-    ``initialize=False`` leaves the weights uninitialised (megatron's perform_initialization=False):
-    for models whose every weight is overwritten next (the switch's shadow, checkpoint loads).
     """
     if role not in HEADS:
         raise ValueError(f"unknown role {role!r}; expected one of {', '.join(HEADS)}")
@@ -122,8 +123,7 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
         return None
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(arch, layout, bf16=bf16, fp16=fp16, recompute=recompute,
-                                initialize=initialize)
+    config = transformer_config(arch, layout, bf16=bf16, fp16=fp16, recompute=recompute)
     seed_model_rng(head_seed, layout)
     model = GPTModel(
         config=config,
@@ -143,7 +143,7 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
     model.puzzle_role = role
     model.puzzle_arch = arch
     model.puzzle_layout = layout
-    if layout_independent_init and initialize:
+    if layout_independent_init:
         from puzzle.models.init import init_layout_independent
 
         init_layout_independent(model, arch, role, head_seed)

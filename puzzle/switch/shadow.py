@@ -89,9 +89,10 @@ class ShadowModel:
         self.layout = layout_for(plan)  # collective (cached)
         rss0 = process_rss_bytes()
         t0 = time.perf_counter()
-        # every weight is written by the switch: no initialisation
+        # every weight is written by the switch: megatron's own (cheap) per-shard init only, for
+        # the tensor-parallel attributes it sets; not the layout-independent one
         self.module = build_role_model(role, arch, self.layout, bf16=bf16, fp16=fp16, head_seed=seed,
-                                       initialize=False)
+                                       layout_independent_init=False)
         if self.module is not None:
             for p in self.module.parameters():
                 p.requires_grad_(False)
