@@ -135,6 +135,14 @@ def _add_data_args(parser):
     g = parser.add_argument_group("data")
     g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (JSONL/Parquet/Arrow); default: bundled tiny set.")
     g.add_argument("--prompt-key", type=str, default="prompt")
+    g.add_argument("--prompt-split", type=str, default="train", help="Split of a hub dataset (--prompt-data NAME).")
+    g.add_argument("--apply-chat-template", action="store_true",
+                   help="Format prompts (strings or message lists) with the tokenizer's chat template.")
+    g.add_argument("--skip-bad-records", action="store_true",
+                   help="Skip (and count) malformed prompt records instead of stopping at the first.")
+    g.add_argument("--prompt-overflow", choices=["truncate_left", "truncate_right", "drop"],
+                   default="truncate_left", help="Prompts longer than the prompt budget: keep the end, "
+                                                 "keep the start, or drop them (counted in the metrics).")
     g.add_argument("--tokenizer-type", type=str, default="ByteLevelTokenizer")
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--hf-actor-path", type=str, default=None,

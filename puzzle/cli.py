@@ -26,7 +26,10 @@ def run(argv) -> int:
 
             load_reward_fn(cfg.reward_fn)
         dataset = load_prompt_dataset(cfg.prompt_data or bundled_prompts_path(), tokenizer,
-                                      cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length)
+                                      cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,
+                                      overflow=args.prompt_overflow, split=args.prompt_split,
+                                      apply_chat_template=args.apply_chat_template,
+                                      skip_bad_records=args.skip_bad_records)
     except (ArgumentError, ValueError, FileNotFoundError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -70,7 +70,9 @@ class PPOTrainer:
         adv_stats = self.compute_advantages(batch)
         train_stats = self.train(batch)
         t3 = time.perf_counter()
+        data = getattr(getattr(self.prompts, "stats", None), "as_dict", dict)()
         metrics = {"iteration": self.iteration, **adv_stats, **train_stats, **self._switch_metrics(),
+                   **{f"prompts_{k}": v for k, v in data.items()},
                    "response_length_mean": float(batch.response_lengths.float().mean()),
                    "samples_per_sec": batch.size / (t3 - t0),
                    "time_generate": t1 - t0, "time_score": t2 - t1, "time_train": t3 - t2}

@@ -1,6 +1,7 @@
 """Prompt datasets and the deterministic, resumable, data-parallel prompt iterator.
 
-``load_prompt_dataset`` reads local JSONL / Parquet / Arrow files (``--prompt-data PATH``,
+``load_prompt_dataset`` reads local JSONL / Parquet / Arrow files or an HF hub dataset name
+(``--prompt-data PATH|NAME``,
 ``--prompt-key KEY``) through HF ``datasets``, tokenizes every prompt once (optionally through
 the tokenizer's chat template) and applies the prompt budget (``max_prompt_len``: truncate left
 or right, or drop), counting what it did in ``PromptDataset.stats``.
@@ -18,11 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 OVERFLOW = ("truncate_left", "truncate_right", "drop")
+# "name" or "org/name": read with datasets.load_dataset when no such local path exists
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
@@ -111,18 +115,21 @@ def _read_jsonl(path: str, key: str, chat: bool, skip: bool, stats: PromptStats
 
 
 def _read_table(path: str, fmt: str, key: str, chat: bool, skip: bool, stats: PromptStats,
-                cache_dir: Optional[str]) -> Tuple[List[Any], List[str]]:
+                cache_dir: Optional[str], split: str = "train") -> Tuple[List[Any], List[str]]:
     import datasets
 
     try:
-        if os.path.isdir(path):
+        if fmt == "hub":  # a dataset name on the HF hub (or in the local HF cache)
+            ds = datasets.load_dataset(path, split=split, cache_dir=cache_dir)
+        elif os.path.isdir(path):
             ds = datasets.load_from_disk(path)
             if isinstance(ds, datasets.DatasetDict):
                 ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         else:
             ds = datasets.load_dataset(fmt, data_files=path, split="train", cache_dir=cache_dir)
     except Exception as e:
-        raise PromptDataError(f"{path}: cannot read as {fmt}: {e}") from e
+        what = f"the hub dataset (split {split!r})" if fmt == "hub" else fmt
+        raise PromptDataError(f"{path}: cannot read as {what}: {e}") from e
     if key not in ds.column_names:
         raise PromptDataError(f"{path}: no column {key!r} (columns: {', '.join(ds.column_names)}; "
                               f"see --prompt-key)")
@@ -150,8 +157,8 @@ def _hf_dataset(values: List[Any], key: str):
 def load_prompt_dataset(path: str, tokenizer, prompt_key: str = "prompt", *,
                         max_prompt_len: Optional[int] = None, overflow: str = "truncate_left",
                         apply_chat_template: bool = False, add_bos: bool = False,
-                        skip_bad_records: bool = False, cache_dir: Optional[str] = None
-                        ) -> PromptDataset:
+                        skip_bad_records: bool = False, cache_dir: Optional[str] = None,
+                        split: str = "train") -> PromptDataset:
     """Read and tokenize the prompts of a local JSONL / Parquet / Arrow file (or a directory
     written by ``datasets.Dataset.save_to_disk``).
 
@@ -165,10 +172,12 @@ def load_prompt_dataset(path: str, tokenizer, prompt_key: str = "prompt", *,
     if max_prompt_len is not None and max_prompt_len < 1:
         raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--prompt-data {path!r}: no such file or directory")
     stats = PromptStats()
-    if os.path.isdir(path):
+    if not os.path.exists(path):
+        if not _HUB_NAME.match(path) or Path(path).suffix.lower() in FORMATS:
+            raise FileNotFoundError(f"--prompt-data {path!r}: no such file or directory")
+        fmt = "hub"
+    elif os.path.isdir(path):
         fmt = "arrow"
     else:
         fmt = FORMATS.get(Path(path).suffix.lower())
@@ -184,7 +193,7 @@ def load_prompt_dataset(path: str, tokenizer, prompt_key: str = "prompt", *,
         values = ds[prompt_key]
     else:
         values, origins = _read_table(path, fmt, prompt_key, apply_chat_template, skip_bad_records,
-                                      stats, cache_dir)
+                                      stats, cache_dir, split)
     prompts, kept = [], []
     for value, origin in zip(values, origins):
         if apply_chat_template:

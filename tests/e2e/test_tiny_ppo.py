@@ -39,6 +39,7 @@ def test_tiny_run_learns(tmp_path):
     last = sum(r["reward_mean"] for r in rows[-5:]) / 5
     assert last > first + 0.05, (first, last)
     assert max(r["kl"] for r in rows) < 2.0
+    assert rows[0]["prompts_loaded"] == 64 and rows[0]["prompts_dropped"] == 0  # the bundled set
     assert " iteration       24/      24 | reward:" in stdout
 
 
@@ -128,3 +129,13 @@ def test_bad_flags_fail_before_allocation():
                            "--reward-fn", "puzzle.nope:missing"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "cannot import module 'puzzle.nope'" in proc.stderr
+
+
+def test_malformed_prompt_file_names_file_and_line(tmp_path):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n{"text": "no key"}\n')
+    base = [sys.executable, str(REPO / "train_ppo.py"), "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "64", "--reward-fn", "puzzle.rewards:lowercase_fraction",
+            "--prompt-data", str(bad), "--rollout-batch-size", "1"]
+    proc = subprocess.run(base, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and f"{bad}:2: prompt must be a string, got int" in proc.stderr, proc.stderr[-2000:]

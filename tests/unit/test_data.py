@@ -191,3 +191,27 @@ def test_left_padded_batch(byte_tok):
     batch = next(PromptLoader([[1, 2, 3], [4]], 2, shuffle=False))
     tokens, lengths = batch.left_padded(byte_tok.pad_id)
     assert tokens.tolist() == [[1, 2, 3], [256, 256, 4]] and lengths.tolist() == [3, 1]
+
+
+def test_hub_dataset_name(monkeypatch, byte_tok):
+    """A name that is not a local path goes to datasets.load_dataset (faked: no network here)."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, split=None, cache_dir=None, **kw):
+        calls.append((name, split))
+        if name == "org/missing":
+            raise ConnectionError("offline")
+        return datasets.Dataset.from_dict({"question": ["hello there", "", "a longer prompt here"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    ds = load_prompt_dataset("org/prompts", byte_tok, "question", split="test", skip_bad_records=True,
+                             max_prompt_len=12, overflow="drop")
+    assert calls == [("org/prompts", "test")]
+    assert [byte_tok.decode(p) for p in ds.prompts] == ["hello there"]
+    assert ds.stats.as_dict() == {"records": 3, "loaded": 1, "bad_records": 1, "truncated": 0, "dropped": 1}
+    with pytest.raises(PromptDataError, match=r"org/missing: cannot read as the hub dataset \(split 'train'\): offline"):
+        load_prompt_dataset("org/missing", byte_tok, "question")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_prompt_dataset("missing/prompts.jsonl", byte_tok, "question")
