@@ -5,10 +5,9 @@ Nothing below this layer reads argparse namespaces or globals: builders take the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
-ROLES = ("actor", "critic", "ref", "reward")
 HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "score"}
 
 
@@ -80,9 +79,6 @@ class ModelArch:
         """
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
-
-    def with_(self, **changes) -> "ModelArch":
-        return replace(self, **changes)
 
 
 @dataclass(frozen=True)

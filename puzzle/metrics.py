@@ -7,9 +7,6 @@ import math
 import os
 from typing import Optional
 
-REQUIRED = ("iteration", "reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "entropy",
-            "response_length_mean", "samples_per_sec", "time_generate", "time_score", "time_train")
-
 
 class MetricsLogger:
     def __init__(self, log_dir: Optional[str], log_interval: int, train_iters: int, rank: int):

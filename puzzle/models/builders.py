@@ -140,8 +140,6 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
     )
     if HEADS[role] != "lm" and layout.is_last_stage:
         model.output_layer = ScalarHead(arch.hidden_size, config.params_dtype)
-    model.puzzle_role = role
-    model.puzzle_arch = arch
     model.puzzle_layout = layout
     if layout_independent_init:
         from puzzle.models.init import init_layout_independent

@@ -79,19 +79,8 @@ class Layout:
         return self.pg_collection.tp
 
     @property
-    def dp_group(self):
-        return self.pg_collection.dp
-
-    @property
     def pp_group(self):
         return self.pg_collection.pp
-
-    def tp_src_rank(self) -> int:
-        """Global rank of TP rank 0 of this rank's TP group."""
-        return self.plan.rank(self.p, self.d, 0)
-
-    def dp_ranks(self) -> List[int]:
-        return [self.plan.rank(self.p, d, self.t) for d in range(self.plan.D)]
 
 
 def layout_for(plan: ParallelPlan) -> Layout:

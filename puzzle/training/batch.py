@@ -15,7 +15,7 @@ P_b + k, is predicted by the logits at P_b + k - 1, and its value estimate is re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -100,6 +100,3 @@ def right_pad_rollout(tokens_left: torch.Tensor, prompt_lengths: torch.Tensor,
         out[b, p:p + r] = response_tokens[b, :r]
     return out
 
-
-def iterate(items: List[dict]) -> Iterator[dict]:
-    return iter(items)
