@@ -85,7 +85,6 @@ def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 4, log_root:
     search picks with that profile (world 4) and compare iteration times. Prints two JSON rows."""
     import os
 
-    from puzzle.plan import ModelShape  # noqa: F401  (re-exported for users of this module)
     from puzzle.plan.calibration import (default_tiny_plans, estimate_error, estimate_stages, plan_flags, run_tiny,
                                          tiny_shape, tiny_workload)
     from puzzle.plan.profile import SHAPES, run_profile
@@ -117,8 +116,8 @@ def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 4, log_root:
                  "measured_median_s": {k: round(meas[k], 4) for k in est}, "estimate_error": err,
                  "iterations_timed": meas["iterations_timed"]})
     print(json.dumps(rows[-1]), flush=True)
-    # colocated layouts only: train_ppo.py generates on the actor's training ranks, so a disjoint
-    # layout's all-ranks generation plan cannot run as such (plan_flags raises PlanFlagsError)
+    # colocated layouts only: the device set of the default plan it is compared with (as the
+    # figures in docs/benchmarks.md were measured)
     job = PPOJob(procs, tiny_shape(), tiny_shape(), w, profile, disjoint_fractions=())
     res = similarity_search(job)
     flags = plan_flags(res)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.plan.cost_model import (CostModel, ModelShape, PPOWorkload, grouped_time, ppo_roles, sequential_time)
+from puzzle.plan.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles, stage_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_SCRIPT = REPO / "examples" / "run_ppo_tiny.sh"
@@ -36,13 +36,6 @@ TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_hea
 
 class PlanFlagsError(ValueError):
     """A SearchResult that train_ppo.py cannot run as such."""
-
-
-def _dp_flags(prefix: str, plan: ParallelPlan, disjoint: bool) -> List[str]:
-    out = []
-    if disjoint:
-        out += [f"--{prefix}-rank-offset", str(plan.offset), f"--{prefix}-data-parallel-size", str(plan.D)]
-    return out
 
 
 def plan_flags(result, strict: bool = False) -> List[str]:
@@ -100,34 +93,13 @@ def default_tiny_plans() -> dict:
             "placements": {"scoring": "sequential", "training": "sequential"}}
 
 
-def _combine(tasks, placement: str) -> float:
-    if placement == "sequential":
-        return sequential_time(tasks)
-    if placement == "time-sharing":
-        return grouped_time(tasks)[0]
-    # disjoint: groups of identical rank sets run concurrently
-    groups: Dict[tuple, list] = {}
-    for t in tasks:
-        groups.setdefault(tuple(t.plan.ranks), []).append(t)
-    return max(sequential_time(g) for g in groups.values())
-
-
 def estimate_stages(profile, workload: PPOWorkload, plans: dict, placements: dict, shape: Optional[ModelShape] = None,
                     reward_model: bool = False) -> Dict[str, float]:
-    """Cost-model seconds of generation, scoring and training (see the module docstring)."""
+    """Cost-model seconds of generation, scoring and training of the tiny run's shapes (see the
+    module docstring); ``plans`` as in SearchResult.plans."""
     shape = shape or tiny_shape()
-    roles = ppo_roles(shape, shape)
-    cm = CostModel(profile, workload)
-    A, G = plans["actor"]["training"], plans["actor"]["generation"]
-    C, R = plans["critic"]["training"], plans["ref"]["scoring"]
-    gen = cm.generation_cost(roles["actor"], G).total
-    score = [cm.forward_cost(roles["actor"], A), cm.forward_cost(roles["ref"], R), cm.forward_cost(roles["critic"], C)]
-    if reward_model:
-        score.append(cm.forward_cost(roles["reward"], plans["reward"]["scoring"]))
-    train = [cm.train_cost(roles["actor"], A), cm.train_cost(roles["critic"], C)]
-    switch = cm.switch(roles["actor"], A, G)[1]
-    return {"generation": gen, "scoring": _combine(score, placements.get("scoring", "sequential")),
-            "training": _combine(train, placements.get("training", "sequential")) + switch}
+    plans = {m: st for m, st in plans.items() if reward_model or m != "reward"}
+    return stage_seconds(CostModel(profile, workload), ppo_roles(shape, shape), plans, placements)
 
 
 # ---- running the tiny PPO script -------------------------------------------------------------------

@@ -14,8 +14,7 @@ import json
 import sys
 from typing import Dict, List, Optional
 
-from puzzle.plan.cost_model import (CostModel, ModelShape, PPOWorkload, ppo_roles, sequential_time,
-                                     time_sharing_time)
+from puzzle.plan.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles, stage_seconds
 from puzzle.plan.memory_model import GiB, MemoryModel, fmt_plan
 from puzzle.plan.profile_data import load_profile
 
@@ -64,32 +63,13 @@ def memory_estimate(cfg, profile) -> list:
     return [mem.rank_report(r, placement, roles, shadow) for r in range(cfg.world_size)]
 
 
-def _stage_time(tasks, placement: str) -> float:
-    """Models on the same ranks run in turn (Eq. (1) when time-shared); groups on disjoint ranks
-    run concurrently (puzzle.pipeline.stage.run_stage); partly overlapping groups add up."""
-    groups: Dict[tuple, list] = {}
-    for t in tasks:
-        groups.setdefault((t.plan.offset, t.plan.size), []).append(t)
-    times = [time_sharing_time(g) if placement == "time-sharing" else sequential_time(g)
-             for g in groups.values()]
-    spans = [set(range(o, o + n)) for o, n in groups]
-    disjoint = all(not (a & b) for i, a in enumerate(spans) for b in spans[i + 1:])
-    return max(times) if disjoint else sum(times)
-
-
 def stage_estimate(cfg, profile) -> Dict[str, float]:
-    """Estimated seconds per stage of the run's layouts and placements."""
+    """Estimated seconds per stage of the run's layouts and placements (training includes the
+    actor's switch, as PPOTrainer's time_train does)."""
     shapes = shapes_from_config(cfg)
     roles = ppo_roles(shapes["actor"], shapes["critic"], shapes.get("ref"), shapes.get("reward"))
-    cm = CostModel(profile, workload_from_config(cfg))
-    actor = cfg.roles["actor"]
-    gen = cm.generation_cost(roles["actor"], actor.gen_plan).total
-    score = _stage_time([cm.forward_cost(roles[r], s.plan) for r, s in cfg.roles.items()],
-                        cfg.score_placement)
-    train = _stage_time([cm.train_cost(roles[r], s.plan) for r, s in cfg.roles.items() if s.trainable],
-                        cfg.train_placement)
-    switch = cm.switch(roles["actor"], actor.plan, actor.gen_plan)[1] if actor.gen_plan != actor.plan else 0.0
-    return {"generation": gen, "scoring": score, "training": train, "switch": switch}
+    return stage_seconds(CostModel(profile, workload_from_config(cfg)), roles, placement_from_config(cfg),
+                         {"scoring": cfg.score_placement, "training": cfg.train_placement})
 
 
 def print_dry_run(cfg, profile, out=sys.stdout) -> bool:

@@ -171,7 +171,7 @@ def _crosses_node(first: int, stride: int, count: int, rpn: int) -> bool:
 
 def _group_links(plan: ParallelPlan, rpn: int) -> Tuple[bool, bool, bool]:
     """(TP group crosses a node, DP group crosses a node, a pipeline hop crosses a node)."""
-    P, D, T, o = plan.P, plan.D, plan.T, plan.offset
+    P, D, T = plan.P, plan.D, plan.T
     tp = any(_crosses_node(plan.rank(p, d, 0), 1, T, rpn) for p in range(P) for d in range(D))
     dp = any(_crosses_node(plan.rank(p, 0, t), T, D, rpn) for p in range(P) for t in range(T))
     pp = any(plan.rank(p, d, t) // rpn != plan.rank(p + 1, d, t) // rpn
@@ -247,6 +247,36 @@ def grouped_time(tasks: Sequence[TaskCost]) -> Tuple[float, bool]:
         total += time_sharing_time(g)
         shared = shared or (len(g) > 1 and P > 1)
     return total, shared
+
+
+def stage_time(tasks: Sequence[TaskCost], placement: str) -> float:
+    """Seconds of one stage's models as puzzle.pipeline.run_stage runs them: models on the same
+    ranks one after another (Eq. (1) within equal P when ``placement`` is 'time-sharing'); groups
+    on disjoint ranks concurrently (any placement); partly overlapping groups add up."""
+    groups: Dict[Tuple[int, int], List[TaskCost]] = {}
+    for t in tasks:
+        groups.setdefault((t.plan.offset, t.plan.size), []).append(t)
+    times = [grouped_time(g)[0] if placement == "time-sharing" else sequential_time(g)
+             for g in groups.values()]
+    spans = [set(range(o, o + n)) for o, n in groups]
+    disjoint = all(not (a & b) for i, a in enumerate(spans) for b in spans[i + 1:])
+    return max(times) if disjoint else sum(times)
+
+
+def stage_seconds(cm: "CostModel", roles: Dict[str, "ModelRole"],
+                  plans: Dict[str, Dict[str, ParallelPlan]], placements: Dict[str, str]) -> Dict[str, float]:
+    """Estimated seconds of PPOTrainer's three stages, with the boundaries of its ``time_*``
+    metrics: the actor's train->generation switch overlaps its last optimizer step, so it counts in
+    training. ``plans[model][stage]``: the models present take part (no 'reward' entry = a reward
+    function)."""
+    A = plans["actor"]["training"]
+    G = plans["actor"].get("generation", A)
+    score = [cm.forward_cost(roles[m], st["scoring"]) for m, st in plans.items() if "scoring" in st]
+    train = [cm.train_cost(roles[m], st["training"]) for m, st in plans.items() if "training" in st]
+    return {"generation": cm.generation_cost(roles["actor"], G).total,
+            "scoring": stage_time(score, placements.get("scoring", "sequential")),
+            "training": stage_time(train, placements.get("training", "sequential"))
+            + cm.switch(roles["actor"], A, G)[1]}
 
 
 # ---- switching (exact lower bound of the bytes a rank must receive) ------------------------------
