@@ -247,6 +247,17 @@ def _patch_megatron() -> None:
         torch.Generator = _CpuGenerator  # type: ignore[misc]
 
 
+@contextlib.contextmanager
+def device_mapping_suspended():
+    """Runs a block without the device-mapping mode of step 1 (a hot loop that creates no CUDA
+    tensors: the mode costs a Python call per torch call). A no-op when the patch is off."""
+    if _mode is None:
+        yield
+        return
+    with torch._C.DisableTorchFunction():
+        yield
+
+
 def apply() -> None:
     """Idempotent. Never call on a CUDA machine (megatron_patches.apply() decides)."""
     global _mode

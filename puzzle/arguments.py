@@ -49,6 +49,10 @@ def _add_model_args(parser):
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"],
+                   default="auto", help="Core attention (Megatron-LM's names): flash/fused/unfused = "
+                   "transformer-engine kernels (unfused without TE: megatron-core's own), local = "
+                   "torch SDPA, auto = TE if present, else SDPA on CUDA, else unfused on CPU.")
     for role in ROLE_PREFIXED:
         rg = parser.add_argument_group(f"{role} model (overrides; default: the actor's)")
         for flag, typ, _, text in _MODEL_FLAGS:
@@ -114,7 +118,10 @@ def _add_ppo_args(parser):
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--greedy", action="store_true", help="Greedy decoding (deterministic rollouts).")
     g.add_argument("--generation-micro-batch-size", type=int, default=None,
-                   help="Prompts per generation micro-batch (default: all of a DP rank's prompts).")
+                   help="Prompts per generation micro-batch (default: all of a DP rank's prompts). "
+                   "Smaller than a rank's prompts at P=1: finished rows take waiting prompts.")
+    g.add_argument("--cuda-graph-generation", action="store_true",
+                   help="Replay each decode step from a CUDA graph captured per batch-size bucket (GPU only).")
     g.add_argument("--kl-coef", type=float, default=0.05)
     g.add_argument("--kl-target", type=float, default=None, help="Adaptive KL controller target (Ziegler et al.).")
     g.add_argument("--kl-horizon", type=int, default=10000)
@@ -242,9 +249,25 @@ def _arch_for(args, role: str, vocab_size: int):
             untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
             add_bias_linear=not args.disable_bias_linear, attention_dropout=args.attention_dropout,
             hidden_dropout=args.hidden_dropout, init_method_std=args.init_method_std,
+            attention_backend=args.attention_backend,
         )
     except ValueError as e:
         _fail(f"--{prefix}num-layers/--{prefix}hidden-size/--{prefix}num-attention-heads", f"{role}: {e}")
+
+
+def _check_generation_device(args) -> None:
+    """--attention-backend and --cuda-graph-generation against this machine (before any group)."""
+    import torch
+
+    from puzzle.models.attention_backend import resolve_attention_backend
+    from puzzle.models.builders import on_cuda, te_available
+
+    try:
+        resolve_attention_backend(args.attention_backend, te=te_available(), cuda=on_cuda())
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    if args.cuda_graph_generation and not on_cuda():
+        _fail("--cuda-graph-generation", "needs a CUDA device (this run uses the CPU)")
 
 
 def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str, *,
@@ -442,6 +465,11 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--generation-micro-batch-size", f"{gmb} must divide the prompts per generation DP rank "
                                                f"({args.rollout_batch_size // gen_D})")
 
+    _check_generation_device(args)
+    if args.cuda_graph_generation and roles["actor"].gen_plan.P > 1:
+        _fail("--cuda-graph-generation", f"needs an actor generation layout with P=1 "
+                                         f"(got P={roles['actor'].gen_plan.P})")
+
     for flag, placement, members in (("--score-placement", args.score_placement, list(roles)),
                                      ("--train-placement", args.train_placement, ["actor", "critic"])):
         _check_placement(flag, placement, {r: roles[r].plan for r in members})
@@ -449,6 +477,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     ppo = PPOParams(
         rollout_batch_size=args.rollout_batch_size, mini_batch_size=mini,
         micro_batch_size=args.micro_batch_size, generation_micro_batch_size=gmb,
+        cuda_graph_generation=args.cuda_graph_generation,
         ppo_epochs=args.ppo_epochs, max_new_tokens=args.max_new_tokens, max_prompt_length=max_prompt,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
         kl_coef=args.kl_coef, kl_target=args.kl_target, kl_horizon=args.kl_horizon,

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "score"}
+#: --attention-backend values (Megatron-LM's names; see puzzle/models/attention_backend.py)
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class ModelArch:
     hidden_dropout: float = 0.0
     init_method_std: float = 0.02
     params_dtype: str = "float32"  # float32 | bfloat16 | float16
+    attention_backend: str = "auto"  # auto | flash | fused | unfused | local (--attention-backend)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -61,6 +64,9 @@ class ModelArch:
                           f"(got {self.position_embedding_type!r})")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             errors.append(f"params_dtype must be float32, bfloat16 or float16 (got {self.params_dtype!r})")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            errors.append(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} "
+                          f"(got {self.attention_backend!r})")
         if errors:
             raise ValueError("invalid model architecture: " + "; ".join(errors))
 
@@ -100,6 +106,7 @@ class PPOParams:
     mini_batch_size: int = 8
     micro_batch_size: int = 1
     generation_micro_batch_size: Optional[int] = None
+    cuda_graph_generation: bool = False  # decode steps replayed from CUDA graphs (GPU only)
     ppo_epochs: int = 1
     max_new_tokens: int = 16
     max_prompt_length: int = 32

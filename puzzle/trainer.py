@@ -105,6 +105,7 @@ class PPOTrainer:
                                     eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
             out = generate(engine, mine, params, seed=self.cfg.seed * 100003 + self.iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
+                           cuda_graphs=ppo.cuda_graph_generation,
                            sample_offset=layout.d * share)
             Lp = out.tokens.shape[1] - R
             responses, lengths = out.tokens[:, Lp:], out.response_lengths

@@ -45,8 +45,14 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
                      num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
                      hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size)
     params_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else _DTYPES[arch.params_dtype]
-    on_gpu = torch.cuda.is_available() and not _cpu_backend()
-    return TransformerConfig(
+    on_gpu = on_cuda()
+    extra = {}
+    spec, te_attention = _attention(arch)
+    if te_attention is not None:
+        from megatron.core.transformer.enums import AttnBackend
+
+        extra["attention_backend"] = AttnBackend[te_attention]
+    return TransformerConfig(**extra,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -100,12 +106,21 @@ def seed_model_rng(seed: int, layout: Layout) -> None:
 
 
 def layer_spec(arch: ModelArch):
-    """transformer-engine spec with TE + CUDA, megatron-core's local spec otherwise."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
+    """Layer spec for ``arch.attention_backend`` (puzzle/models/attention_backend.py)."""
+    from puzzle.models.attention_backend import attention_layer_spec
 
-    if te_available():
-        return specs.get_gpt_layer_with_transformer_engine_spec(normalization=arch.normalization)
-    return specs.get_gpt_layer_local_spec(normalization=arch.normalization)
+    return attention_layer_spec(arch.normalization, _attention(arch)[0])
+
+
+def _attention(arch: ModelArch):
+    from puzzle.models.attention_backend import resolve_attention_backend
+
+    return resolve_attention_backend(arch.attention_backend, te=te_available(), cuda=on_cuda())
+
+
+def on_cuda() -> bool:
+    """True when models live on a CUDA device (CUDA present and the CPU backend off)."""
+    return torch.cuda.is_available() and not _cpu_backend()
 
 
 def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool = False,

@@ -1,32 +1,44 @@
-"""Autoregressive generation from an actor at any (P, D, T) with megatron-core's KV cache.
+"""Autoregressive generation from an actor at any (P, D, T), with a static in-place KV cache.
 
-``generate`` is called on every rank of the actor's layout with this DP rank's prompts. Prompts
-are left-padded; each row gets its own position ids (0 at its first real token, also for RoPE)
-and its padded keys are masked, so a padded prompt continues exactly like the prompt alone.
+``generate`` is called on every rank of the actor's layout with this DP rank's prompts. The
+output is left-padded to the longest prompt (responses start at one column), as before.
 
-Model calls. Each micro-batch owns a ``StaticInferenceContext`` (megatron's KV cache): one
-prefill call over the prompt, then one-token decode calls. Two forward hooks, installed only for
-the duration of ``generate``, adapt GPTModel's unmodified forward:
+Decode loop. Prompts are sorted by length (longest first, ties in row order) and served through
+static KV caches (puzzle/models/sdpa_attention.py ``StaticKVCache``) of ``slots`` rows. Every row
+has its own length: a prompt occupies cache positions 0..len-1 and its RoPE positions are its
+own; its keys are written in place, never concatenated. A model call is either
 
-- ``output_layer`` pre-hook: GPTModel._postprocess asserts ``runtime_gather_output`` in
-  inference mode ("Inference must always gather TP logits"). We pass ``True`` to satisfy the
-  assertion and the hook rewrites the output layer's own ``runtime_gather_output`` to ``False``,
-  so the last stage returns vocab-parallel logits [b, 1, V/T] (only the last position is
-  materialised by the static context) and the vocabulary is never gathered.
-- ``rotary_pos_emb`` forward hook: GPTModel computes RoPE for slot indices 0..S-1 shared by all
-  rows and ignores ``position_ids``; the hook re-indexes the table per row ([S, b, 1, d]) with the
-  row's position ids, which megatron's unfused RoPE broadcasts over the batch.
+- a prefill of new prompts into free slots (right-padded to the longest of them, causal
+  attention over their own keys; the logits are read at each row's last prompt token), or
+- a decode step: one token for each of the slots 0..n-1 (n = 1 + the highest active slot),
+  attending to the row's positions <= its own.
 
-Scheduling (``puzzle/rollout/schedule.py``): with P > 1 the micro-batches circulate through the
-stages (hybrid pipelined inference); sampled tokens go from the last stage to every other
-stage, so every rank of the model replica ends with the same output. Finished rows are dropped
-from the decode batch (their KV-cache rows too) and a micro-batch stops when all of its rows
-have finished.
+At P=1 one cache of ``micro_batch_size`` slots serves all of the rank's prompts: a finished row's
+slot is refilled with the next waiting prompt (continuous batching), so no row waits for the
+longest one of a fixed micro-batch. At P>1 the micro-batches are consecutive length buckets of
+the sorted prompts, each with its own cache, pipelined through the stages
+(puzzle/rollout/schedule.py); a micro-batch runs until its rows have finished.
+
+Model calls run megatron-core's GPTModel forward unchanged with ``inference_context=None``: the
+core-attention modules (any --attention-backend) read and write the bound cache, and two hooks
+installed only for the duration of ``generate`` adapt it:
+
+- ``rotary_pos_emb`` forward hook: the RoPE table is computed once per generation; decode steps
+  index it with each row's position;
+- ``output_layer`` pre-hook: in a prefill, only each row's last prompt position goes through the
+  output layer. Logits stay vocab-parallel ([n, V/T]); the vocabulary is never gathered.
+
+Tokens depend only on (seed, global sample index, step, logits) (puzzle/rollout/sampling.py),
+so they are the same at every layout, micro-batch size and order of service. With
+``cuda_graphs`` (GPU, P=1) decode steps replay CUDA graphs captured per batch-size bucket
+(puzzle/rollout/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -57,143 +69,213 @@ class GenerationOutput:
         return [self.tokens[i, lp:lp + int(n)].tolist() for i, n in enumerate(self.response_lengths)]
 
 
-class MicroBatch:
-    """Rows of one micro-batch, their KV cache and their generation state (same on all stages)."""
+def service_order(prompts: List[List[int]]) -> List[int]:
+    """Row indices, longest prompt first (ties in row order): the length buckets."""
+    return sorted(range(len(prompts)), key=lambda r: (-len(prompts[r]), r))
 
-    def __init__(self, rows: List[int], prompts: List[List[int]], max_new: int, eos_id):
-        from megatron.core.inference.contexts import StaticInferenceContext
 
-        self.rows = torch.tensor(rows, dtype=torch.long)
-        lens = torch.tensor([len(prompts[r]) for r in rows], dtype=torch.long)
-        self.lm = int(lens.max())
-        self.max_new, self.eos_id = max_new, eos_id
-        n, width = len(rows), self.lm + max_new
-        pad = self.lm - lens
-        self.ids = torch.zeros(n, self.lm, dtype=torch.long)  # id 0 under the (masked) padding
-        for i, r in enumerate(rows):
-            self.ids[i, int(pad[i]):] = torch.tensor(prompts[r], dtype=torch.long)
-        slots = torch.arange(width).unsqueeze(0)
-        self.positions = (slots - pad.unsqueeze(1)).clamp(min=0)        # [n, width]
-        self.key_pad = slots < pad.unsqueeze(1)                          # [n, width] True = pad
-        self.ctx = StaticInferenceContext(max_batch_size=n, max_sequence_length=width)
-        self.active = torch.arange(n)          # rows (of this micro-batch) still generating
-        self.out = torch.zeros(n, max_new, dtype=torch.long)
-        self.resp_len = torch.zeros(n, dtype=torch.long)
-        self.last: Optional[torch.Tensor] = None  # tokens sampled at the previous step (active rows)
-        self.step = 0                           # number of tokens generated so far
+@dataclass
+class Call:
+    """One model call of a SlotBatch (the same on every stage of the replica)."""
+
+    prefill: bool
+    n: int                       # batch rows of the call
+    seq_len: int
+    ids: torch.Tensor            # [n, seq_len]
+    positions: torch.Tensor      # [n, seq_len]
+    slots: torch.Tensor          # prefill: the slots filled; decode: the active slots sampled
+    last: Optional[torch.Tensor] = None  # prefill: each row's last prompt position
+
+
+class SlotBatch:
+    """Prompts ``order`` served through one static KV cache of ``slots`` rows."""
+
+    def __init__(self, order: List[int], prompts: List[List[int]], params: SamplingParams,
+                 slots: int, results: "Results", device, cache=None):
+        from puzzle.models.sdpa_attention import StaticKVCache
+
+        self.prompts, self.queue = prompts, deque(order)
+        self.max_new, self.eos_id = params.max_new_tokens, params.eos_id
+        self.slots, self.results, self.device = slots, results, device
+        width = max(len(prompts[r]) for r in order) + self.max_new
+        self.cache = cache if cache is not None else StaticKVCache(slots, width)
+        z = dict(dtype=torch.long, device=device)
+        self.row = torch.zeros(slots, **z)     # global row served by each slot
+        self.lens = torch.zeros(slots, **z)    # tokens in the cache per slot
+        self.count = torch.zeros(slots, **z)   # tokens generated per slot (= step of the next)
+        self.last = torch.zeros(slots, **z)    # last sampled token per slot (next decode input)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.free = list(range(slots))         # free slots, ascending
+        self.call: Optional[Call] = None
         self.done = False
 
-    # -- model inputs of the next call -------------------------------------------------------
-    def seq_len(self) -> int:
-        return self.lm if self.step == 0 else 1
+    # -- the next model call -----------------------------------------------------------------
+    def next_call(self) -> Call:
+        if self.queue and self.free:
+            self.call = self._prefill_call()
+        else:
+            act = self.active.nonzero().squeeze(1)
+            n = int(act[-1]) + 1
+            pos = self.lens[:n]
+            self.cache.decode(n, pos, int(pos.max()) + 1)
+            self.call = Call(False, n, 1, self.last[:n].unsqueeze(1), pos.unsqueeze(1), act)
+        return self.call
 
-    def inputs(self):
-        """(input_ids [na, s], position_ids [na, s], attention_mask [na, 1, s, k] True = masked)."""
-        a = self.active
-        if self.step == 0:
-            s = self.lm
-            causal = torch.ones(s, s, dtype=torch.bool).triu(1)
-            mask = causal.unsqueeze(0) | self.key_pad[a, None, :s]
-            self.ctx.sequence_len_offset = 0
-            self.ctx.enable_prefill_mode()
-            return self.ids[a], self.positions[a, :s], mask.unsqueeze(1)
-        k = self.lm + self.step
-        self.ctx.sequence_len_offset = k - 1
-        self.ctx.enable_decode_mode()
-        return (self.last.unsqueeze(1), self.positions[a, k - 1:k],
-                self.key_pad[a, None, None, :k])
+    def _prefill_call(self) -> Call:
+        k = min(len(self.free), len(self.queue))
+        slots, self.free = self.free[:k], self.free[k:]
+        rows = [self.queue.popleft() for _ in range(k)]
+        lens = [len(self.prompts[r]) for r in rows]
+        s = max(lens)
+        ids = torch.zeros(k, s, dtype=torch.long)  # id 0 after a prompt (never attended to)
+        for i, r in enumerate(rows):
+            ids[i, :lens[i]] = torch.tensor(self.prompts[r], dtype=torch.long)
+        slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.row[slots_t] = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.lens[slots_t] = torch.tensor(lens, dtype=torch.long, device=self.device)
+        self.count[slots_t] = 0
+        self.cache.prefill(slots_t, s)
+        pos = torch.arange(s, device=self.device).unsqueeze(0).expand(k, s)
+        return Call(True, k, s, ids.to(self.device), pos, slots_t, self.lens[slots_t] - 1)
 
     def sample_ids(self, offset: int) -> torch.Tensor:
-        return offset + self.rows[self.active]
+        return offset + self.row[self.call.slots]
 
-    # -- state update after a step (run on every stage with the same tokens) -----------------
+    def steps(self) -> torch.Tensor:
+        return self.count[self.call.slots]
+
+    def select(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logit rows of the slots this call samples ([n, V/T] -> [m, V/T])."""
+        return logits if self.call.prefill else logits[self.call.slots]
+
+    # -- state update after a call (run on every stage with the same tokens) -----------------
     def advance(self, tok: torch.Tensor) -> None:
-        a = self.active
-        self.out[a, self.step] = tok
-        self.resp_len[a] = self.step + 1
-        self.step += 1
-        if self.step >= self.max_new:
-            return self._finish()
-        keep = torch.ones_like(tok, dtype=torch.bool) if self.eos_id is None else tok != self.eos_id
-        if not bool(keep.any()):
-            return self._finish()
-        if not bool(keep.all()):
-            idx = keep.nonzero().squeeze(1)
-            for layer, (k, v) in list(self.ctx.key_value_memory_dict.items()):
-                self.ctx.key_value_memory_dict[layer] = (k[:, idx], v[:, idx])
-            self.active = a[idx]
-            tok = tok[idx]
-        self.last = tok
+        call, sl = self.call, self.call.slots
+        if call.prefill:
+            self.active[sl] = True
+        else:
+            self.lens[sl] += 1
+        rows, step = self.row[sl], self.count[sl]
+        self.results.out[rows, step] = tok
+        self.count[sl] = step + 1
+        self.results.resp_len[rows] = step + 1
+        self.last[sl] = tok
+        fin = step + 1 >= self.max_new
+        if self.eos_id is not None:
+            fin = fin | (tok == self.eos_id)
+        if bool(fin.any()):
+            gone = sl[fin]
+            self.active[gone] = False
+            self.free = sorted(self.free + gone.tolist())
+        self.call = None
+        self.done = not self.queue and not bool(self.active.any())
 
-    def _finish(self) -> None:
-        self.done = True
-        self.active = self.active[:0]
-        self.ctx = None  # frees this micro-batch's KV cache
-        self.last = None
+
+@dataclass
+class Results:
+    out: torch.Tensor       # [b, max_new]
+    resp_len: torch.Tensor  # [b]
 
 
 class _Hooks:
-    """Forward hooks that adapt GPTModel.forward to generation (see the module docstring)."""
+    """Cache binding and forward hooks that adapt GPTModel.forward to generation."""
 
-    def __init__(self, model):
+    def __init__(self, model, width: int):
+        from puzzle.models.sdpa_attention import KVCacheMixin
+
         self.model = model
-        self.positions: Optional[torch.Tensor] = None  # [na, S] of the micro-batch being run
+        self.attention = [m for m in model.modules() if isinstance(m, KVCacheMixin)]
+        if not self.attention:
+            raise ValueError("generation needs a KV-cache core attention in every layer "
+                             "(build the model with puzzle.models.builders)")
+        self.width = width
+        self._rope = None                              # the model's own RotaryEmbedding
+        self.positions: Optional[torch.Tensor] = None  # decode: [n] positions
+        self.last: Optional[torch.Tensor] = None       # prefill: [n] last prompt positions
         self._handles = []
 
     def __enter__(self):
         m = self.model
         if getattr(m, "post_process", False) and getattr(m, "output_layer", None) is not None:
-            self._handles.append(m.output_layer.register_forward_pre_hook(
-                self._no_gather, with_kwargs=True))
+            self._handles.append(m.output_layer.register_forward_pre_hook(self._last_tokens))
         rope = getattr(m, "rotary_pos_emb", None)
         if rope is not None and getattr(m, "position_embedding_type", None) == "rope":
-            self._handles.append(rope.register_forward_hook(self._per_row_rope))
+            m.rotary_pos_emb = _TableRope(rope, rope(self.width)[:, 0], self)  # once per generation
+            self._rope = rope
         return self
+
+    def bind(self, cache) -> None:
+        for a in self.attention:
+            a.kv_cache = cache
 
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.positions = None
+        if self._rope is not None:
+            self.model.rotary_pos_emb = self._rope
+            self._rope = None
+        self.bind(None)
+        self.positions = self.last = None
         return False
 
-    @staticmethod
-    def _no_gather(module, args, kwargs):
-        kwargs["runtime_gather_output"] = False
-        return args, kwargs
+    def _last_tokens(self, module, args):
+        if self.last is None:
+            return None
+        hidden = args[0]  # [s, n, h]
+        rows = torch.arange(hidden.shape[1], device=hidden.device)
+        return (hidden[self.last, rows].unsqueeze(0),) + tuple(args[1:])
 
-    def _per_row_rope(self, module, args, emb):
-        if self.positions is None:
-            return emb
-        if emb.dim() != 4 or emb.shape[1] != 1 or emb.shape[0] < self.positions.shape[1]:
-            raise RuntimeError(f"unexpected RoPE table shape {tuple(emb.shape)}")
-        return emb[:, 0][self.positions.t()]  # [S, 1, d] -> [S, na, 1, d]
+
+class _TableRope(torch.nn.Module):
+    """Stands in for GPTModel's RotaryEmbedding during ``generate``: its table, computed once,
+    indexed with each row's position in decode steps ([1, n, 1, d]) or read for positions
+    0..s-1 in a prefill ([s, 1, 1, d], megatron's own values)."""
+
+    def __init__(self, rope, table: torch.Tensor, hooks: _Hooks):
+        super().__init__()
+        self.table, self.hooks = table, hooks
+        self.get_rotary_seq_len = rope.get_rotary_seq_len
+
+    def forward(self, seq_len: int, offset: int = 0, packed_seq: bool = False, **kwargs):
+        pos = self.hooks.positions
+        if pos is None:
+            return self.table[offset:offset + seq_len].unsqueeze(1)
+        return self.table[pos].unsqueeze(0)
 
 
 class Stepper:
-    """Runs one model call of a micro-batch on this stage."""
+    """Runs one model call of a SlotBatch on this stage."""
 
-    def __init__(self, engine, hooks: _Hooks):
-        self.model, self.hooks = engine.module, hooks
+    def __init__(self, engine, hooks: _Hooks, graphs=None):
+        self.model, self.hooks, self.graphs = engine.module, hooks, graphs
         self.layout = engine.layout
-        self.config = engine.config
         self.forward_passes = 0
 
-    def __call__(self, mb: MicroBatch, hidden: Optional[torch.Tensor]) -> torch.Tensor:
-        """Stage input (None on the first stage) -> hidden states [s, na, h] or logits [na, V/T]."""
-        ids, pos, mask = mb.inputs()
-        self.hooks.positions = mb.positions[mb.active]
+    def __call__(self, sb: SlotBatch, hidden: Optional[torch.Tensor]) -> torch.Tensor:
+        """Stage input (None on the first stage) -> hidden states [s, n, h] or logits [n, V/T]."""
+        call = sb.call
+        self.hooks.bind(sb.cache)
+        self.forward_passes += 1
+        if self.graphs is not None and not call.prefill:
+            return self.graphs.decode(sb, self.run)
+        return self.run(call.ids, call.positions, call.last, hidden)
+
+    def run(self, ids, positions, last, hidden):
+        """GPTModel forward of one call (decode when ``last`` is None and the cache decodes)."""
+        h = self.hooks
+        h.last = last
+        h.positions = None if last is not None else positions[:, 0]
         if not self.layout.is_first_stage:
             self.model.set_input_tensor(hidden)
         try:
-            out = self.model(ids, pos, mask, inference_context=mb.ctx, runtime_gather_output=True)
+            out = self.model(ids, positions, None, runtime_gather_output=False)
         finally:
-            self.hooks.positions = None
+            h.last = h.positions = None
             if not self.layout.is_first_stage:
                 self.model.set_input_tensor(None)
-        self.forward_passes += 1
         if self.layout.is_last_stage:
-            return out[:, -1, :]  # [na, V/T]
+            return out[:, -1, :]  # [n, V/T]
         return out.contiguous()
 
 
@@ -209,13 +291,15 @@ def _check_prompts(prompts, vocab: int) -> None:
 
 
 def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int,
-             micro_batch_size: Optional[int] = None, *, sample_offset: int = 0) -> GenerationOutput:
+             micro_batch_size: Optional[int] = None, *, sample_offset: int = 0,
+             cuda_graphs: bool = False) -> GenerationOutput:
     """Generate continuations of this DP rank's ``prompts`` with the actor ``engine``.
 
     Call on every rank of the engine's layout, with the same prompts on all TP/PP ranks of one
     DP group. ``sample_offset`` is the index of the first prompt in the global batch (so DP
-    splits do not change sampled tokens). ``micro_batch_size`` defaults to the whole batch at
-    P=1 and ceil(b / P) at P>1. Returns the same GenerationOutput on every rank of the replica.
+    splits do not change sampled tokens). ``micro_batch_size`` (KV-cache rows) defaults to the
+    whole batch at P=1 and ceil(b / P) at P>1. ``cuda_graphs``: replay decode steps from CUDA
+    graphs (CUDA device, P=1). Returns the same GenerationOutput on every rank of the replica.
     """
     from puzzle.rollout.schedule import run_schedule
 
@@ -240,42 +324,70 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     mbs = micro_batch_size if micro_batch_size is not None else math.ceil(b / P)
     if not isinstance(mbs, int) or mbs < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
-
     model = engine.module
+    device = next(model.parameters()).device
+    graphs = None
+    if cuda_graphs:
+        from puzzle.rollout.cuda_graphs import DecodeGraphs
+
+        graphs = DecodeGraphs.for_model(model, P, device)
+
+    order = service_order(prompts)
+    results = Results(torch.zeros(b, params.max_new_tokens, dtype=torch.long, device=device),
+                      torch.zeros(b, dtype=torch.long, device=device))
+    if P == 1:  # one cache, refilled as rows finish
+        slots = min(mbs, b)
+        cache = graphs.cache(slots, width) if graphs is not None else None
+        batches = [SlotBatch(order, prompts, params, slots, results, device, cache)]
+    else:       # length buckets, one cache each, pipelined
+        batches = [SlotBatch(order[i:i + mbs], prompts, params, len(order[i:i + mbs]), results,
+                             device) for i in range(0, b, mbs)]
     was_training = model.training
     model.eval()
-    mbatches = [MicroBatch(list(range(i, min(i + mbs, b))), prompts, params.max_new_tokens,
-                           params.eos_id) for i in range(0, b, mbs)]
     try:
-        with torch.no_grad(), _Hooks(model) as hooks:
-            stepper = Stepper(engine, hooks)
-            run_schedule(engine, mbatches, stepper, params, seed, sample_offset)
+        with torch.no_grad(), _Hooks(model, width if graphs is None else graphs.width) as hooks, \
+                _fast_dispatch(hooks):
+            stepper = Stepper(engine, hooks, graphs)
+            run_schedule(engine, batches, stepper, params, seed, sample_offset)
     finally:
-        for mb in mbatches:
-            mb.ctx = None  # drop every KV cache, also on error
+        if graphs is None:
+            for sb in batches:
+                sb.cache = None  # drop every KV cache, also on error
         model.train(was_training)
-    return _assemble(prompts, mbatches, params, lp, stepper.forward_passes)
+    return _assemble(prompts, results, params, lp, stepper.forward_passes)
 
 
-def _assemble(prompts, mbatches: List[MicroBatch], params: SamplingParams, lp: int,
+def _fast_dispatch(hooks: _Hooks):
+    """On the CPU backend: the decode loop runs without its device-mapping mode (it costs a
+    Python call per torch call), except with megatron's unfused attention, whose work buffer is
+    allocated on the "cuda" device."""
+    import megatron_patches
+
+    from puzzle.models.sdpa_attention import UnfusedCoreAttention
+
+    if not megatron_patches.on_cpu() or any(isinstance(a, UnfusedCoreAttention)
+                                            for a in hooks.attention):
+        return contextlib.nullcontext()
+    from megatron_patches import cpu_backend
+
+    return cpu_backend.device_mapping_suspended()
+
+
+def _assemble(prompts, results: Results, params: SamplingParams, lp: int,
               forward_passes: int) -> GenerationOutput:
     b, n_new = len(prompts), params.max_new_tokens
-    tokens = torch.full((b, lp + n_new), params.pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(b, lp + n_new, dtype=torch.long)
-    response_mask = torch.zeros_like(prompt_mask)
     plen = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    rlen = torch.zeros(b, dtype=torch.long)
+    rlen = results.resp_len.cpu()
+    out = results.out.cpu()
+    cols = torch.arange(lp + n_new).unsqueeze(0)
+    prompt_mask = ((cols >= lp - plen.unsqueeze(1)) & (cols < lp)).long()
+    response_mask = ((cols >= lp) & (cols < lp + rlen.unsqueeze(1))).long()
+    tokens = torch.full((b, lp + n_new), params.pad_id, dtype=torch.long)
     for i, p in enumerate(prompts):
         tokens[i, lp - len(p):lp] = torch.tensor(p, dtype=torch.long)
-        prompt_mask[i, lp - len(p):lp] = 1
-    for mb in mbatches:
-        for j, r in enumerate(mb.rows.tolist()):
-            n = int(mb.resp_len[j])
-            rlen[r] = n
-            tokens[r, lp:lp + n] = mb.out[j, :n]
-            response_mask[r, lp:lp + n] = 1
-    out = GenerationOutput(tokens=tokens, attention_mask=prompt_mask | response_mask,
-                           prompt_mask=prompt_mask, response_mask=response_mask,
-                           prompt_lengths=plen, response_lengths=rlen,
-                           prompt_length=lp, forward_passes=forward_passes)
-    return out
+    resp = tokens[:, lp:]
+    resp[response_mask[:, lp:].bool()] = out[response_mask[:, lp:].bool()]
+    return GenerationOutput(tokens=tokens, attention_mask=prompt_mask | response_mask,
+                            prompt_mask=prompt_mask, response_mask=response_mask,
+                            prompt_lengths=plen, response_lengths=rlen,
+                            prompt_length=lp, forward_passes=forward_passes)

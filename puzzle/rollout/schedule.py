@@ -1,6 +1,9 @@
 """Scheduling of generation micro-batches over the pipeline stages of one model replica.
 
-P = 1: micro-batches run one after another, each to completion.
+Work items are the model calls of a SlotBatch (puzzle/rollout/generation.py): a prefill of new
+prompts or a decode step; every stage plans the same next call from the same state.
+
+P = 1: SlotBatches run one after another, each to completion (one, refilled as rows finish).
 
 P > 1 (hybrid pipelined inference): every stage walks the same sequence of work items, pass by
 pass — pass j runs step j of every live micro-batch, in micro-batch order. A work item on stage p
@@ -35,12 +38,13 @@ def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: 
     vocab = engine.arch.vocab_size
 
     def sample(mb, logits):
-        return sample_tokens(logits, params, true_vocab=vocab, seed=seed,
-                             sample_ids=mb.sample_ids(sample_offset), step=mb.step, tp_group=tp)
+        return sample_tokens(mb.select(logits), params, true_vocab=vocab, seed=seed,
+                             sample_ids=mb.sample_ids(sample_offset), step=mb.steps(), tp_group=tp)
 
     if layout.plan.P == 1:
         for mb in mbatches:
             while not mb.done:
+                mb.next_call()
                 mb.advance(sample(mb, stepper(mb, None)))
         return
     _run_pipelined(engine, mbatches, stepper, sample)
@@ -63,16 +67,17 @@ def _run_pipelined(engine, mbatches: List, stepper, sample) -> None:
             if mb.done:
                 continue
             if awaiting[i]:
-                tok = torch.empty(len(mb.active), dtype=torch.long)
+                tok = torch.empty(len(mb.call.slots), dtype=torch.long, device=mb.device)
                 dist.recv(tok, src=peer[P - 1], group=pp)
                 awaiting[i] = False
                 mb.advance(tok)
                 if mb.done:
                     continue
+            call = mb.next_call()
             hidden = None
             if not first:
-                hidden = torch.empty(mb.seq_len(), len(mb.active), config.hidden_size,
-                                     dtype=dtype)
+                hidden = torch.empty(call.seq_len, call.n, config.hidden_size, dtype=dtype,
+                                     device=mb.device)
                 dist.recv(hidden, src=peer[p - 1], group=pp)
             out = stepper(mb, hidden)
             if not last:

@@ -1,0 +1,59 @@
+"""``--attention-backend``: which core attention a model's layers use (Megatron-LM's names).
+
+- ``flash`` / ``fused`` / ``unfused``: transformer-engine's DotProductAttention with that kernel
+  family (megatron-core sets TE's NVTE_* switches from ``TransformerConfig.attention_backend``).
+  Without TE, ``unfused`` is megatron-core's own DotProductAttention in the local spec (the CPU
+  path); ``flash`` and ``fused`` need TE.
+- ``local``: the local spec with puzzle's SDPA core attention (puzzle/models/sdpa_attention.py).
+- ``auto``: TE (its own kernel choice) when TE is present; otherwise SDPA on CUDA; otherwise, on
+  CPU, megatron-core's unfused DotProductAttention (so CPU results stay what they were).
+
+Every choice keeps the generation KV cache (see sdpa_attention.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+from puzzle.config import ATTENTION_BACKENDS
+
+
+def resolve_attention_backend(backend: str, *, te: bool, cuda: bool) -> Tuple[str, Optional[str]]:
+    """(layer spec, TE attention backend): spec is ``te``, ``sdpa`` or ``unfused``; the second
+    item is the AttnBackend name megatron-core gives TE (None without TE)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)} "
+                         f"(got {backend!r})")
+    if backend == "local":
+        return "sdpa", None
+    if te:
+        return "te", backend
+    if backend in ("flash", "fused"):
+        raise ValueError(f"--attention-backend {backend} needs transformer-engine on a CUDA device "
+                         "(not available here); use local (SDPA) or unfused")
+    if backend == "unfused" or not cuda:
+        return "unfused", None
+    return "sdpa", None
+
+
+def attention_layer_spec(normalization: str, spec: str):
+    """megatron-core GPT layer spec whose core attention is the one ``spec`` names."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from puzzle.models import sdpa_attention as sa
+
+    if spec == "te":
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(normalization=normalization)
+    else:
+        layer = specs.get_gpt_layer_local_spec(normalization=normalization)
+    attn = layer.submodules.self_attention
+    core = attn.submodules.core_attention
+    if spec == "te":
+        core = sa.with_kv_cache(getattr(core, "module", core))
+    else:
+        core = sa.SDPACoreAttention if spec == "sdpa" else sa.UnfusedCoreAttention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules,
+                                                                    core_attention=core))
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules,
+                                                                     self_attention=attn))

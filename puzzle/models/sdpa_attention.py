@@ -1,0 +1,249 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention``, and the KV cache that
+generation binds to every core-attention module.
+
+``SDPACoreAttention`` is a drop-in for megatron-core's ``DotProductAttention`` in the local layer
+spec (same constructor and forward signature: query [sq, b, h, d], key/value [sk, b, g, d],
+``attention_mask`` bool True = masked, ``attn_mask_type``; returns [sq, b, h * d]). Grouped-query
+attention never materialises repeated keys and values: SDPA's ``enable_gqa`` (torch >= 2.5), or
+the h / g query heads of a group folded into the query-length dimension.
+
+Generation (puzzle/rollout/generation.py) binds a ``StaticKVCache`` to the modules for one model
+call (``module.kv_cache = cache``): megatron's Attention then runs with ``inference_context=None``
+(it applies RoPE with the per-row positions generation gives it) and the core attention writes
+the new keys and values into the cache in place, at each row's own positions, and reads the
+rows' keys back from it. Every row has its own length, so a finished row's slot can take a new
+prompt while the other rows keep decoding (continuous batching in a static cache). The cache
+works with every backend: ``UnfusedCoreAttention`` (megatron's own ``DotProductAttention`` math,
+bit for bit unchanged when no cache is bound) and TE's attention (decode with SDPA math).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class StaticKVCache:
+    """Keys and values of ``slots`` rows up to ``width`` positions, for every layer of one model.
+
+    Buffers are [slots, width, g, d] per layer (megatron's layer_number, global over pipeline
+    stages), allocated at the first write with the key's dtype and device. Before each model call
+    generation sets the call: ``prefill(rows, seq_len)`` (rows = slot ids; keys are written at
+    positions 0..seq_len-1, attention is causal over the call's own keys) or ``decode(n, pos,
+    key_len)`` (slots 0..n-1, one new token per row written at ``pos`` [n]; a row attends to its
+    positions <= pos over the first ``key_len`` positions).
+    """
+
+    def __init__(self, slots: int, width: int):
+        self.slots, self.width = slots, width
+        self.buffers: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rows: Optional[torch.Tensor] = None
+        self.pos: Optional[torch.Tensor] = None
+        self.n = 0
+        self.key_len = 0
+        self.keep: Optional[torch.Tensor] = None    # [n, 1, 1, key_len] True = attend
+        self.masked: Optional[torch.Tensor] = None  # its complement (megatron's convention)
+
+    def prefill(self, rows: torch.Tensor, seq_len: int) -> None:
+        if seq_len > self.width:
+            raise ValueError(f"prompt of {seq_len} tokens exceeds the cache width {self.width}")
+        self.rows, self.n, self.pos, self.key_len = rows, 0, None, seq_len
+
+    def decode(self, n: int, pos: torch.Tensor, key_len: int) -> None:
+        """``pos`` [n] long: the position each row writes; ``key_len`` > max(pos)."""
+        self.rows, self.n, self.pos, self.key_len = None, n, pos, key_len
+        slots = torch.arange(key_len, device=pos.device)
+        self.keep = (slots.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
+        self.masked = ~self.keep
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.rows is not None
+
+    def _layer(self, layer: int, key: torch.Tensor):
+        buf = self.buffers.get(layer)
+        if buf is None:
+            shape = (self.slots, self.width, key.shape[2], key.shape[3])
+            buf = (torch.zeros(shape, dtype=key.dtype, device=key.device),
+                   torch.zeros(shape, dtype=key.dtype, device=key.device))
+            self.buffers[layer] = buf
+        return buf
+
+    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        """Write the call's key/value [s, b, g, d] in place; return what the queries attend to.
+
+        Prefill: (key, value) as given ([s, b, g, d]). Decode: views [n, key_len, g, d] of the cache.
+        """
+        kb, vb = self._layer(layer, key)
+        if self.is_prefill:
+            s = key.shape[0]
+            kb[self.rows, :s] = key.transpose(0, 1)
+            vb[self.rows, :s] = value.transpose(0, 1)
+            return key, value
+        rows = torch.arange(self.n, device=key.device)
+        kb[rows, self.pos] = key[0]
+        vb[rows, self.pos] = value[0]
+        return kb[:self.n, :self.key_len], vb[:self.n, :self.key_len]
+
+
+class KVCacheMixin:
+    """``kv_cache``: the StaticKVCache of the running generation call (None otherwise)."""
+
+    kv_cache: Optional[StaticKVCache] = None
+
+    def _cached(self, key, value):
+        return self.kv_cache.store(self.layer_number, key, value)
+
+
+def sdpa_decode(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """One new token per row against cached keys, grouped-query without repeated K/V.
+
+    query [1, n, h, d]; k, v [n, L, g, d]; keep [n, 1, 1, L] -> [1, n, h * d]. The h / g query
+    heads of a group are folded into SDPA's query-length dimension.
+    """
+    _, n, h, d = query.shape
+    g = k.shape[2]
+    q = query[0].reshape(n, g, h // g, d)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=keep, scale=scale)
+    return out.reshape(1, n, h * d)
+
+
+def sdpa_attention(query, key, value, mask: Optional[torch.Tensor], causal: bool, scale: float,
+                   dropout_p: float = 0.0) -> torch.Tensor:
+    """query [sq, b, h, d], key/value [sk, b, g, d]; ``mask`` bool True = masked, broadcastable to
+    [b, 1, sq, sk]; ``causal`` applies only without a mask. -> [sq, b, h * d].
+
+    A masked key gets the dtype's lowest value, not -inf, so a fully masked query row (a padded
+    position) stays finite, as in megatron's unfused softmax.
+    """
+    sq, b, h, d = query.shape
+    g = key.shape[2]
+    q, k, v = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
+    bias = None
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        bias.masked_fill_(mask, torch.finfo(q.dtype).min)
+        causal = False
+    if h != g and not _HAS_ENABLE_GQA:  # fold the heads of a group into the query length
+        r = h // g
+        q = q.reshape(b, g, r * sq, d)
+        if bias is None and causal:
+            bias = torch.full((sq, key.shape[0]), torch.finfo(q.dtype).min, dtype=q.dtype,
+                              device=q.device).triu(1)
+            causal = False
+        if bias is not None:
+            bias = bias.expand(b, 1, sq, key.shape[0]).repeat(1, 1, r, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
+                                             is_causal=causal, scale=scale)
+        out = out.reshape(b, h, sq, d)
+    else:
+        kw = {"enable_gqa": True} if h != g else {}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
+                                             is_causal=causal, scale=scale, **kw)
+    return out.permute(2, 0, 1, 3).reshape(sq, b, h * d)
+
+
+def _softmax_scale(config, softmax_scale: Optional[float]) -> float:
+    if softmax_scale is not None:
+        return float(softmax_scale)
+    return 1.0 / math.sqrt(config.kv_channels)
+
+
+class SDPACoreAttention(KVCacheMixin, MegatronModule):
+    """megatron core attention (local spec) on torch SDPA; see the module docstring."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise ValueError("--attention-backend local (SDPA) does not support context parallelism")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.scale = _softmax_scale(config, softmax_scale)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("--attention-backend local (SDPA) supports neither packed sequences "
+                             "nor an attention bias")
+        if self.kv_cache is not None:
+            return cached_sdpa(self, query, key, value)
+        kind = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        causal = kind == AttnMaskType.causal and query.shape[0] > 1
+        if not (self.training and self.dropout_p > 0):
+            return sdpa_attention(query, key, value, attention_mask, causal, self.scale)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        with get_cuda_rng_tracker().fork():  # dropout differs across TP ranks, as in megatron
+            return sdpa_attention(query, key, value, attention_mask, causal, self.scale,
+                                  self.dropout_p)
+
+
+def cached_sdpa(module, query, key, value):
+    """The KV-cache path of a core-attention module, with SDPA math."""
+    k, v = module._cached(key, value)
+    cache = module.kv_cache
+    if cache.is_prefill:
+        return sdpa_attention(query, k, v, None, query.shape[0] > 1, module.scale)
+    return sdpa_decode(query, k, v, cache.keep, module.scale)
+
+
+class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
+    """megatron-core's DotProductAttention (the unfused backend) with the generation KV cache.
+
+    Without a bound cache its forward is megatron's, unchanged.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        cache = self.kv_cache
+        if cache is None:
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias,
+                                   packed_seq_params=packed_seq_params)
+        k, v = self._cached(key, value)
+        if cache.is_prefill:
+            s = query.shape[0]
+            causal = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)
+            return super().forward(query, k, v, causal[None, None], attn_mask_type=AttnMaskType.causal)
+        k = k.permute(1, 0, 2, 3).contiguous()
+        v = v.permute(1, 0, 2, 3).contiguous()
+        return super().forward(query, k, v, cache.masked, attn_mask_type=AttnMaskType.padding)
+
+
+def with_kv_cache(cls):
+    """A subclass of a core-attention class (TE's) whose KV-cache path uses SDPA math."""
+
+    class _Cached(KVCacheMixin, cls):
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                     attention_dropout=None, softmax_scale=None, **kwargs):
+            super().__init__(config, layer_number, attn_mask_type, attention_type,
+                             attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                             **kwargs)
+            self.layer_number = layer_number
+            self.scale = _softmax_scale(config, softmax_scale)
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            if self.kv_cache is not None:
+                return cached_sdpa(self, query, key, value)
+            return super().forward(query, key, value, attention_mask,
+                                   attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+                                   packed_seq_params=packed_seq_params)
+
+    _Cached.__name__ = _Cached.__qualname__ = f"KVCached{cls.__name__}"
+    return _Cached
