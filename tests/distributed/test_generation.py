@@ -112,3 +112,36 @@ def test_invalid_arguments_raise_value_errors(world):
     assert "outside [0, 200)" in msgs["bad_token"]
     assert "max_position_embeddings" in msgs["too_long"]
     assert "eos_id" in msgs["bad_eos"]
+
+
+def test_continuous_batching_same_tokens_fewer_calls(world):
+    res = world[0]["fast_loop"]
+    cont = res["continuous"]
+    for name, rows in {**res["base"], "greedy_eos": res["greedy_eos"], "t07_eos": res["t07_eos"]}.items():
+        for mbs in (1, 3):
+            assert cont[f"{name}/mbs{mbs}"]["responses"] == rows, (name, mbs)
+    # one cache row: each prompt costs its prefill + one call per further token, nothing more
+    for name in ("greedy_eos", "t07_eos"):
+        lens = [len(r) for r in res[name]]
+        assert cont[f"{name}/mbs1"]["forward_passes"] == sum(lens), name
+    assert len({len(r) for r in res["greedy_eos"]}) > 1  # the rows did stop at different steps
+    # three cache rows, refilled as rows finish, against micro-batches of 3 rows run to their
+    # longest row (1 prefill + longest - 1 decode calls each)
+    lens = [len(r) for r in res["greedy_eos"]]
+    fixed = sum(max(lens[i:i + 3]) for i in range(0, len(lens), 3))
+    assert cont["greedy_eos/mbs3"]["forward_passes"] < fixed
+
+
+def test_sdpa_backend_same_tokens_at_every_layout(world):
+    res = world[0]["fast_loop"]
+    base = {name: rows[:6] for name, rows in res["base"].items()}
+    for key, entries in res["sdpa"].items():
+        for name, rows in base.items():
+            assert _combined(entries, name) == rows, (key, name)
+
+
+def test_sdpa_module_matches_unfused_attention(world):
+    m = world[0]["fast_loop"]["module"]
+    assert m["causal_max_diff"] < 1e-5 and m["padded_max_diff"] < 1e-5, m
+    assert m["padded_finite"] and m["grad_names_equal"]
+    assert m["grad_max_rel_diff"] < 1e-4, m

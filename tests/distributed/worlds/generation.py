@@ -25,12 +25,15 @@ PARAMS = {
 _ENGINES = {}
 
 
-def _engine(plan):
+def _engine(plan, backend="auto"):
+    from dataclasses import replace
+
     from puzzle.training.engine import ModelEngine
 
-    if plan not in _ENGINES:
-        _ENGINES[plan] = ModelEngine("actor", ARCH, layout_for(plan), trainable=False, seed=SEED)
-    return _ENGINES[plan]
+    if (plan, backend) not in _ENGINES:
+        _ENGINES[plan, backend] = ModelEngine("actor", replace(ARCH, attention_backend=backend),
+                                              layout_for(plan), trainable=False, seed=SEED)
+    return _ENGINES[plan, backend]
 
 
 def _out(o):
@@ -134,6 +137,82 @@ def check_errors():
     return msgs
 
 
+def check_fast_loop():
+    """Continuous batching (P=1, fewer cache rows than prompts), length buckets and the SDPA
+    backend give the tokens of the default path; SDPA attention matches megatron's unfused."""
+    from puzzle.models.sdpa_attention import SDPACoreAttention, UnfusedCoreAttention
+
+    res = {}
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6], [8], [2, 7, 1, 8, 2, 8]]  # 7 ragged prompts
+    eng = _engine(ParallelPlan(1, 1, 1))
+    base = None
+    if eng.member:
+        base = {name: generate(eng, prompts, prm, seed=SEED).responses() for name, prm in PARAMS.items()}
+    base = _gather(base)[0]
+    res["base"] = base
+    eos = base["greedy"][0][1]  # rows stop at different steps: refills happen mid-decode
+    eos_params = {"greedy_eos": SamplingParams(MAX_NEW, greedy=True, eos_id=eos),
+                  "t07_eos": SamplingParams(MAX_NEW, temperature=0.7, top_k=20, top_p=0.9, eos_id=eos)}
+    if eng.member:
+        for name, prm in eos_params.items():
+            res[name] = generate(eng, prompts, prm, seed=SEED).responses()
+        cont = {}
+        for mbs in (1, 3):
+            for name, prm in {**PARAMS, **eos_params}.items():
+                o = generate(eng, prompts, prm, seed=SEED, micro_batch_size=mbs)
+                cont[f"{name}/mbs{mbs}"] = {"responses": o.responses(), "forward_passes": o.forward_passes}
+        res["continuous"] = cont
+    res["sdpa"] = {}
+    for plan, mbs in ((ParallelPlan(1, 1, 1), None), (ParallelPlan(1, 1, 1), 2),
+                      (ParallelPlan(1, 2, 2), None), (ParallelPlan(2, 1, 2), 1)):
+        e = _engine(plan, "local")
+        mine = None
+        if e.member:
+            assert all(isinstance(m.core_attention, SDPACoreAttention)
+                       for m in e.module.modules() if hasattr(m, "core_attention"))
+            mine = {name: _gen_dp(e, prm, mbs, prompts=prompts[:6]) for name, prm in PARAMS.items()}
+        res["sdpa"][f"{plan}/mbs{mbs}"] = _gather(mine)
+    # the modules themselves: SDPA vs megatron's unfused math, forward and backward
+    e1, e2 = _engine(ParallelPlan(1, 1, 1)), _engine(ParallelPlan(1, 1, 1), "local")
+    if e1.member:
+        assert all(isinstance(m.core_attention, UnfusedCoreAttention)
+                   for m in e1.module.modules() if hasattr(m, "core_attention"))
+        g = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, ARCH.vocab_size, (3, 12), generator=g)
+        pos = torch.arange(12).unsqueeze(0).expand(3, 12)
+        pad = torch.zeros(3, 1, 12, 12, dtype=torch.bool)
+        pad[0, :, :, :4] = True  # row 0: 4 masked keys (its first 4 queries see nothing)
+        mask = torch.ones(12, 12, dtype=torch.bool).triu(1)[None, None] | pad
+        outs = {}
+        for name, e in (("unfused", e1), ("sdpa", e2)):
+            m = e.module
+            m.train()
+            for p in m.parameters():
+                p.requires_grad_(True)
+                p.grad = None
+            causal = m(tokens, pos, None)
+            padded = m(tokens, pos, mask)
+            # no loss at row 0's first 4 positions (no key to attend to): megatron's masked_fill
+            # passes no gradient through a fully masked row, SDPA's additive mask does
+            (causal.sum() + padded[0, 4:].sum() + padded[1:].sum()).backward()
+            grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+            for p in m.parameters():
+                p.requires_grad_(False)
+                p.grad = None
+            outs[name] = (causal.detach(), padded.detach(), grads)
+        (c1, p1, g1), (c2, p2, g2) = outs["unfused"], outs["sdpa"]
+        res["module"] = {
+            "causal_max_diff": float((c1 - c2).abs().max()),
+            "padded_max_diff": float((p1 - p2).abs().max()),
+            "padded_finite": bool(torch.isfinite(p2).all()),
+            "grad_names_equal": sorted(g1) == sorted(g2) and len(g1) > 0,
+            "grad_max_rel_diff": max(float((g1[n] - g2[n]).abs().max() / (g1[n].abs().max() + 1e-12))
+                                     for n in g1),
+        }
+    return res
+
+
 if __name__ == "__main__":
     world_main([("reference", check_reference), ("layouts", check_layouts),
-                ("eos_and_limits", check_eos_and_limits), ("errors", check_errors)])
+                ("eos_and_limits", check_eos_and_limits), ("errors", check_errors),
+                ("fast_loop", check_fast_loop)])
