@@ -35,7 +35,7 @@ _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2,
 class StaticKVCache:
     """Keys and values of ``slots`` rows up to ``width`` positions, for every layer of one model.
 
-    Buffers are [slots, width, g, d] per layer (megatron's layer_number, global over pipeline
+    Buffers are [slots, g, width, d] per layer (megatron's layer_number, global over pipeline
     stages), allocated at the first write with the key's dtype and device. Before each model call
     generation sets the call: ``prefill(rows, seq_len)`` (rows = slot ids; keys are written at
     positions 0..seq_len-1, attention is causal over the call's own keys) or ``decode(n, pos,
@@ -50,8 +50,9 @@ class StaticKVCache:
         self.pos: Optional[torch.Tensor] = None
         self.n = 0
         self.key_len = 0
-        self.keep: Optional[torch.Tensor] = None    # [n, 1, 1, key_len] True = attend
-        self.masked: Optional[torch.Tensor] = None  # its complement (megatron's convention)
+        self.masked: Optional[torch.Tensor] = None  # [n, 1, 1, key_len] True = masked
+        self.bias: Optional[torch.Tensor] = None    # the same as an additive mask (lowest value)
+        self.rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (cos, sin) of the call
 
     def prefill(self, rows: torch.Tensor, seq_len: int) -> None:
         if seq_len > self.width:
@@ -62,8 +63,15 @@ class StaticKVCache:
         """``pos`` [n] long: the position each row writes; ``key_len`` > max(pos)."""
         self.rows, self.n, self.pos, self.key_len = None, n, pos, key_len
         slots = torch.arange(key_len, device=pos.device)
-        self.keep = (slots.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
-        self.masked = ~self.keep
+        self.masked = (slots.unsqueeze(0) > pos.unsqueeze(1))[:, None, None, :]
+        self.bias = None
+
+    def decode_bias(self, dtype) -> torch.Tensor:
+        """The decode mask as an additive float mask (SDPA's CPU kernels are faster with it)."""
+        if self.bias is None or self.bias.dtype != dtype:
+            bias = torch.zeros(self.masked.shape, dtype=dtype, device=self.masked.device)
+            self.bias = bias.masked_fill_(self.masked, torch.finfo(dtype).min)
+        return self.bias
 
     @property
     def is_prefill(self) -> bool:
@@ -72,27 +80,42 @@ class StaticKVCache:
     def _layer(self, layer: int, key: torch.Tensor):
         buf = self.buffers.get(layer)
         if buf is None:
-            shape = (self.slots, self.width, key.shape[2], key.shape[3])
+            shape = (self.slots, key.shape[2], self.width, key.shape[3])
             buf = (torch.zeros(shape, dtype=key.dtype, device=key.device),
                    torch.zeros(shape, dtype=key.dtype, device=key.device))
             self.buffers[layer] = buf
         return buf
 
-    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor):
-        """Write the call's key/value [s, b, g, d] in place; return what the queries attend to.
+    def set_rope(self, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> None:
+        """RoPE of the call's positions ([s, 1, 1, d] prefill, [1, n, 1, d] decode), computed once
+        per call for all layers (megatron's Attention then gets no rotary embedding)."""
+        self.rope = None if cos is None else (cos, sin)
 
-        Prefill: (key, value) as given ([s, b, g, d]). Decode: views [n, key_len, g, d] of the cache.
-        """
+    def _rotate(self, t: torch.Tensor) -> torch.Tensor:
+        """megatron's unfused RoPE (non-interleaved, full rotary dim), same arithmetic."""
+        cos, sin = self.rope
+        if cos.dtype != t.dtype:
+            cos, sin = cos.to(t.dtype), sin.to(t.dtype)
+            self.rope = (cos, sin)
+        x1, x2 = torch.chunk(t, 2, dim=-1)
+        return (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+
+    def store(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """RoPE on query/key (when set), key/value [s, b, g, d] written in place; returns the
+        query and what it attends to: prefill (key, value) as given ([s, b, g, d]), decode views
+        [n, g, key_len, d] of the cache."""
+        if self.rope is not None:
+            query, key = self._rotate(query), self._rotate(key)
         kb, vb = self._layer(layer, key)
         if self.is_prefill:
             s = key.shape[0]
-            kb[self.rows, :s] = key.transpose(0, 1)
-            vb[self.rows, :s] = value.transpose(0, 1)
-            return key, value
+            kb[self.rows, :, :s] = key.permute(1, 2, 0, 3)
+            vb[self.rows, :, :s] = value.permute(1, 2, 0, 3)
+            return query, key, value
         rows = torch.arange(self.n, device=key.device)
-        kb[rows, self.pos] = key[0]
-        vb[rows, self.pos] = value[0]
-        return kb[:self.n, :self.key_len], vb[:self.n, :self.key_len]
+        kb[rows, :, self.pos] = key[0]
+        vb[rows, :, self.pos] = value[0]
+        return query, kb[:self.n, :, :self.key_len], vb[:self.n, :, :self.key_len]
 
 
 class KVCacheMixin:
@@ -100,22 +123,21 @@ class KVCacheMixin:
 
     kv_cache: Optional[StaticKVCache] = None
 
-    def _cached(self, key, value):
-        return self.kv_cache.store(self.layer_number, key, value)
+    def _cached(self, query, key, value):
+        return self.kv_cache.store(self.layer_number, query, key, value)
 
 
-def sdpa_decode(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+def sdpa_decode(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                 scale: float) -> torch.Tensor:
     """One new token per row against cached keys, grouped-query without repeated K/V.
 
-    query [1, n, h, d]; k, v [n, L, g, d]; keep [n, 1, 1, L] -> [1, n, h * d]. The h / g query
+    query [1, n, h, d]; k, v [n, g, L, d]; bias [n, 1, 1, L] additive -> [1, n, h * d]. The h / g query
     heads of a group are folded into SDPA's query-length dimension.
     """
     _, n, h, d = query.shape
-    g = k.shape[2]
+    g = k.shape[1]
     q = query[0].reshape(n, g, h // g, d)
-    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=keep, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return out.reshape(1, n, h * d)
 
 
@@ -195,11 +217,11 @@ class SDPACoreAttention(KVCacheMixin, MegatronModule):
 
 def cached_sdpa(module, query, key, value):
     """The KV-cache path of a core-attention module, with SDPA math."""
-    k, v = module._cached(key, value)
+    query, k, v = module._cached(query, key, value)
     cache = module.kv_cache
     if cache.is_prefill:
         return sdpa_attention(query, k, v, None, query.shape[0] > 1, module.scale)
-    return sdpa_decode(query, k, v, cache.keep, module.scale)
+    return sdpa_decode(query, k, v, cache.decode_bias(query.dtype), module.scale)
 
 
 class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
@@ -215,13 +237,13 @@ class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias,
                                    packed_seq_params=packed_seq_params)
-        k, v = self._cached(key, value)
+        query, k, v = self._cached(query, key, value)
         if cache.is_prefill:
             s = query.shape[0]
             causal = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)
             return super().forward(query, k, v, causal[None, None], attn_mask_type=AttnMaskType.causal)
-        k = k.permute(1, 0, 2, 3).contiguous()
-        v = v.permute(1, 0, 2, 3).contiguous()
+        k = k.permute(2, 0, 1, 3).contiguous()
+        v = v.permute(2, 0, 1, 3).contiguous()
         return super().forward(query, k, v, cache.masked, attn_mask_type=AttnMaskType.padding)
 
 

@@ -190,7 +190,8 @@ class _Hooks:
                              "(build the model with puzzle.models.builders)")
         self.width = width
         self._rope = None                              # the model's own RotaryEmbedding
-        self.positions: Optional[torch.Tensor] = None  # decode: [n] positions
+        self.cache = None                              # the bound StaticKVCache
+        self.cos = self.sin = None                     # RoPE tables [width, 1, d]
         self.last: Optional[torch.Tensor] = None       # prefill: [n] last prompt positions
         self._handles = []
 
@@ -200,11 +201,27 @@ class _Hooks:
             self._handles.append(m.output_layer.register_forward_pre_hook(self._last_tokens))
         rope = getattr(m, "rotary_pos_emb", None)
         if rope is not None and getattr(m, "position_embedding_type", None) == "rope":
-            m.rotary_pos_emb = _TableRope(rope, rope(self.width)[:, 0], self)  # once per generation
+            if type(rope).__name__ != "RotaryEmbedding" or m.config.rotary_interleaved \
+                    or getattr(rope, "rotary_percent", 1.0) != 1.0:
+                raise ValueError(f"generation supports plain RoPE only (got {type(rope).__name__})")
+            table = rope(self.width)[:, 0]  # [width, 1, d], once per generation
+            self.cos, self.sin = torch.cos(table) * 1.0, torch.sin(table) * 1.0
+            m.rotary_pos_emb = _NoRope(rope)
             self._rope = rope
         return self
 
+    def rope(self, positions: Optional[torch.Tensor], seq_len: int) -> None:
+        """The call's cos/sin: rows' own positions (decode) or 0..seq_len-1 (prefill)."""
+        cache = self.cache
+        if self.cos is None:
+            return
+        if positions is None:
+            cache.set_rope(self.cos[:seq_len].unsqueeze(1), self.sin[:seq_len].unsqueeze(1))
+        else:
+            cache.set_rope(self.cos[positions].unsqueeze(0), self.sin[positions].unsqueeze(0))
+
     def bind(self, cache) -> None:
+        self.cache = cache
         for a in self.attention:
             a.kv_cache = cache
 
@@ -216,7 +233,7 @@ class _Hooks:
             self.model.rotary_pos_emb = self._rope
             self._rope = None
         self.bind(None)
-        self.positions = self.last = None
+        self.last = self.cos = self.sin = None
         return False
 
     def _last_tokens(self, module, args):
@@ -227,21 +244,17 @@ class _Hooks:
         return (hidden[self.last, rows].unsqueeze(0),) + tuple(args[1:])
 
 
-class _TableRope(torch.nn.Module):
-    """Stands in for GPTModel's RotaryEmbedding during ``generate``: its table, computed once,
-    indexed with each row's position in decode steps ([1, n, 1, d]) or read for positions
-    0..s-1 in a prefill ([s, 1, 1, d], megatron's own values)."""
+class _NoRope(torch.nn.Module):
+    """Stands in for GPTModel's RotaryEmbedding during ``generate``: megatron's Attention gets no
+    rotary embedding; the KV cache applies RoPE (same arithmetic) with cos/sin computed once per
+    generation and indexed once per call for all layers."""
 
-    def __init__(self, rope, table: torch.Tensor, hooks: _Hooks):
+    def __init__(self, rope):
         super().__init__()
-        self.table, self.hooks = table, hooks
         self.get_rotary_seq_len = rope.get_rotary_seq_len
 
-    def forward(self, seq_len: int, offset: int = 0, packed_seq: bool = False, **kwargs):
-        pos = self.hooks.positions
-        if pos is None:
-            return self.table[offset:offset + seq_len].unsqueeze(1)
-        return self.table[pos].unsqueeze(0)
+    def forward(self, *args, **kwargs):
+        return None
 
 
 class Stepper:
@@ -265,13 +278,13 @@ class Stepper:
         """GPTModel forward of one call (decode when ``last`` is None and the cache decodes)."""
         h = self.hooks
         h.last = last
-        h.positions = None if last is not None else positions[:, 0]
+        h.rope(None if last is not None else positions[:, 0], ids.shape[1])
         if not self.layout.is_first_stage:
             self.model.set_input_tensor(hidden)
         try:
             out = self.model(ids, positions, None, runtime_gather_output=False)
         finally:
-            h.last = h.positions = None
+            h.last = None
             if not self.layout.is_first_stage:
                 self.model.set_input_tensor(None)
         if self.layout.is_last_stage:
