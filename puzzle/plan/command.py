@@ -36,7 +36,9 @@ def workload_from_config(cfg) -> PPOWorkload:
                        gen_len=ppo.max_new_tokens, micro_batch_size=ppo.micro_batch_size,
                        ppo_epochs=ppo.ppo_epochs,
                        ppo_minibatches=ppo.rollout_batch_size // ppo.mini_batch_size,
-                       distributed_optimizer=cfg.optim.use_distributed_optimizer)
+                       distributed_optimizer=cfg.optim.use_distributed_optimizer,
+                       generation_micro_batch_size=ppo.generation_micro_batch_size,
+                       cuda_graphs=ppo.cuda_graph_generation)
 
 
 def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:

@@ -10,10 +10,15 @@ Stages of one PPO iteration (PUZZLE §4.3, Fig. 6): *generation* (actor, autoreg
   the last stage + the pipeline send; then the data-parallel gradient reduce-scatter + parameter
   all-gather (distributed optimizer) and the Adam step (HBM bound).
 * Scoring: forward only, ``(N_B + P - 1) * t_f``.
-* Generation: prefill + ``gen_len`` decode steps with a KV cache; a decode step of a layer is
-  the profiled context-0 step time (bounded below by weight bytes / HBM / T) + the KV-cache read
-  + 2 TP all-reduces. For P > 1 the hybrid inference scheduling of DeepSpeed Inference is used:
-  the replica's sequences are split into min(P, b) micro-batches that flow through the stages.
+* Generation (puzzle/rollout/generation.py): prefills + ``gen_len - 1`` decode steps per cache
+  wave with a static KV cache; a decode step of a layer is the profiled context-0 step time
+  (bounded below by weight bytes / HBM / T) + the KV-cache read + 2 TP all-reduces. P = 1: one
+  cache of ``generation_micro_batch_size`` rows, refilled as rows finish (continuous batching):
+  ceil(b / rows) waves of one prefill of ``rows`` prompts and the decode steps at ``rows``.
+  P > 1: hybrid inference scheduling: the replica's sequences (sorted by length: the prompts of
+  a micro-batch are one length bucket) form micro-batches that flow through the stages. With
+  ``cuda_graphs`` (GPU) a decode step of a layer is its weight bytes / HBM or its GEMM time,
+  whichever is larger (no per-kernel launch cost), with attention over the cache's whole width.
 * Time-sharing of several models with equal P on the same devices: PUZZLE Eq. (1), the sum of
   the models' pipelined work plus ONE bubble of the largest per-micro-batch stage time.
 * Switching the actor from its training to its generation plan: :func:`switch_bytes_per_rank`
@@ -122,6 +127,8 @@ class PPOWorkload:
     score_micro_batch_size: Optional[int] = None  # None: micro_batch_size
     distributed_optimizer: bool = True
     actor_logprobs_in_scoring: bool = True  # recompute the old log-probs in the scoring stage
+    generation_micro_batch_size: Optional[int] = None  # KV-cache rows per DP rank (None: all)
+    cuda_graphs: bool = False  # decode steps replayed from CUDA graphs (GPU)
 
     def __post_init__(self):
         for k in ("rollout_batch_size", "prompt_len", "gen_len", "micro_batch_size", "ppo_epochs", "ppo_minibatches"):
@@ -433,9 +440,9 @@ class CostModel:
 
     # -- generation -----------------------------------------------------------------------
     def generation_cost(self, role: ModelRole, plan: ParallelPlan) -> TaskCost:
-        """Prefill + gen_len decode steps. Hybrid inference scheduling for P > 1: the replica's
-        b sequences form m = min(P, b) micro-batches; a decode step takes max(m, P) stage times
-        (the pipeline is full when m = P, latency-bound when b < P) = P stage times."""
+        """Prefill + decode of the generation loop (see the module docstring). P > 1: the
+        replica's b sequences form m micro-batches (default min(P, b)); a decode step takes
+        max(m, P) stage times (the pipeline is full when m = P, latency-bound when b < P)."""
         key = ("gen", role, plan)
         if key in self._cache:
             return self._cache[key]
@@ -445,10 +452,51 @@ class CostModel:
         h, V, layers = s.hidden_size, s.vocab_size, s.num_layers // P
         tab = prof.layer_table(s)
         b = math.ceil(w.rollout_batch_size / D)
-        m = min(P, b)
-        bm = math.ceil(b / m)
-        # prefill: the replica's prompts in m_pre micro-batches through P stages; the scheduler
-        # picks m_pre (powers of two from m up to b) trading bubbles against GEMM efficiency
+        rows = min(w.generation_micro_batch_size or b, b)
+        steps = w.gen_len - 1  # the first token comes from the prefill
+        if P == 1:  # one cache of `rows` rows, refilled: waves of prefill + decode steps
+            waves = math.ceil(b / rows)
+            m, bm = 1, rows
+            tok = rows * w.prompt_len
+            prefill = waves * (layers * (tab.fwd(tok, T) + 2 * prof.allreduce_time(tok * h * BF16, T, tp_x))
+                               + self._head_fwd(role, rows, T))
+        else:
+            waves = 1
+            m = math.ceil(b / w.generation_micro_batch_size) if w.generation_micro_batch_size else min(P, b)
+            bm = math.ceil(b / m)
+            prefill = self._pipelined_prefill(role, plan, b, m)
+        # decode: weights (profiled step at context 0) + KV-cache read at the mean context length
+        ctx = w.prompt_len + (w.gen_len + 1) / 2.0
+        if w.cuda_graphs:  # whole-width attention, no launch cost per kernel
+            ctx = w.prompt_len + w.gen_len
+            split, repl = layer_params(s)
+            layer_bytes = (split / T + repl) * BF16
+            t_layer = max(prof.hbm_time(layer_bytes), prof.gemm_time(2.0 * bm * split / T))
+        else:
+            t_layer = tab.decode(bm, T)
+        kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16)
+        head = (max(prof.hbm_time(V * h / T * BF16), 2.0 * bm * h * V / T / (prof.peak_flops * prof.gemm_efficiency))
+                if role.lm_head else 0.0)
+        # vocab-parallel sampling exchanges (value, id) pairs across the TP group every step
+        sample = prof.allreduce_time(bm * 16, T, tp_x) if role.lm_head else 0.0
+        t_dec = (layers * (t_layer + kv_read + 2 * prof.allreduce_time(bm * h * BF16, T, tp_x))
+                 + head + sample + self._p2p(bm * h * BF16, P, pp_x))
+        # P > 1: each step's sampled tokens go back from the last stage to the first before that
+        # micro-batch's next step can start (puzzle.rollout.schedule): one more hop per step cycle
+        token_return = self._p2p(bm * 8, P, pp_x)
+        decode = waves * steps * (max(m, P) * t_dec + token_return + prof.decode_step_overhead_s)
+        cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
+        self._cache[key] = cost
+        return cost
+
+    def _pipelined_prefill(self, role: ModelRole, plan: ParallelPlan, b: int, m: int) -> float:
+        """Prefill of b prompts in micro-batches through P stages: the fastest split, from m
+        micro-batches up by powers of two (bubbles against GEMM efficiency)."""
+        w, prof, s = self.workload, self.profile, role.shape
+        P, T = plan.P, plan.T
+        tp_x, _, pp_x = self._links(plan)
+        h, layers = s.hidden_size, s.num_layers // P
+        tab = prof.layer_table(s)
         prefill = math.inf
         m_pre = m
         while True:
@@ -457,25 +505,10 @@ class CostModel:
             t_pre = (layers * (tab.fwd(tok, T) + 2 * prof.allreduce_time(tok * h * BF16, T, tp_x))
                      + self._head_fwd(role, bp, T) + self._p2p(tok * h * BF16, P, pp_x))
             prefill = min(prefill, pipeline_time(math.ceil(b / bp), P, t_pre))
-            if P == 1 or m_pre >= b:
+            if m_pre >= b:
                 break
             m_pre *= 2
-        # decode: weights (profiled step at context 0) + KV-cache read at the mean context length
-        ctx = w.prompt_len + (w.gen_len + 1) / 2.0
-        kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16)
-        head = (max(prof.hbm_time(V * h / T * BF16), 2.0 * bm * h * V / T / (prof.peak_flops * prof.gemm_efficiency))
-                if role.lm_head else 0.0)
-        # vocab-parallel sampling exchanges (value, id) pairs across the TP group every step
-        sample = prof.allreduce_time(bm * 16, T, tp_x) if role.lm_head else 0.0
-        t_dec = (layers * (tab.decode(bm, T) + kv_read + 2 * prof.allreduce_time(bm * h * BF16, T, tp_x))
-                 + head + sample + self._p2p(bm * h * BF16, P, pp_x))
-        # P > 1: each step's sampled tokens go back from the last stage to the first before that
-        # micro-batch's next step can start (puzzle.rollout.schedule): one more hop per step cycle
-        token_return = self._p2p(bm * 8, P, pp_x)
-        decode = w.gen_len * (max(m, P) * t_dec + token_return + prof.decode_step_overhead_s)
-        cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
-        self._cache[key] = cost
-        return cost
+        return prefill
 
     # -- switching ----------------------------------------------------------------------------
     def switch(self, role: ModelRole, src: ParallelPlan, dst: ParallelPlan) -> Tuple[int, float]:

@@ -51,23 +51,26 @@ def graph_width(width: int) -> int:
 class DecodeGraphs:
     """The static cache, input buffers and captured decode graphs of one model."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, capture: bool = True):
+        """``capture=False`` runs the same static-shape bucketed step without a graph (any
+        device): the check of everything but the capture itself."""
+        self.device, self.capture = device, capture
         self.key: Tuple[int, int] = (0, 0)
         self.width = 0
         self._cache = None
         self.graphs: Dict[int, tuple] = {}
         self.captures = 0
         self.pool = None
+        self.rope_tables = None  # (cos, sin) the graphs read: kept with them
 
     @classmethod
     def for_model(cls, model, P: int, device: torch.device) -> "DecodeGraphs":
-        if device.type != "cuda":
-            raise ValueError(f"--cuda-graph-generation needs a CUDA device (the model is on {device})")
         if P != 1:
             raise ValueError(f"--cuda-graph-generation needs a generation layout with P=1 (got P={P})")
         graphs = getattr(model, "_puzzle_decode_graphs", None)
         if graphs is None:
+            if device.type != "cuda":
+                raise ValueError(f"--cuda-graph-generation needs a CUDA device (the model is on {device})")
             graphs = cls(device)
             model._puzzle_decode_graphs = graphs
         return graphs
@@ -82,12 +85,20 @@ class DecodeGraphs:
             self.key, self.width = key, key[1]
             self._cache = StaticKVCache(slots, self.width)
             self.graphs = {}
+            self.rope_tables = None
             self.buckets = graph_buckets(slots)
             self.ids = torch.zeros(slots, dtype=torch.long, device=self.device)
             self.pos = torch.zeros(slots, dtype=torch.long, device=self.device)
-            if self.pool is None:
+            if self.pool is None and self.capture:
                 self.pool = torch.cuda.graph_pool_handle()
         return self._cache
+
+    def keep_rope_tables(self, hooks) -> None:
+        """The graphs read the RoPE tables of their capture: later generations use those."""
+        if self.rope_tables is None:
+            self.rope_tables = (hooks.cos, hooks.sin)
+        else:
+            hooks.cos, hooks.sin = self.rope_tables
 
     def decode(self, sb, run) -> torch.Tensor:
         """Logits [n, V/T] of the decode call ``sb.call``, from the graph of its bucket."""
@@ -106,6 +117,8 @@ class DecodeGraphs:
             cache.decode(N, pos, width)
             return run(ids.unsqueeze(1), pos.unsqueeze(1), None, None)
 
+        if not self.capture:
+            return step()[:n]
         if N not in self.graphs:
             self.graphs[N] = self._capture(step)
         graph, out = self.graphs[N]

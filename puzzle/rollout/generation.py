@@ -360,6 +360,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     try:
         with torch.no_grad(), _Hooks(model, width if graphs is None else graphs.width) as hooks, \
                 _fast_dispatch(hooks):
+            if graphs is not None:
+                graphs.keep_rope_tables(hooks)
             stepper = Stepper(engine, hooks, graphs)
             run_schedule(engine, batches, stepper, params, seed, sample_offset)
     finally:

@@ -140,6 +140,14 @@ def test_sdpa_backend_same_tokens_at_every_layout(world):
             assert _combined(entries, name) == rows, (key, name)
 
 
+def test_graph_decode_step_same_tokens(world):
+    res = world[0]["fast_loop"]
+    st = res["static_decode"]
+    assert st["width"] == 64  # longest prompt 8 + 8 new tokens, rounded up to 64
+    for name in ("greedy", "t07_k20_p09"):
+        assert st[name] == [res["base"][name]] * 3, name
+
+
 def test_sdpa_module_matches_unfused_attention(world):
     m = world[0]["fast_loop"]["module"]
     assert m["causal_max_diff"] < 1e-5 and m["padded_max_diff"] < 1e-5, m

@@ -50,6 +50,8 @@ def test_cuda_graphs_refused_off_cuda():
         DecodeGraphs.for_model(model, 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="P=1"):
         DecodeGraphs.for_model(model, 2, torch.device("cuda"))
+    model._puzzle_decode_graphs = DecodeGraphs(torch.device("cpu"), capture=False)
+    assert DecodeGraphs.for_model(model, 1, torch.device("cpu")) is model._puzzle_decode_graphs
 
 
 def test_service_order_is_length_buckets():

@@ -172,6 +172,21 @@ def check_fast_loop():
                        for m in e.module.modules() if hasattr(m, "core_attention"))
             mine = {name: _gen_dp(e, prm, mbs, prompts=prompts[:6]) for name, prm in PARAMS.items()}
         res["sdpa"][f"{plan}/mbs{mbs}"] = _gather(mine)
+    # the CUDA-graph decode step (bucketed static buffers, whole-width mask, cache and RoPE
+    # tables kept across generations) without the capture, on CPU
+    e = _engine(ParallelPlan(1, 1, 1), "local")
+    if e.member:
+        from puzzle.rollout.cuda_graphs import DecodeGraphs
+
+        e.module._puzzle_decode_graphs = DecodeGraphs(torch.device("cpu"), capture=False)
+        static = {}
+        for mbs in (None, None, 3):  # the second call reuses the first one's cache and tables
+            for name in ("greedy", "t07_k20_p09"):
+                o = generate(e, prompts, PARAMS[name], seed=SEED, micro_batch_size=mbs, cuda_graphs=True)
+                static.setdefault(name, []).append(o.responses())
+        static["width"] = e.module._puzzle_decode_graphs.width
+        del e.module._puzzle_decode_graphs
+        res["static_decode"] = static
     # the modules themselves: SDPA vs megatron's unfused math, forward and backward
     e1, e2 = _engine(ParallelPlan(1, 1, 1)), _engine(ParallelPlan(1, 1, 1), "local")
     if e1.member:
