@@ -70,3 +70,29 @@ def test_flags():
             validate_args(parse_args(BASE + ["--attention-backend", "flash"]), 4, 259)
     with pytest.raises(SystemExit):
         parse_args(BASE + ["--attention-backend", "sdpa"])
+
+
+def test_cost_model_follows_the_decode_loop():
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.plan import LLAMA_SHAPES, load_profile
+    from puzzle.plan.cost_model import CostModel, PPOWorkload, ppo_roles
+    from puzzle.plan.profile_data import layer_params
+
+    prof = load_profile("a100_80gb")
+    actor = ppo_roles(LLAMA_SHAPES["7B"], LLAMA_SHAPES["350M"])["actor"]
+
+    def gen(plan=ParallelPlan(1, 8, 1), **kw):
+        return CostModel(prof, PPOWorkload(128, prompt_len=256, gen_len=256, **kw)).generation_cost(actor, plan)
+
+    full, waves = gen(), gen(generation_micro_batch_size=4)  # 16 prompts per rank: 4 cache waves
+    one_wave = CostModel(prof, PPOWorkload(32, prompt_len=256, gen_len=256)).generation_cost(actor, ParallelPlan(1, 8, 1))
+    assert waves.total == pytest.approx(4 * one_wave.total)  # 4 prompts per rank, one wave
+    assert waves.extra == pytest.approx(4 * one_wave.extra)  # one prefill per wave
+    assert full.total < waves.total
+    graphs = gen(cuda_graphs=True)
+    assert graphs.total < full.total
+    split, repl = layer_params(LLAMA_SHAPES["7B"])
+    assert graphs.t_stage >= LLAMA_SHAPES["7B"].num_layers * prof.hbm_time((split + repl) * 2)
+    # P > 1: micro-batches of the given size (length buckets), default min(P, b)
+    pp = ParallelPlan(2, 4, 1)
+    assert gen(pp).n_micro == 2 and gen(pp, generation_micro_batch_size=8).n_micro == 4
