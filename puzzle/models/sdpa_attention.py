@@ -147,7 +147,9 @@ def sdpa_attention(query, key, value, mask: Optional[torch.Tensor], causal: bool
     [b, 1, sq, sk]; ``causal`` applies only without a mask. -> [sq, b, h * d].
 
     A masked key gets the dtype's lowest value, not -inf, so a fully masked query row (a padded
-    position) stays finite, as in megatron's unfused softmax.
+    position) stays finite and uniform, as in megatron's unfused softmax. Unlike megatron's
+    masked_fill, the additive mask lets such a row's gradient reach its scores; puzzle's losses
+    never read a position without a key to attend to.
     """
     sq, b, h, d = query.shape
     g = key.shape[2]
