@@ -455,6 +455,10 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     from puzzle.models.builders import resolve_transformer_impl
 
     impl, impl_note = resolve_transformer_impl(args.transformer_impl)
+    if args.sequence_parallel and impl == "local" and any(r.plan.T > 1 for r in roles.values()):
+        _fail("--sequence-parallel", "needs --transformer-impl transformer_engine (TE on a CUDA machine): "
+                                     "megatron-core's local layer spec normalises with torch norms, which "
+                                     "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
     ppo = PPOParams(
         rollout_batch_size=args.rollout_batch_size, mini_batch_size=mini,
         micro_batch_size=args.micro_batch_size, generation_micro_batch_size=gmb,
