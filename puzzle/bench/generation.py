@@ -201,9 +201,11 @@ def _worker(args):
     from puzzle.rollout import SamplingParams, generate
     from puzzle.training.engine import ModelEngine
 
+    from puzzle.parallel.device import runtime
+
     rank, world = init_distributed()
-    cuda = torch.cuda.is_available() and not megatron_patches.on_cpu()
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dev = runtime().device
+    cuda = dev.type == "cuda"
     arch = _arch(args.model)
     plan = ParallelPlan(1, 1, world)
     layout = layout_for(plan)

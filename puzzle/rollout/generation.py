@@ -338,7 +338,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     if not isinstance(mbs, int) or mbs < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
     model = engine.module
-    device = next(model.parameters()).device
+    device = model.puzzle_device
     graphs = None
     if cuda_graphs:
         from puzzle.rollout.cuda_graphs import DecodeGraphs
@@ -357,6 +357,12 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
                              device) for i in range(0, b, mbs)]
     was_training = model.training
     model.eval()
+    # megatron runs inference without sequence parallelism (a decode step has one position)
+    sequence_parallel = bool(model.config.sequence_parallel)
+    if sequence_parallel:
+        from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+        set_model_to_sequence_parallel(model, False)
     try:
         with torch.no_grad(), _Hooks(model, width if graphs is None else graphs.width) as hooks, \
                 _fast_dispatch(hooks):
@@ -369,6 +375,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
             for sb in batches:
                 sb.cache = None  # drop every KV cache, also on error
         model.train(was_training)
+        if sequence_parallel:
+            set_model_to_sequence_parallel(model, True)
     return _assemble(prompts, results, params, lp, stepper.forward_passes)
 
 
