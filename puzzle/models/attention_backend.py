@@ -37,12 +37,31 @@ def resolve_attention_backend(backend: str, *, te: bool, cuda: bool) -> Tuple[st
     return "sdpa", None
 
 
-def attention_layer_spec(normalization: str, spec: str):
-    """megatron-core GPT layer spec whose core attention is the one ``spec`` names."""
+def attention_choice(backend: str, transformer_impl: str) -> Tuple[str, Optional[str]]:
+    """resolve_attention_backend for a model built with ``transformer_impl`` on this machine."""
+    from puzzle.parallel.device import accelerator_available
+
+    return resolve_attention_backend(backend, te=transformer_impl == "transformer_engine",
+                                     cuda=accelerator_available())
+
+
+def te_attention_config(backend: str, transformer_impl: str) -> dict:
+    """TransformerConfig arguments: TE's kernel family (megatron sets TE's switches from it)."""
+    te = attention_choice(backend, transformer_impl)[1]
+    if te is None:
+        return {}
+    from megatron.core.transformer.enums import AttnBackend
+
+    return {"attention_backend": AttnBackend[te]}
+
+
+def attention_layer_spec(normalization: str, backend: str, transformer_impl: str):
+    """megatron-core GPT layer spec whose core attention is the one ``backend`` names."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     from puzzle.models import sdpa_attention as sa
 
+    spec = attention_choice(backend, transformer_impl)[0]
     if spec == "te":
         layer = specs.get_gpt_layer_with_transformer_engine_spec(normalization=normalization)
     else:

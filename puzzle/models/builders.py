@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from puzzle.config import HEADS, ModelArch
+from puzzle.models.attention_backend import attention_layer_spec, te_attention_config
 from puzzle.parallel.device import accelerator_available, runtime
 from puzzle.parallel.groups import Layout
 
@@ -59,13 +60,7 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
                      hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size)
     params_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else _DTYPES[arch.params_dtype]
     on_gpu = accelerator_available()
-    extra = {}
-    te_attention = _attention(arch, transformer_impl)[1]
-    if te_attention is not None:
-        from megatron.core.transformer.enums import AttnBackend
-
-        extra["attention_backend"] = AttnBackend[te_attention]
-    return TransformerConfig(**extra,
+    return TransformerConfig(**te_attention_config(arch.attention_backend, transformer_impl),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -135,19 +130,10 @@ def resolve_transformer_impl(requested: str) -> tuple:
 def layer_spec(arch: ModelArch, transformer_impl: str = "local"):
     """megatron-core's transformer-engine or local GPT layer spec, its core attention the one
     ``arch.attention_backend`` names (puzzle/models/attention_backend.py)."""
-    from puzzle.models.attention_backend import attention_layer_spec
-
     if transformer_impl == "transformer_engine" and not te_available():
         raise RuntimeError("transformer_impl='transformer_engine' needs CUDA and transformer_engine; "
                            "resolve it with resolve_transformer_impl first")
-    return attention_layer_spec(arch.normalization, _attention(arch, transformer_impl)[0])
-
-
-def _attention(arch: ModelArch, transformer_impl: str):
-    from puzzle.models.attention_backend import resolve_attention_backend
-
-    return resolve_attention_backend(arch.attention_backend, te=transformer_impl == "transformer_engine",
-                                     cuda=accelerator_available())
+    return attention_layer_spec(arch.normalization, arch.attention_backend, transformer_impl)
 
 
 def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool = False,
