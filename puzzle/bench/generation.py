@@ -254,6 +254,9 @@ def _worker(args):
                 row[f"puzzle_{name}_tokens_per_s"] = round(tps, 1)
                 row[f"puzzle_{name}_over_hf"] = round(tps / hf_tps, 3)
                 row[f"tokens_equal_{name}"] = bool(torch.equal(toks[name], toks["hf"]))
+            if "local_graphs" in toks:  # CUDA graphs against the same loop run eagerly
+                row["tokens_equal_graphs_eager"] = bool(torch.equal(toks["local_graphs"], toks["local"]))
+                row["graph_captures"] = engines["local"].module._puzzle_decode_graphs.captures
             if cuda:
                 elem = 2
                 need = _decode_bytes(engines["local"].module, arch, prompts, n_new, elem, world)
