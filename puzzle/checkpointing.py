@@ -283,6 +283,7 @@ def save_checkpoint(trainer, loader, root: str) -> str:
                             if not e.trainable}
     if rank == 0:
         state = {"iteration": it, "kl_ctl": trainer.kl_ctl.state_dict(),
+                 "reward_norm": trainer.reward_norm.state_dict(),
                  "schedulers": {r: trainer.engines[r].scheduler.state_dict() for r in trainable},
                  "loader": loader.state_dict() if loader is not None else None}
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
@@ -355,6 +356,7 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
     state = json.load(open(os.path.join(d, TRAINER_STATE)))
     trainer.iteration = int(state["iteration"])
     trainer.kl_ctl.load_state_dict(state["kl_ctl"])
+    trainer.reward_norm.load_state_dict(state.get("reward_norm", trainer.reward_norm.state_dict()))
     for role, sched_state in state["schedulers"].items():
         eng = trainer.engines[role]
         if eng.scheduler is not None:

@@ -22,7 +22,7 @@ def run(argv) -> int:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         cfg = validate_args(args, world_size, tokenizer.vocab_size)
         if cfg.reward_fn:
-            from puzzle.rewards import load_reward_fn
+            from puzzle.reward_functions import load_reward_fn
 
             load_reward_fn(cfg.reward_fn)
         dataset = load_prompt_dataset(cfg.prompt_data or bundled_prompts_path(), tokenizer,
@@ -103,6 +103,7 @@ def _train(cfg, tokenizer, dataset, *, load_optim: bool = True, load_rng: bool =
     from puzzle import checkpointing
     from puzzle.data.prompts import PromptLoader
     from puzzle.parallel.groups import init_distributed
+    from puzzle.reward_functions import BadRewardError
     from puzzle.trainer import PPOTrainer
 
     if cfg.load:  # metadata only: a wrong model shape fails here, before any model is built
@@ -121,15 +122,26 @@ def _train(cfg, tokenizer, dataset, *, load_optim: bool = True, load_rng: bool =
             checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=load_optim,
                                           load_rng=load_rng, iteration=ckpt_step)
         saved = trainer.iteration
+
+        def next_prompts():  # token ids and the records' other fields (ground truth for rewards)
+            pb = next(loader)
+            return pb.prompts, [dataset.records[i] if dataset.records else {} for i in pb.indices]
+
         while trainer.iteration < cfg.train_iters:
-            trainer.step(next(loader).prompts)
+            trainer.step(*next_prompts(), refill=next_prompts)
             if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
                 checkpointing.save_checkpoint(trainer, loader, cfg.save)
                 saved = trainer.iteration
         if cfg.save and saved != trainer.iteration:  # the final state, as Megatron-LM does
             checkpointing.save_checkpoint(trainer, loader, cfg.save)
+    except BadRewardError as e:  # raised on every rank alike (--on-bad-reward error)
+        if dist.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        rc = 1
+    else:
+        rc = 0
     finally:
         trainer.close()
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return rc

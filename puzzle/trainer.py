@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from puzzle.algorithms import build_kl_controller, compute_gae, compute_token_rewards, masked_mean
+from puzzle.algorithms import RunningMoments, build_kl_controller, compute_token_rewards, masked_mean
+from puzzle.algorithms.advantage_estimators import ESTIMATORS, compute_advantages
 from puzzle.config import RunConfig
 from puzzle.metrics import MetricsLogger
 from puzzle.parallel.groups import layout_for
 from puzzle.pipeline.stage import StageContext, run_stage
 from puzzle.training import steps
 from puzzle.training.batch import RolloutBatch, right_pad_rollout, world_assemble
+from puzzle import generation_stage
 from puzzle.training.engine import ModelEngine
 
 
@@ -51,19 +53,24 @@ class PPOTrainer:
             self.switch = ActorSwitch(self.engines["actor"], gen_plan, cfg.switch_segments,
                                       ranks_per_node=cfg.ranks_per_node)
         self.kl_ctl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
-        self.reward_fn = None
+        self.rewarder = None
         if cfg.reward_fn:
-            from puzzle.rewards import load_reward_fn
+            from puzzle.reward_functions.distributed import RolloutRewarder
 
-            self.reward_fn = load_reward_fn(cfg.reward_fn)
+            self.rewarder = RolloutRewarder(cfg.reward_fn, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
+                                            on_bad_reward=cfg.on_bad_reward, bad_reward_value=cfg.bad_reward_value)
+        self.reward_norm = RunningMoments()  # --reward-normalization running (checkpointed)
         self.iteration = 0
         self.logger = MetricsLogger(cfg.log_dir, cfg.log_interval, cfg.train_iters, self.rank)
 
     # ---- the iteration ---------------------------------------------------------------------
-    def step(self, prompt_ids: List[List[int]]) -> dict:
+    def step(self, prompt_ids: List[List[int]], records: Optional[List[dict]] = None,
+             refill: Optional[Callable] = None) -> dict:
+        """One iteration on a global batch of prompts; ``records`` are their dataset records (for
+        the reward function), ``refill()`` the next (prompt_ids, records) for dynamic sampling."""
         self.iteration += 1
         t0 = time.perf_counter()
-        batch = self.generate(prompt_ids)
+        batch, gen_stats = self.generate(prompt_ids, records, refill)
         t1 = time.perf_counter()
         self.score(batch)
         t2 = time.perf_counter()
@@ -71,7 +78,7 @@ class PPOTrainer:
         train_stats = self.train(batch)
         t3 = time.perf_counter()
         data = getattr(getattr(self.prompts, "stats", None), "as_dict", dict)()
-        metrics = {"iteration": self.iteration, **adv_stats, **train_stats, **self._switch_metrics(),
+        metrics = {"iteration": self.iteration, **adv_stats, **train_stats, **self._switch_metrics(), **gen_stats,
                    **{f"prompts_{k}": v for k, v in data.items()},
                    "response_length_mean": float(batch.response_lengths.float().mean()),
                    "samples_per_sec": batch.size / (t3 - t0),
@@ -88,12 +95,34 @@ class PPOTrainer:
         dist.all_reduce(v, op=dist.ReduceOp.MAX)
         return {"switch_bytes_max_rank": int(v[0]), "switch_seconds": float(v[1])}
 
-    # ---- stage 1: generation -----------------------------------------------------------------
-    def generate(self, prompt_ids: List[List[int]]) -> RolloutBatch:
+    # ---- stage 1: generation (+ verifiable rewards, DAPO dynamic sampling, ReMax baseline) -----
+    def generate(self, prompt_ids: List[List[int]], records=None, refill=None):
+        """Each prompt N times (--n-samples-per-prompt), scored by the reward function when there is
+        one; returns the batch and the stage's metrics."""
+        ppo = self.cfg.ppo
+        records = records if records is not None else [{} for _ in prompt_ids]
+        engine = self.switch.generation_engine() if self.switch else self.engines["actor"]
+        if ppo.filter_groups:
+            batch, stats = generation_stage.dynamic_sampling(self, engine, prompt_ids, records, refill)
+        else:
+            batch = self._rollout(engine, prompt_ids)
+            stats = self._reward_fn_scores(batch, prompt_ids, records) if self.rewarder else {}
+        if ESTIMATORS[ppo.advantage_estimator].needs_greedy_baseline:  # ReMax: same stage, same engine
+            greedy = self._rollout(engine, prompt_ids, greedy=True)
+            self._reward_fn_scores(greedy, prompt_ids, records, what="greedy baseline sample")
+            batch.fields["baseline_scores"] = self._shaped(greedy.fields["scores"], greedy.response_lengths)
+        if self.switch:
+            self.switch.release()
+        return batch, stats
+
+    def _rollout(self, engine, prompt_ids: List[List[int]], round_: int = 0, greedy: bool = False) -> RolloutBatch:
+        """Generate N samples of every prompt (prompt-major: sample b is of prompt b // N); the noise
+        is keyed by the global sample index (+ round x batch size for later rounds)."""
         from puzzle.rollout.generation import SamplingParams, generate
 
-        ppo, B = self.cfg.ppo, len(prompt_ids)
-        engine = self.switch.generation_engine() if self.switch else self.engines["actor"]
+        ppo, N = self.cfg.ppo, self.cfg.ppo.n_samples_per_prompt
+        prompt_ids = [p for p in prompt_ids for _ in range(N)]
+        B = len(prompt_ids)
         layout, R = engine.layout, ppo.max_new_tokens
         responses = lengths = None
         owner = False
@@ -101,16 +130,14 @@ class PPOTrainer:
         if engine.member:
             mine = prompt_ids[layout.d * share:(layout.d + 1) * share]
             params = SamplingParams(max_new_tokens=R, temperature=ppo.temperature, top_k=ppo.top_k,
-                                    top_p=ppo.top_p, greedy=ppo.greedy,
+                                    top_p=ppo.top_p, greedy=ppo.greedy or greedy,
                                     eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
             out = generate(engine, mine, params, seed=self.cfg.seed * 100003 + self.iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
-                           sample_offset=layout.d * share)
+                           sample_offset=round_ * B + layout.d * share)
             Lp = out.tokens.shape[1] - R
             responses, lengths = out.tokens[:, Lp:], out.response_lengths
             owner = layout.p == 0 and layout.t == 0
-        if self.switch:
-            self.switch.release()
         d0 = max(layout.d, 0) * share
         responses = world_assemble(responses, d0, B, (R,), torch.long, owner)
         lengths = world_assemble(lengths, d0, B, (), torch.long, owner)
@@ -121,7 +148,28 @@ class PPOTrainer:
             left[b, Lmax - len(p):] = torch.tensor(p, dtype=torch.long)
         seq = int((prompt_lengths + R).max())
         tokens = right_pad_rollout(left, prompt_lengths, responses, lengths, seq, self.tokenizer.pad_id)
-        return RolloutBatch(tokens, prompt_lengths, lengths, R)
+        batch = RolloutBatch(tokens, prompt_lengths, lengths, R)
+        if N > 1:
+            batch.fields["group_index"] = torch.arange(B) // N
+        return batch
+
+    def _reward_fn_scores(self, batch: RolloutBatch, prompt_ids, records, what: str = "sample") -> dict:
+        """``fields['scores']`` from the reward function, computed across ranks; its metrics."""
+        N = self.cfg.ppo.n_samples_per_prompt
+        make = generation_stage.sample_maker(batch, self.tokenizer, [records[b // N] for b in range(batch.size)])
+        scores, bad = self.rewarder.score(make, batch.size, self.iteration, what)
+        batch.fields["scores"] = scores
+        return {"bad_rewards": bad}
+
+    def _shaped(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """DAPO's overlong penalty added to the scores (--overlong-buffer-len)."""
+        ppo = self.cfg.ppo
+        if not ppo.overlong_buffer_len:
+            return scores
+        from puzzle.algorithms.dapo import overlong_penalty
+
+        return scores + overlong_penalty(lengths, ppo.max_new_tokens, ppo.overlong_buffer_len,
+                                         ppo.overlong_penalty_factor)
 
     # ---- stage 2: scoring ----------------------------------------------------------------------
     def _contexts(self, batch: RolloutBatch, jobs):
@@ -144,74 +192,78 @@ class PPOTrainer:
                               torch.float32, owner)
 
     def score(self, batch: RolloutBatch) -> None:
+        """Forward passes of the roles that exist (cfg.roles): actor old log-probs and entropy,
+        reference log-probs, critic values, reward-model scores."""
         ppo, R = self.cfg.ppo, batch.max_new_tokens
         temp = 1.0 if ppo.greedy else ppo.temperature
-        jobs = [("actor", steps.logprob_score_step(self.vocab, temp, R, with_entropy=True)),
-                ("ref", steps.logprob_score_step(self.vocab, temp, R)),
-                ("critic", steps.value_score_step(R))]
-        if "reward" in self.engines:
-            jobs.append(("reward", steps.reward_score_step()))
+        jobs = {"actor": steps.logprob_score_step(self.vocab, temp, R, with_entropy=True),
+                "ref": steps.logprob_score_step(self.vocab, temp, R),
+                "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
+        jobs = [(role, jobs[role]) for role in ("actor", "ref", "critic", "reward") if role in self.engines]
         contexts, shares = self._contexts(batch, jobs)
         outs = run_stage(contexts, forward_only=True, placement=self.cfg.score_placement)
         f = batch.fields
-        f["old_logprobs"] = self._assemble("actor", outs[0], "logprobs", batch, shares[0])
-        f["entropy"] = self._assemble("actor", outs[0], "entropy", batch, shares[0])
-        f["ref_logprobs"] = self._assemble("ref", outs[1], "logprobs", batch, shares[1])
-        f["values"] = self._assemble("critic", outs[2], "values", batch, shares[2])
-        if "reward" in self.engines:
-            f["scores"] = self._assemble("reward", outs[3], "scores", batch, shares[3])
-        else:
-            f["scores"] = self._reward_fn_scores(batch)
-
-    def _reward_fn_scores(self, batch: RolloutBatch) -> torch.Tensor:
-        scores = torch.zeros(batch.size, dtype=torch.float64)
-        if self.rank == 0:  # once, then broadcast: reward functions need not be deterministic
-            for b in range(batch.size):
-                p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
-                pids, rids = batch.tokens[b, :p].tolist(), batch.tokens[b, p:p + r].tolist()
-                rids_text = [t for t in rids if t != self.tokenizer.eos_id]
-                scores[b] = float(self.reward_fn(self.tokenizer.decode(pids), self.tokenizer.decode(rids_text),
-                                                 pids, rids_text))
-        dist.broadcast(scores, src=0)
-        return scores.float()
+        for (role, _), out, share in zip(jobs, outs, shares):
+            for key, name in {"actor": (("logprobs", "old_logprobs"), ("entropy", "entropy")),
+                              "ref": (("logprobs", "ref_logprobs"),), "critic": (("values", "values"),),
+                              "reward": (("scores", "scores"),)}[role]:
+                f[name] = self._assemble(role, out, key, batch, share)
 
     # ---- advantages (pure math, identical on every rank) -------------------------------------
     def compute_advantages(self, batch: RolloutBatch) -> dict:
         ppo, f, mask = self.cfg.ppo, batch.fields, batch.response_mask
         kl_coef = self.kl_ctl.value
-        rewards, kl = compute_token_rewards(f["scores"], f["old_logprobs"], f["ref_logprobs"], mask,
-                                            kl_coef=kl_coef, kl_kind=ppo.kl_estimator,
-                                            clip_reward=ppo.reward_clip)
-        adv, ret = compute_gae(rewards, f["values"], mask, ppo.gamma, ppo.lam,
-                               whiten_advantages=ppo.whiten_advantages)
+        scores = self._shaped(f["scores"], batch.response_lengths)
+        baseline = f.get("baseline_scores")
+        if ppo.reward_normalization == "running":
+            scores = self.reward_norm.normalize(scores).float()
+            baseline = None if baseline is None else self.reward_norm.normalize(baseline, update=False).float()
+        ref = f.get("ref_logprobs", f["old_logprobs"])  # no reference: no KL
+        rewards, kl = compute_token_rewards(scores, f["old_logprobs"], ref, mask,
+                                            kl_coef=kl_coef if "ref" in self.engines else 0.0,
+                                            kl_kind=ppo.kl_estimator, clip_reward=ppo.reward_clip)
+        adv, ret = compute_advantages(ppo.advantage_estimator, rewards, mask, values=f.get("values"),
+                                      group_index=f.get("group_index"), baseline_scores=baseline,
+                                      gamma=ppo.gamma, lam=ppo.lam, whiten_advantages=ppo.whiten_advantages,
+                                      std_normalization=ppo.grpo_std_normalization)
         f["advantages"], f["returns"] = adv, ret
         seq_kl = (kl * mask).sum(dim=1).mean()
         self.kl_ctl.update(float(seq_kl), batch.size)
-        return {"reward_mean": float(f["scores"].mean()), "kl": float(masked_mean(kl, mask)),
-                "kl_seq": float(seq_kl), "kl_coef": kl_coef,
-                "entropy": float(masked_mean(f["entropy"], mask)),
-                "value_mean": float(masked_mean(f["values"], mask)),
-                "return_mean": float(masked_mean(ret, mask))}
+        stats = {"reward_mean": float(f["scores"].mean()), "kl": float(masked_mean(kl, mask)),
+                 "kl_seq": float(seq_kl), "kl_coef": kl_coef,
+                 "entropy": float(masked_mean(f["entropy"], mask))}
+        if "values" in f:
+            stats["value_mean"] = float(masked_mean(f["values"], mask))
+        stats["return_mean"] = float(masked_mean(ret, mask))
+        return {**stats, **generation_stage.rollout_metrics(batch, self.tokenizer.eos_id,
+                                                           ppo.n_samples_per_prompt)}
 
     # ---- stage 3: training ---------------------------------------------------------------------
     def train(self, batch: RolloutBatch) -> dict:
         ppo, R = self.cfg.ppo, batch.max_new_tokens
         temp = 1.0 if ppo.greedy else ppo.temperature
-        actor, critic = self.engines["actor"], self.engines["critic"]
-        sums = torch.zeros(7, dtype=torch.float64)  # pg, clip, approx_kl, tokens, vloss, vclip, vtok
+        actor, critic = self.engines["actor"], self.engines.get("critic")
+        trained = [e for e in (actor, critic) if e is not None]
+        # pg, clip, approx_kl, tokens, vloss, vclip, vtok, actor loss weight, kl loss
+        sums = torch.zeros(9, dtype=torch.float64)
         grad_norms = {"actor": [], "critic": []}
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         n_steps = ppo.ppo_epochs * (batch.size // ppo.mini_batch_size)
         step = 0
+        actor_step = steps.actor_train_step(self.vocab, temp, R, ppo.clip_eps, ppo.entropy_coef,
+                                            clip_eps_high=ppo.clip_eps_high, loss_agg=ppo.loss_agg_mode,
+                                            kl_loss_coef=ppo.kl_loss_coef, kl_loss_type=ppo.kl_loss_type,
+                                            use_kl_loss=ppo.use_kl_loss)
         for epoch in range(ppo.ppo_epochs):
             perm = torch.randperm(batch.size, generator=gen)
             for s in range(0, batch.size, ppo.mini_batch_size):
                 step += 1
                 mini = batch.rows(perm[s:s + ppo.mini_batch_size])
-                jobs = [("actor", steps.actor_train_step(self.vocab, temp, R, ppo.clip_eps, ppo.entropy_coef)),
-                        ("critic", steps.critic_train_step(R, ppo.value_clip_eps))]
+                jobs = [("actor", actor_step)]
+                if critic is not None:
+                    jobs.append(("critic", steps.critic_train_step(R, ppo.value_clip_eps)))
                 contexts, _ = self._contexts(mini, jobs)
-                for eng in (actor, critic):
+                for eng in trained:
                     if eng.member:
                         eng.zero_grad()
                 outs = run_stage(contexts, forward_only=False, placement=self.cfg.train_placement)
@@ -221,14 +273,16 @@ class PPOTrainer:
                         grad_norms["actor"].append(res["grad_norm"])
                 elif actor.member:
                     grad_norms["actor"].append(actor.optimizer_step()["grad_norm"])
-                if critic.member:
+                if critic is not None and critic.member:
                     grad_norms["critic"].append(critic.optimizer_step()["grad_norm"])
                 if actor.member and actor.layout.is_last_stage and actor.layout.t == 0:
                     for o in outs[0]:
                         sums[0:4] += torch.tensor([float(o["policy_loss_sum"]), float(o["clip_sum"]),
                                                    float(o["approx_kl_sum"]), float(o["tokens"])],
                                                   dtype=torch.float64)
-                if critic.member and critic.layout.is_last_stage and critic.layout.t == 0:
+                        sums[7:9] += torch.tensor([float(o["loss_weight"]), float(o.get("kl_loss_sum", 0.0))],
+                                                  dtype=torch.float64)
+                if critic is not None and critic.member and critic.layout.is_last_stage and critic.layout.t == 0:
                     for o in outs[1]:
                         sums[4:7] += torch.tensor([float(o["value_loss_sum"]), float(o["value_clip_sum"]),
                                                    float(o["tokens"])], dtype=torch.float64)
@@ -236,11 +290,16 @@ class PPOTrainer:
         norms = torch.tensor([max(grad_norms["actor"] or [0.0]), max(grad_norms["critic"] or [0.0])],
                              dtype=torch.float64)
         dist.all_reduce(norms, op=dist.ReduceOp.MAX)
-        tok, vtok = max(float(sums[3]), 1.0), max(float(sums[6]), 1.0)
-        return {"policy_loss": float(sums[0]) / tok, "clip_frac": float(sums[1]) / tok,
-                "approx_kl": float(sums[2]) / tok, "value_loss": float(sums[4]) / vtok,
-                "value_clip_frac": float(sums[5]) / vtok,
-                "actor_grad_norm": float(norms[0]), "critic_grad_norm": float(norms[1])}
+        tok, vtok, weight = max(float(sums[3]), 1.0), max(float(sums[6]), 1.0), max(float(sums[7]), 1.0)
+        stats = {"policy_loss": float(sums[0]) / weight, "clip_frac": float(sums[1]) / tok,
+                 "approx_kl": float(sums[2]) / tok, "value_loss": float(sums[4]) / vtok,
+                 "value_clip_frac": float(sums[5]) / vtok,
+                 "actor_grad_norm": float(norms[0]), "critic_grad_norm": float(norms[1])}
+        if ppo.use_kl_loss:
+            stats["kl_loss"] = float(sums[8]) / tok
+        return stats
 
     def close(self) -> None:
+        if self.rewarder is not None:
+            self.rewarder.close()
         self.logger.close()

@@ -32,10 +32,10 @@ def shapes_from_config(cfg) -> Dict[str, ModelShape]:
 
 def workload_from_config(cfg) -> PPOWorkload:
     ppo = cfg.ppo
-    return PPOWorkload(rollout_batch_size=ppo.rollout_batch_size, prompt_len=ppo.max_prompt_length,
+    return PPOWorkload(rollout_batch_size=ppo.num_samples, prompt_len=ppo.max_prompt_length,
                        gen_len=ppo.max_new_tokens, micro_batch_size=ppo.micro_batch_size,
                        ppo_epochs=ppo.ppo_epochs,
-                       ppo_minibatches=ppo.rollout_batch_size // ppo.mini_batch_size,
+                       ppo_minibatches=ppo.num_samples // ppo.mini_batch_size,
                        distributed_optimizer=cfg.optim.use_distributed_optimizer)
 
 
@@ -55,7 +55,7 @@ def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:
 def memory_estimate(cfg, profile) -> list:
     """The worst-stage MemoryReport of every rank under the run's layouts."""
     shapes = shapes_from_config(cfg)
-    roles = ppo_roles(shapes["actor"], shapes["critic"], shapes.get("ref"), shapes.get("reward"))
+    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"))
     roles = {r: roles[r] for r in shapes}
     mem = MemoryModel(profile, workload_from_config(cfg))
     placement = placement_from_config(cfg)
@@ -67,7 +67,7 @@ def stage_estimate(cfg, profile) -> Dict[str, float]:
     """Estimated seconds per stage of the run's layouts and placements (training includes the
     actor's switch, as PPOTrainer's time_train does)."""
     shapes = shapes_from_config(cfg)
-    roles = ppo_roles(shapes["actor"], shapes["critic"], shapes.get("ref"), shapes.get("reward"))
+    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"))
     return stage_seconds(CostModel(profile, workload_from_config(cfg)), roles, placement_from_config(cfg),
                          {"scoring": cfg.score_placement, "training": cfg.train_placement})
 

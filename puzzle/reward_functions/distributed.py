@@ -1,0 +1,77 @@
+"""Scoring a rollout's samples with the reward function across all ranks.
+
+Each rank scores a contiguous share of the samples (in process or in its own pool, see
+``runner.py``); one all-reduce gives every rank every score and which samples were bad. Bad
+rewards then follow ``--on-bad-reward`` on every rank alike: ``default`` substitutes
+``--bad-reward-value`` (one warning per run, naming the function, the sample and the iteration;
+every bad reward is counted), ``error`` raises :class:`BadRewardError` with the same message on
+every rank, so no rank is left waiting for a peer that died.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Tuple
+
+import torch
+import torch.distributed as dist
+
+from puzzle.reward_functions.loader import load_reward_fn
+from puzzle.reward_functions.runner import BadRewardError, RewardScorer, Sample
+
+ON_BAD_REWARD = ("default", "error")
+
+
+class RolloutRewarder:
+    def __init__(self, spec: str, *, workers: int = 0, timeout=None, on_bad_reward: str = "default",
+                 bad_reward_value: float = 0.0):
+        if on_bad_reward not in ON_BAD_REWARD:
+            raise ValueError(f"on_bad_reward must be one of {ON_BAD_REWARD}, got {on_bad_reward!r}")
+        self.reward = load_reward_fn(spec)
+        self.scorer = RewardScorer(self.reward, workers, timeout)
+        self.on_bad_reward, self.bad_reward_value = on_bad_reward, float(bad_reward_value)
+        self.warned = False
+
+    def score(self, make_sample: Callable[[int], Sample], size: int, iteration: int,
+              what: str = "sample") -> Tuple[torch.Tensor, int]:
+        """Scores ``[size]`` float32 (bad ones replaced) and the number of bad ones, on every rank.
+
+        ``make_sample(b)`` builds sample ``b`` (called only for this rank's share)."""
+        on = dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        per = -(-size // world)
+        lo, hi = min(rank * per, size), min((rank + 1) * per, size)
+        results = self.scorer.score([make_sample(b) for b in range(lo, hi)])
+        buf = torch.zeros(2, size, dtype=torch.float64)  # values, bad flags
+        first_bad = None
+        for b, (value, why) in zip(range(lo, hi), results):
+            if why is None:
+                buf[0, b] = value
+            else:
+                buf[1, b] = 1.0
+                first_bad = first_bad or (b, why)
+        if on and world > 1:
+            dist.all_reduce(buf)
+        bad = buf[1] > 0
+        n_bad = int(bad.sum())
+        if n_bad:
+            found = [None] * world
+            if on and world > 1:
+                dist.all_gather_object(found, first_bad)
+            else:
+                found = [first_bad]
+            b, why = min(f for f in found if f is not None)
+            message = (f"--reward-fn {self.reward.spec}: {what} {b} of iteration {iteration} {why} "
+                       f"({n_bad} bad of {size})")
+            if self.on_bad_reward == "error":
+                raise BadRewardError(message + "; --on-bad-reward error stops the run")
+            if not self.warned and rank == 0:
+                print(f"warning: {message}; using --bad-reward-value {self.bad_reward_value:g} (further bad "
+                      f"rewards are counted in the metrics as bad_rewards, without a warning)",
+                      file=sys.stderr, flush=True)
+            self.warned = True
+            buf[0][bad] = self.bad_reward_value
+        return buf[0].float(), n_bad
+
+    def close(self) -> None:
+        self.scorer.close()
