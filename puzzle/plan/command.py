@@ -100,9 +100,10 @@ def job_from_config(cfg, profile):
     from puzzle.plan.search import PPOJob
 
     shapes = shapes_from_config(cfg)
-    return PPOJob(world_size=cfg.world_size, actor=shapes["actor"], critic=shapes["critic"],
+    critic = shapes.get("critic", shapes["actor"])  # a stand-in shape when the run has no critic
+    return PPOJob(world_size=cfg.world_size, actor=shapes["actor"], critic=critic,
                   workload=workload_from_config(cfg), profile=profile, ref=shapes.get("ref"),
-                  reward=shapes.get("reward") or shapes["critic"])
+                  reward=shapes.get("reward") or critic, roles=tuple(cfg.roles))
 
 
 def search(cfg, profile, exhaustive: bool = False):

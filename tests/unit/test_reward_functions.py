@@ -107,3 +107,21 @@ def test_builtins():
     with pytest.raises(KeyError, match="no 'answer' field"):
         exact_match(["p"], ["7"], [{"solution": "7"}])
     assert math.isfinite(load_reward_fn("puzzle.reward_functions.builtin:lowercase_fraction").fn("", "ab", [], [97, 98]))
+
+
+def test_records_carry_the_other_fields_to_the_reward(tmp_path):
+    import json
+
+    from puzzle.data.arithmetic import bundled_arithmetic_path, make_records
+    from puzzle.data.prompts import load_prompt_dataset
+    from puzzle.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer("ByteLevelTokenizer", None)
+    f = tmp_path / "math.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": "2", "id": 7}\n{"prompt": 5}\n{"prompt": "2+2=", "answer": "4"}\n')
+    ds = load_prompt_dataset(str(f), tok, skip_bad_records=True)
+    assert ds.records == [{"answer": "2", "id": 7}, {"answer": "4"}] and len(ds.prompts) == 2
+    bundled = [json.loads(x) for x in open(bundled_arithmetic_path())]
+    assert bundled == make_records() and len(bundled) == 55  # the file is what its generator writes
+    ds = load_prompt_dataset(bundled_arithmetic_path(), tok)
+    assert ds.records[0] == {"answer": "0"} and tok.decode(ds.prompts[0]) == "0+0="
