@@ -386,6 +386,9 @@ def _check_algorithm_args(args) -> None:
             _fail("--filter-groups", f"needs --n-samples-per-prompt >= 2 (got {N})")
         if not args.reward_fn:
             _fail("--filter-groups", "needs --reward-fn (groups are filtered in the generation stage)")
+        if spec.needs_greedy_baseline:
+            _fail("--filter-groups", "not with --advantage-estimator remax (its greedy baseline is generated "
+                                     "for the iteration's first prompts)")
     if spec.needs_greedy_baseline and not args.reward_fn:
         _fail("--advantage-estimator", "remax scores its greedy baseline in the generation stage: it needs "
                                        "--reward-fn, not a reward model")

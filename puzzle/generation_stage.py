@@ -43,10 +43,10 @@ def dynamic_sampling(trainer, engine, prompt_ids: List[List[int]], records: List
     n_kept = dropped = rounds = bad = 0
     prompts, recs = prompt_ids, records
     while True:
-        b = trainer._rollout(engine, prompts, round_=rounds)
-        bad += trainer._reward_fn_scores(b, prompts, recs)["bad_rewards"]
+        b = trainer.rollout(engine, prompts, round_=rounds)
+        bad += trainer.score_with_reward_fn(b, prompts, recs)["bad_rewards"]
         rounds += 1
-        keep = informative_groups(trainer._shaped(b.fields["scores"], b.response_lengths), b.fields["group_index"])
+        keep = informative_groups(trainer.shaped_scores(b.fields["scores"], b.response_lengths), b.fields["group_index"])
         keep_idx, drop_idx = torch.nonzero(keep).flatten(), torch.nonzero(~keep).flatten()
         dropped += len(drop_idx) // N
         if len(keep_idx):

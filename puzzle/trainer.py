@@ -1,7 +1,12 @@
-"""PPOTrainer: one process group, four role models, three stages per iteration.
+"""PPOTrainer: one process group, up to four role models, three stages per iteration.
 
-    generate (actor, generation layout) -> score (actor old log-probs, ref, reward, critic)
-    -> advantages (pure math) -> train (actor, critic) -> [switch to the generation layout]
+    generate (actor, generation layout; N samples per prompt, reward function, DAPO filter,
+    ReMax greedy baseline) -> score (actor old log-probs, ref, reward model, critic)
+    -> advantages (pure math, --advantage-estimator) -> train (actor, critic)
+    -> [switch to the generation layout]
+
+The roles that exist (cfg.roles) follow the estimator and the KL settings: no critic unless
+gae, no reference when KL enters neither the reward nor the loss (puzzle.arguments.role_set).
 """
 
 from __future__ import annotations
@@ -78,7 +83,8 @@ class PPOTrainer:
         train_stats = self.train(batch)
         t3 = time.perf_counter()
         data = getattr(getattr(self.prompts, "stats", None), "as_dict", dict)()
-        metrics = {"iteration": self.iteration, **adv_stats, **train_stats, **self._switch_metrics(), **gen_stats,
+        metrics = {"iteration": self.iteration, **adv_stats, **train_stats, **self._switch_metrics(),
+                   **gen_stats,
                    **{f"prompts_{k}": v for k, v in data.items()},
                    "response_length_mean": float(batch.response_lengths.float().mean()),
                    "samples_per_sec": batch.size / (t3 - t0),
@@ -100,22 +106,21 @@ class PPOTrainer:
         """Each prompt N times (--n-samples-per-prompt), scored by the reward function when there is
         one; returns the batch and the stage's metrics."""
         ppo = self.cfg.ppo
-        records = records if records is not None else [{} for _ in prompt_ids]
         engine = self.switch.generation_engine() if self.switch else self.engines["actor"]
         if ppo.filter_groups:
             batch, stats = generation_stage.dynamic_sampling(self, engine, prompt_ids, records, refill)
         else:
-            batch = self._rollout(engine, prompt_ids)
-            stats = self._reward_fn_scores(batch, prompt_ids, records) if self.rewarder else {}
+            batch = self.rollout(engine, prompt_ids)
+            stats = self.score_with_reward_fn(batch, prompt_ids, records) if self.rewarder else {}
         if ESTIMATORS[ppo.advantage_estimator].needs_greedy_baseline:  # ReMax: same stage, same engine
-            greedy = self._rollout(engine, prompt_ids, greedy=True)
-            self._reward_fn_scores(greedy, prompt_ids, records, what="greedy baseline sample")
-            batch.fields["baseline_scores"] = self._shaped(greedy.fields["scores"], greedy.response_lengths)
+            greedy = self.rollout(engine, prompt_ids, greedy=True)
+            self.score_with_reward_fn(greedy, prompt_ids, records, what="greedy baseline sample")
+            batch.fields["baseline_scores"] = self.shaped_scores(greedy.fields["scores"], greedy.response_lengths)
         if self.switch:
             self.switch.release()
         return batch, stats
 
-    def _rollout(self, engine, prompt_ids: List[List[int]], round_: int = 0, greedy: bool = False) -> RolloutBatch:
+    def rollout(self, engine, prompt_ids: List[List[int]], round_: int = 0, greedy: bool = False) -> RolloutBatch:
         """Generate N samples of every prompt (prompt-major: sample b is of prompt b // N); the noise
         is keyed by the global sample index (+ round x batch size for later rounds)."""
         from puzzle.rollout.generation import SamplingParams, generate
@@ -153,15 +158,16 @@ class PPOTrainer:
             batch.fields["group_index"] = torch.arange(B) // N
         return batch
 
-    def _reward_fn_scores(self, batch: RolloutBatch, prompt_ids, records, what: str = "sample") -> dict:
+    def score_with_reward_fn(self, batch: RolloutBatch, prompt_ids, records, what: str = "sample") -> dict:
         """``fields['scores']`` from the reward function, computed across ranks; its metrics."""
         N = self.cfg.ppo.n_samples_per_prompt
+        records = records if records is not None else [{} for _ in prompt_ids]
         make = generation_stage.sample_maker(batch, self.tokenizer, [records[b // N] for b in range(batch.size)])
         scores, bad = self.rewarder.score(make, batch.size, self.iteration, what)
         batch.fields["scores"] = scores
         return {"bad_rewards": bad}
 
-    def _shaped(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def shaped_scores(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """DAPO's overlong penalty added to the scores (--overlong-buffer-len)."""
         ppo = self.cfg.ppo
         if not ppo.overlong_buffer_len:
@@ -213,7 +219,7 @@ class PPOTrainer:
     def compute_advantages(self, batch: RolloutBatch) -> dict:
         ppo, f, mask = self.cfg.ppo, batch.fields, batch.response_mask
         kl_coef = self.kl_ctl.value
-        scores = self._shaped(f["scores"], batch.response_lengths)
+        scores = self.shaped_scores(f["scores"], batch.response_lengths)
         baseline = f.get("baseline_scores")
         if ppo.reward_normalization == "running":
             scores = self.reward_norm.normalize(scores).float()

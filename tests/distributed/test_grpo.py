@@ -39,7 +39,8 @@ def test_roles_follow_the_estimator(world):
         assert res[f"{name}/seq"]["roles"] == ["actor"], name
         assert res[f"{name}/seq"]["value_loss"] == 0.0 and res[f"{name}/seq"]["critic_grad_norm"] == 0.0
     f = res["reinforce_plus_plus_baseline/seq"]
-    assert f["filter_gen_rounds"] >= 1 and f["filter_groups_dropped"] + 2 - f["filter_groups_padded"] >= 2
+    # groups of even-length prompts score all 0: dropped, and more prompts generated to fill the batch
+    assert f["filter_gen_rounds"] >= 2 and f["filter_groups_dropped"] >= 1 and f["filter_groups_padded"] == 0
 
 
 def test_bad_reward_on_one_rank_fails_every_rank_alike(world):

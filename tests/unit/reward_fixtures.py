@@ -43,3 +43,11 @@ def three_args_with_default(a, b, c, d=None):
 
 def varargs(*a):
     return 0.0
+
+
+def half_constant(prompt_text, response_text, prompt_ids, response_ids):
+    """0 for prompts of even length (their groups are all equal: dynamic sampling drops them), else
+    the fraction of lowercase letters in the response."""
+    if len(prompt_ids) % 2 == 0 or not response_ids:
+        return 0.0
+    return sum(1 for t in response_ids if 97 <= t <= 122) / len(response_ids)

@@ -51,6 +51,7 @@ def test_samples_per_iteration_and_derived_values():
     (["--reward-fn", "", "--reward-model", "random", "--advantage-estimator", "remax"],
      "--advantage-estimator", "needs --reward-fn"),
     (["--reward-fn", "", "--reward-model", "random", *GRPO, "--filter-groups"], "--filter-groups", "--reward-fn"),
+    (["--advantage-estimator", "remax", "--n-samples-per-prompt", "2", "--filter-groups"], "--filter-groups", "remax"),
     (GRPO + ["--global-batch-size", "3"], "--global-batch-size", "8 prompts x 4 samples = 32"),
     (GRPO + ["--micro-batch-size", "3"], "--global-batch-size", ""),
     (GRPO + ["--generation-micro-batch-size", "3"], "--generation-micro-batch-size", "samples per generation DP rank (8)"),

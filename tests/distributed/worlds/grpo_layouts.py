@@ -37,7 +37,8 @@ CONFIGS = {
                             "--overlong-buffer-len", "3", "--gamma", "0.9"],
     "reinforce_plus_plus_baseline": ["--advantage-estimator", "reinforce_plus_plus_baseline",
                                      "--n-samples-per-prompt", "4", "--rollout-batch-size", "2", "--kl-coef", "0",
-                                     "--filter-groups", "--reward-normalization", "running"],
+                                     "--filter-groups", "--reward-normalization", "running",
+                                     "--reward-fn", "tests.unit.reward_fixtures:half_constant"],
     "remax": ["--advantage-estimator", "remax", "--rollout-batch-size", "8", "--global-batch-size", "8",
               "--kl-coef", "0", "--no-grpo-std-normalization"],
 }
