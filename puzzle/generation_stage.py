@@ -19,9 +19,11 @@ from puzzle.training.batch import RolloutBatch, concat_rollouts
 def sample_maker(batch: RolloutBatch, tokenizer, records: List[dict]) -> Callable[[int], Sample]:
     """``make(b)``: row ``b`` of the rollout as a reward-function Sample (texts without EOS)."""
 
+    tokens, plens, rlens = batch.tokens.cpu(), batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
+
     def make(b: int) -> Sample:
-        p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
-        pids, rids = batch.tokens[b, :p].tolist(), batch.tokens[b, p:p + r].tolist()
+        p, r = plens[b], rlens[b]
+        pids, rids = tokens[b, :p].tolist(), tokens[b, p:p + r].tolist()
         rids = [t for t in rids if t != tokenizer.eos_id]
         return Sample(index=b, prompt_text=tokenizer.decode(pids), response_text=tokenizer.decode(rids),
                       prompt_ids=pids, response_ids=rids, record=records[b])
@@ -57,8 +59,9 @@ def dynamic_sampling(trainer, engine, prompt_ids: List[List[int]], records: List
         if n_kept >= target or rounds >= ppo.max_num_gen_batches:
             break
         prompts, recs = refill() if refill is not None else (prompt_ids, records)
-    batch = concat_rollouts(kept + spare, trainer.tokenizer.pad_id).rows(torch.arange(target * N))
-    batch.fields["group_index"] = torch.arange(target * N) // N
+    batch = concat_rollouts(kept + spare, trainer.tokenizer.pad_id)
+    batch = batch.rows(torch.arange(target * N, device=batch.device))
+    batch.fields["group_index"] = torch.arange(target * N, device=batch.device) // N
     return batch, {"bad_rewards": bad, "filter_groups_dropped": dropped, "filter_gen_rounds": rounds,
                    "filter_groups_padded": max(0, target - n_kept)}
 
@@ -72,7 +75,8 @@ def rollout_metrics(batch: RolloutBatch, eos_id: Optional[int], n_samples: int) 
     last = (batch.prompt_lengths + lengths - 1).clamp(min=0)
     last_tok = batch.tokens.gather(1, last.unsqueeze(1)).squeeze(1)
     clipped = (lengths >= R) & (last_tok != (eos_id if eos_id is not None else -1))
-    q = torch.quantile(lengths.to(torch.float64), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    q = torch.quantile(lengths.to(torch.float64),
+                       torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64, device=lengths.device))
     out = {"reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
            "solved_fraction": float((scores >= 1.0).to(torch.float64).mean()),
            "response_length_p10": float(q[0]), "response_length_p50": float(q[1]),

@@ -11,6 +11,7 @@ gae, no reference when KL enters neither the reward nor the loss (puzzle.argumen
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional
@@ -18,6 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from puzzle import generation_stage
 from puzzle.algorithms import RunningMoments, build_kl_controller, compute_token_rewards, masked_mean
 from puzzle.algorithms.advantage_estimators import ESTIMATORS, compute_advantages
 from puzzle.config import RunConfig
@@ -25,8 +27,8 @@ from puzzle.metrics import MetricsLogger
 from puzzle.parallel.groups import layout_for
 from puzzle.pipeline.stage import StageContext, run_stage
 from puzzle.training import steps
-from puzzle.training.batch import RolloutBatch, right_pad_rollout, world_assemble
-from puzzle import generation_stage
+from puzzle.parallel.device import runtime
+from puzzle.training.batch import RolloutBatch, gather_outputs, rollout_from_generation
 from puzzle.training.engine import ModelEngine
 
 
@@ -34,6 +36,7 @@ class PPOTrainer:
     def __init__(self, cfg: RunConfig, tokenizer, prompts):
         self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts
         self.rank = dist.get_rank()
+        self.runtime = runtime()
         self.vocab = tokenizer.vocab_size
         ppo = cfg.ppo
         self.engines: Dict[str, ModelEngine] = {}
@@ -43,7 +46,9 @@ class PPOTrainer:
             seed = cfg.seed + (0 if role in ("actor", "ref") else {"critic": 1, "reward": 2}[role])
             self.engines[role] = ModelEngine(role, spec.arch, layout_for(spec.plan),
                                              trainable=spec.trainable, optim=optim, seed=seed,
-                                             recompute=cfg.recompute, bf16=cfg.bf16, fp16=cfg.fp16)
+                                             recompute=cfg.recompute, bf16=cfg.bf16, fp16=cfg.fp16,
+                                             transformer_impl=cfg.transformer_impl,
+                                             sequence_parallel=cfg.sequence_parallel)
             if spec.hf_path and self.engines[role].member:
                 from puzzle.models.hf_llama import load_hf_into_model
 
@@ -57,6 +62,9 @@ class PPOTrainer:
 
             self.switch = ActorSwitch(self.engines["actor"], gen_plan, cfg.switch_segments,
                                       ranks_per_node=cfg.ranks_per_node)
+        # sequence parallelism splits the sequence over each model's T
+        self.seq_multiple = (math.lcm(*(s.plan.T for s in cfg.roles.values()))
+                             if cfg.sequence_parallel else 1)
         self.kl_ctl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.rewarder = None
         if cfg.reward_fn:
@@ -74,14 +82,25 @@ class PPOTrainer:
         """One iteration on a global batch of prompts; ``records`` are their dataset records (for
         the reward function), ``refill()`` the next (prompt_ids, records) for dynamic sampling."""
         self.iteration += 1
+        rt = self.runtime
+        peaks = []  # accelerator only: peak bytes allocated per stage on this rank
+        rt.reset_peak_memory()
         t0 = time.perf_counter()
         batch, gen_stats = self.generate(prompt_ids, records, refill)
+        rt.synchronize()
         t1 = time.perf_counter()
+        peaks.append(rt.peak_memory_bytes())
+        rt.reset_peak_memory()
         self.score(batch)
+        rt.synchronize()
         t2 = time.perf_counter()
+        peaks.append(rt.peak_memory_bytes())
+        rt.reset_peak_memory()
         adv_stats = self.compute_advantages(batch)
         train_stats = self.train(batch)
+        rt.synchronize()
         t3 = time.perf_counter()
+        peaks.append(rt.peak_memory_bytes())
         data = getattr(getattr(self.prompts, "stats", None), "as_dict", dict)()
         metrics = {"iteration": self.iteration, **adv_stats, **train_stats, **self._switch_metrics(),
                    **gen_stats,
@@ -89,6 +108,10 @@ class PPOTrainer:
                    "response_length_mean": float(batch.response_lengths.float().mean()),
                    "samples_per_sec": batch.size / (t3 - t0),
                    "time_generate": t1 - t0, "time_score": t2 - t1, "time_train": t3 - t2}
+        if rt.on_accelerator:  # the busiest rank's peak per stage
+            peaks = rt.all_reduce(peaks, op="max")
+            metrics.update({f"mem_peak_gib_{k}": v / 2 ** 30
+                            for k, v in zip(("generate", "score", "train"), peaks)})
         self.logger.log(metrics)
         return metrics
 
@@ -97,8 +120,7 @@ class PPOTrainer:
         if self.switch is None or self.switch.last_stats is None:
             return {}
         st = self.switch.last_stats
-        v = torch.tensor([float(st.bytes_received), st.time_s], dtype=torch.float64)
-        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        v = self.runtime.all_reduce([float(st.bytes_received), st.time_s], op="max")
         return {"switch_bytes_max_rank": int(v[0]), "switch_seconds": float(v[1])}
 
     # ---- stage 1: generation (+ verifiable rewards, DAPO dynamic sampling, ReMax baseline) -----
@@ -130,7 +152,6 @@ class PPOTrainer:
         B = len(prompt_ids)
         layout, R = engine.layout, ppo.max_new_tokens
         responses = lengths = None
-        owner = False
         share = B // layout.plan.D
         if engine.member:
             mine = prompt_ids[layout.d * share:(layout.d + 1) * share]
@@ -142,20 +163,10 @@ class PPOTrainer:
                            sample_offset=round_ * B + layout.d * share)
             Lp = out.tokens.shape[1] - R
             responses, lengths = out.tokens[:, Lp:], out.response_lengths
-            owner = layout.p == 0 and layout.t == 0
-        d0 = max(layout.d, 0) * share
-        responses = world_assemble(responses, d0, B, (R,), torch.long, owner)
-        lengths = world_assemble(lengths, d0, B, (), torch.long, owner)
-        prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
-        Lmax = max(len(p) for p in prompt_ids)
-        left = torch.full((B, Lmax), self.tokenizer.pad_id, dtype=torch.long)
-        for b, p in enumerate(prompt_ids):
-            left[b, Lmax - len(p):] = torch.tensor(p, dtype=torch.long)
-        seq = int((prompt_lengths + R).max())
-        tokens = right_pad_rollout(left, prompt_lengths, responses, lengths, seq, self.tokenizer.pad_id)
-        batch = RolloutBatch(tokens, prompt_lengths, lengths, R)
+        batch = rollout_from_generation(prompt_ids, responses, lengths, layout, R, self.tokenizer.pad_id,
+                                        self.runtime.device, seq_multiple=self.seq_multiple)
         if N > 1:
-            batch.fields["group_index"] = torch.arange(B) // N
+            batch.fields["group_index"] = torch.arange(B, device=batch.device) // N
         return batch
 
     def score_with_reward_fn(self, batch: RolloutBatch, prompt_ids, records, what: str = "sample") -> dict:
@@ -164,7 +175,7 @@ class PPOTrainer:
         records = records if records is not None else [{} for _ in prompt_ids]
         make = generation_stage.sample_maker(batch, self.tokenizer, [records[b // N] for b in range(batch.size)])
         scores, bad = self.rewarder.score(make, batch.size, self.iteration, what)
-        batch.fields["scores"] = scores
+        batch.fields["scores"] = scores.to(batch.device)
         return {"bad_rewards": bad}
 
     def shaped_scores(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -179,23 +190,14 @@ class PPOTrainer:
 
     # ---- stage 2: scoring ----------------------------------------------------------------------
     def _contexts(self, batch: RolloutBatch, jobs):
-        mbs, contexts, shares = self.cfg.ppo.micro_batch_size, [], []
+        mbs = self.cfg.ppo.micro_batch_size
+        contexts = []
         for role, fn in jobs:
             eng = self.engines[role]
-            D = eng.layout.plan.D
-            share = batch.dp_share(eng.layout.d, D) if eng.member else batch.dp_share(0, D)
+            share = batch.share_for(eng.layout)
             contexts.append(StageContext(eng, fn, iter(share.micro_batches(mbs)),
                                          share.size // mbs, batch.tokens.shape[1], mbs))
-            shares.append(share.size)
-        return contexts, shares
-
-    def _assemble(self, role: str, outputs, key: str, batch: RolloutBatch, share: int):
-        eng = self.engines[role]
-        owner = eng.member and eng.layout.is_last_stage and eng.layout.t == 0
-        local = torch.cat([o[key] for o in outputs]) if owner else None
-        tail = () if key == "scores" else (batch.max_new_tokens,)
-        return world_assemble(local, max(eng.layout.d, 0) * share, batch.size, tail,
-                              torch.float32, owner)
+        return contexts
 
     def score(self, batch: RolloutBatch) -> None:
         """Forward passes of the roles that exist (cfg.roles): actor old log-probs and entropy,
@@ -206,14 +208,14 @@ class PPOTrainer:
                 "ref": steps.logprob_score_step(self.vocab, temp, R),
                 "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
         jobs = [(role, jobs[role]) for role in ("actor", "ref", "critic", "reward") if role in self.engines]
-        contexts, shares = self._contexts(batch, jobs)
-        outs = run_stage(contexts, forward_only=True, placement=self.cfg.score_placement)
+        outs = run_stage(self._contexts(batch, jobs), forward_only=True,
+                         placement=self.cfg.score_placement)
         f = batch.fields
-        for (role, _), out, share in zip(jobs, outs, shares):
+        for (role, _), out in zip(jobs, outs):
             for key, name in {"actor": (("logprobs", "old_logprobs"), ("entropy", "entropy")),
                               "ref": (("logprobs", "ref_logprobs"),), "critic": (("values", "values"),),
                               "reward": (("scores", "scores"),)}[role]:
-                f[name] = self._assemble(role, out, key, batch, share)
+                f[name] = gather_outputs(out, key, self.engines[role], batch)
 
     # ---- advantages (pure math, identical on every rank) -------------------------------------
     def compute_advantages(self, batch: RolloutBatch) -> dict:
@@ -251,7 +253,7 @@ class PPOTrainer:
         actor, critic = self.engines["actor"], self.engines.get("critic")
         trained = [e for e in (actor, critic) if e is not None]
         # pg, clip, approx_kl, tokens, vloss, vclip, vtok, actor loss weight, kl loss
-        sums = torch.zeros(9, dtype=torch.float64)
+        sums = torch.zeros(9, dtype=torch.float64, device=self.runtime.device)
         grad_norms = {"actor": [], "critic": []}
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         n_steps = ppo.ppo_epochs * (batch.size // ppo.mini_batch_size)
@@ -268,7 +270,7 @@ class PPOTrainer:
                 jobs = [("actor", actor_step)]
                 if critic is not None:
                     jobs.append(("critic", steps.critic_train_step(R, ppo.value_clip_eps)))
-                contexts, _ = self._contexts(mini, jobs)
+                contexts = self._contexts(mini, jobs)
                 for eng in trained:
                     if eng.member:
                         eng.zero_grad()
@@ -283,19 +285,17 @@ class PPOTrainer:
                     grad_norms["critic"].append(critic.optimizer_step()["grad_norm"])
                 if actor.member and actor.layout.is_last_stage and actor.layout.t == 0:
                     for o in outs[0]:
-                        sums[0:4] += torch.tensor([float(o["policy_loss_sum"]), float(o["clip_sum"]),
-                                                   float(o["approx_kl_sum"]), float(o["tokens"])],
-                                                  dtype=torch.float64)
-                        sums[7:9] += torch.tensor([float(o["loss_weight"]), float(o.get("kl_loss_sum", 0.0))],
-                                                  dtype=torch.float64)
+                        sums[0:4] += torch.stack([o["policy_loss_sum"], o["clip_sum"],
+                                                  o["approx_kl_sum"], o["tokens"]]).double()
+                        sums[7:9] += torch.stack([o["loss_weight"], o.get("kl_loss_sum", o["loss_weight"] * 0)]
+                                                 ).double()
                 if critic is not None and critic.member and critic.layout.is_last_stage and critic.layout.t == 0:
                     for o in outs[1]:
-                        sums[4:7] += torch.tensor([float(o["value_loss_sum"]), float(o["value_clip_sum"]),
-                                                   float(o["tokens"])], dtype=torch.float64)
+                        sums[4:7] += torch.stack([o["value_loss_sum"], o["value_clip_sum"],
+                                                  o["tokens"]]).double()
         dist.all_reduce(sums)
-        norms = torch.tensor([max(grad_norms["actor"] or [0.0]), max(grad_norms["critic"] or [0.0])],
-                             dtype=torch.float64)
-        dist.all_reduce(norms, op=dist.ReduceOp.MAX)
+        norms = self.runtime.all_reduce([max(grad_norms["actor"] or [0.0]),
+                                         max(grad_norms["critic"] or [0.0])], op="max")
         tok, vtok, weight = max(float(sums[3]), 1.0), max(float(sums[6]), 1.0), max(float(sums[7]), 1.0)
         stats = {"policy_loss": float(sums[0]) / weight, "clip_frac": float(sums[1]) / tok,
                  "approx_kl": float(sums[2]) / tok, "value_loss": float(sums[4]) / vtok,

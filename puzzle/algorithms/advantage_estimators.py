@@ -60,10 +60,11 @@ def group_mean_std(scores: torch.Tensor, group_index: torch.Tensor) -> Tuple[tor
     _, inverse = torch.unique(group_index, return_inverse=True)
     G = int(inverse.max()) + 1 if inverse.numel() else 0
     x = scores.to(torch.float64)
-    size = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(x))
-    total = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, x)
+    zeros = torch.zeros(G, dtype=torch.float64, device=x.device)
+    size = zeros.index_add(0, inverse, torch.ones_like(x))
+    total = zeros.index_add(0, inverse, x)
     mean = total / size
-    sq = torch.zeros(G, dtype=torch.float64).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+    sq = zeros.index_add(0, inverse, (x - mean[inverse]) ** 2)
     std = torch.sqrt(sq / (size - 1).clamp(min=1))
     single = size < 2
     mean = torch.where(single, torch.zeros_like(mean), mean)

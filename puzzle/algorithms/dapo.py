@@ -38,6 +38,6 @@ def informative_groups(scores: torch.Tensor, group_index: torch.Tensor) -> torch
     _, inverse = torch.unique(group_index, return_inverse=True)
     G = int(inverse.max()) + 1 if inverse.numel() else 0
     x = scores.to(torch.float64)
-    lo = torch.full((G,), float("inf"), dtype=torch.float64).scatter_reduce(0, inverse, x, "amin")
-    hi = torch.full((G,), float("-inf"), dtype=torch.float64).scatter_reduce(0, inverse, x, "amax")
+    lo = torch.full((G,), float("inf"), dtype=torch.float64, device=x.device).scatter_reduce(0, inverse, x, "amin")
+    hi = torch.full((G,), float("-inf"), dtype=torch.float64, device=x.device).scatter_reduce(0, inverse, x, "amax")
     return (hi > lo)[inverse]

@@ -16,6 +16,7 @@ from typing import Callable, Tuple
 import torch
 import torch.distributed as dist
 
+from puzzle.parallel.device import runtime
 from puzzle.reward_functions.loader import load_reward_fn
 from puzzle.reward_functions.runner import BadRewardError, RewardScorer, Sample
 
@@ -42,6 +43,7 @@ class RolloutRewarder:
         per = -(-size // world)
         lo, hi = min(rank * per, size), min((rank + 1) * per, size)
         results = self.scorer.score([make_sample(b) for b in range(lo, hi)])
+        rt = runtime()
         buf = torch.zeros(2, size, dtype=torch.float64)  # values, bad flags
         first_bad = None
         for b, (value, why) in zip(range(lo, hi), results):
@@ -51,13 +53,15 @@ class RolloutRewarder:
                 buf[1, b] = 1.0
                 first_bad = first_bad or (b, why)
         if on and world > 1:
+            buf = buf.to(rt.device)
             dist.all_reduce(buf)
+            buf = buf.cpu()
         bad = buf[1] > 0
         n_bad = int(bad.sum())
         if n_bad:
             found = [None] * world
             if on and world > 1:
-                dist.all_gather_object(found, first_bad)
+                dist.all_gather_object(found, first_bad, group=rt.object_group)
             else:
                 found = [first_bad]
             b, why = min(f for f in found if f is not None)
@@ -71,7 +75,7 @@ class RolloutRewarder:
                       file=sys.stderr, flush=True)
             self.warned = True
             buf[0][bad] = self.bad_reward_value
-        return buf[0].float(), n_bad
+        return buf[0].float().to(rt.device), n_bad
 
     def close(self) -> None:
         self.scorer.close()
