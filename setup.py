@@ -25,5 +25,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "hf": ["transformers", "safetensors"],
         "tb": ["tensorboard"],
+        # math answers checked by math-verify (else sympy) in puzzle.reward_functions.math_checker
+        "math": ["math-verify"],
     },
 )
