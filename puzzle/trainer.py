@@ -240,6 +240,8 @@ class PPOTrainer:
         stats = {"reward_mean": float(f["scores"].mean()), "kl": float(masked_mean(kl, mask)),
                  "kl_seq": float(seq_kl), "kl_coef": kl_coef,
                  "entropy": float(masked_mean(f["entropy"], mask))}
+        if ppo.reward_normalization == "running":
+            stats.update(reward_norm_mean=self.reward_norm.mean, reward_norm_std=self.reward_norm.std)
         if "values" in f:
             stats["value_mean"] = float(masked_mean(f["values"], mask))
         stats["return_mean"] = float(masked_mean(ret, mask))

@@ -41,3 +41,44 @@ def test_unimportable_reward_fn_fails_before_allocation():
                            "--reward-fn", "puzzle.reward_functions.builtin:exact_match"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "error: --n-samples-per-prompt: --advantage-estimator grpo" in proc.stderr
+
+
+def _grpo(args, log_dir, check=True):
+    proc = subprocess.run(["bash", str(REPO / "examples/run_grpo_tiny.sh"), "--log-dir", str(log_dir), *args],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    path = Path(log_dir) / "metrics.jsonl"
+    return proc, [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_running_reward_normalisation_resumes_exactly(tmp_path):
+    """rloo (not invariant to the score scale) with running moments: a run resumed at iteration 2
+    repeats iterations 3-4 of the uninterrupted run exactly, moments included."""
+    args = ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "8",
+            "--reward-fn", "puzzle.rewards:lowercase_fraction",  # graded scores: a non-trivial std
+            "--reward-normalization", "running", "--train-iters", "4", "--save", str(tmp_path / "ck")]
+    _, straight = _grpo(args + ["--save-interval", "2"], tmp_path / "a")
+    _, resumed = _grpo(args + ["--load", str(tmp_path / "ck"), "--ckpt-step", "2", "--save", str(tmp_path / "ck2")],
+                       tmp_path / "b")
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for a, b in zip(straight[2:], resumed):
+        for key in ("reward_norm_mean", "reward_norm_std", "policy_loss", "actor_grad_norm", "reward_mean"):
+            assert a[key] == b[key], key
+    assert straight[3]["reward_norm_std"] != straight[0]["reward_norm_std"]
+
+
+def test_bad_reward_error_stops_the_run(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+0=", "value": "raise" if i == 5 else 1.0}) + "\n"
+                            for i in range(8)))
+    args = ["--prompt-data", str(data), "--reward-fn", "tests.unit.reward_fixtures:batched_by_record",
+            "--rollout-batch-size", "8", "--n-samples-per-prompt", "2", "--micro-batch-size", "16", "--train-iters", "2"]
+    proc, _ = _grpo(args + ["--on-bad-reward", "error"], tmp_path / "a", check=False)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert "of iteration 1 raised RuntimeError: boom" in proc.stderr and "--on-bad-reward error" in proc.stderr
+    # a clean stop: no worker traceback (torchrun itself reports the non-zero exit), no dead peers
+    assert "reward_functions/distributed.py" not in proc.stderr and "Connection closed" not in proc.stderr
+    proc, rows = _grpo(args + ["--bad-reward-value", "-1"], tmp_path / "b")
+    assert proc.stderr.count("warning: --reward-fn tests.unit.reward_fixtures:batched_by_record") == 1
+    assert [r["bad_rewards"] for r in rows] == [16, 16]  # one batched call: all its samples and all(math.isfinite(r["policy_loss"]) for r in rows)
