@@ -81,4 +81,5 @@ def test_bad_reward_error_stops_the_run(tmp_path):
     assert "reward_functions/distributed.py" not in proc.stderr and "Connection closed" not in proc.stderr
     proc, rows = _grpo(args + ["--bad-reward-value", "-1"], tmp_path / "b")
     assert proc.stderr.count("warning: --reward-fn tests.unit.reward_fixtures:batched_by_record") == 1
-    assert [r["bad_rewards"] for r in rows] == [16, 16]  # one batched call: all its samples and all(math.isfinite(r["policy_loss"]) for r in rows)
+    assert [r["bad_rewards"] for r in rows] == [16, 16]  # one batched call: all of its samples are bad
+    assert all(math.isfinite(r["policy_loss"]) and r["reward_mean"] == -1.0 for r in rows)
