@@ -43,6 +43,10 @@ class MetricsLogger:
                      f"samples/s: {metrics['samples_per_sec']:.2f}",
                      f"time gen/score/train (s): {metrics['time_generate']:.2f}/"
                      f"{metrics['time_score']:.2f}/{metrics['time_train']:.2f}"]
+            if "reward_group_std_mean" in metrics:  # group sampling (--n-samples-per-prompt > 1)
+                parts.insert(2, f"solved: {metrics['solved_fraction']:.3f}")
+            if metrics.get("bad_rewards"):
+                parts.insert(2, f"bad rewards: {metrics['bad_rewards']}")
             print(" | ".join(parts), flush=True)
 
     def close(self) -> None:
