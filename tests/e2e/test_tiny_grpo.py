@@ -5,7 +5,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,19 +27,6 @@ def test_tiny_grpo_solve_rate_rises(tmp_path):
     assert all(r["bad_rewards"] == 0 and r["critic_grad_norm"] == 0.0 for r in rows)
     plan = [line.split()[0] for line in proc.stdout.splitlines() if "layout (" in line]
     assert plan == ["actor"], proc.stdout[:2000]  # no critic, no reference (--kl-coef 0)
-
-
-def test_unimportable_reward_fn_fails_before_allocation():
-    proc = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--num-layers", "2", "--hidden-size", "64",
-                           "--num-attention-heads", "4", "--seq-length", "32", "--advantage-estimator", "grpo",
-                           "--n-samples-per-prompt", "4", "--reward-fn", "my_rewards:score"],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "--reward-fn 'my_rewards:score': cannot import module 'my_rewards'" in proc.stderr
-    proc = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--num-layers", "2", "--hidden-size", "64",
-                           "--num-attention-heads", "4", "--seq-length", "32", "--advantage-estimator", "grpo",
-                           "--reward-fn", "puzzle.reward_functions.builtin:exact_match"],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "error: --n-samples-per-prompt: --advantage-estimator grpo" in proc.stderr
 
 
 def _grpo(args, log_dir, check=True):

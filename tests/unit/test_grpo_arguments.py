@@ -87,3 +87,18 @@ def test_planning_and_dry_run_see_the_role_set():
     assert set(result.plans) == {"actor", "ref"}
     doc = json.loads(json.dumps(result.to_dict()))
     assert "critic" not in doc["plans"]
+
+
+def test_cli_refuses_before_any_process_group(capsys):
+    """train_ppo.py's driver: an unimportable reward function or grpo with N=1 stops with exit code
+    2 and one message, before torch.distributed starts (it is never initialised here)."""
+    import torch.distributed as dist
+
+    from puzzle.cli import run
+
+    base = BASE[:-2] + ["--advantage-estimator", "grpo"]
+    assert run(base + ["--n-samples-per-prompt", "4", "--reward-fn", "my_rewards:score"]) == 2
+    assert "error: --reward-fn 'my_rewards:score': cannot import module 'my_rewards'" in capsys.readouterr().err
+    assert run(base + ["--reward-fn", "puzzle.reward_functions.builtin:exact_match"]) == 2
+    assert "error: --n-samples-per-prompt: --advantage-estimator grpo" in capsys.readouterr().err
+    assert not dist.is_initialized()
