@@ -65,7 +65,8 @@ def test_bad_reward_error_stops_the_run(tmp_path):
     assert "of iteration 1 raised RuntimeError: boom" in proc.stderr and "--on-bad-reward error" in proc.stderr
     # a clean stop: no worker traceback (torchrun itself reports the non-zero exit), no dead peers
     assert "reward_functions/distributed.py" not in proc.stderr and "Connection closed" not in proc.stderr
-    proc, rows = _grpo(args + ["--bad-reward-value", "-1"], tmp_path / "b")
+    # default: two worker processes score a chunk of 8 samples each; the chunk with prompt 5 fails
+    proc, rows = _grpo(args + ["--bad-reward-value", "-1", "--reward-workers", "2"], tmp_path / "b")
     assert proc.stderr.count("warning: --reward-fn tests.unit.reward_fixtures:batched_by_record") == 1
-    assert [r["bad_rewards"] for r in rows] == [16, 16]  # one batched call: all of its samples are bad
-    assert all(math.isfinite(r["policy_loss"]) and r["reward_mean"] == -1.0 for r in rows)
+    assert [r["bad_rewards"] for r in rows] == [8, 8]
+    assert all(math.isfinite(r["policy_loss"]) and r["reward_mean"] == 0.0 for r in rows)  # (8 x 1 + 8 x -1) / 16
