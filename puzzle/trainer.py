@@ -66,12 +66,14 @@ class PPOTrainer:
         self.seq_multiple = (math.lcm(*(s.plan.T for s in cfg.roles.values()))
                              if cfg.sequence_parallel else 1)
         self.kl_ctl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
+        from puzzle.reward_functions.distributed import BadRewardPolicy, RolloutRewarder
+
         self.rewarder = None
         if cfg.reward_fn:
-            from puzzle.reward_functions.distributed import RolloutRewarder
-
             self.rewarder = RolloutRewarder(cfg.reward_fn, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
                                             on_bad_reward=cfg.on_bad_reward, bad_reward_value=cfg.bad_reward_value)
+        self.bad_rewards = (self.rewarder.policy if self.rewarder else
+                            BadRewardPolicy(cfg.on_bad_reward, cfg.bad_reward_value))
         self.reward_norm = RunningMoments()  # --reward-normalization running (checkpointed)
         self.iteration = 0
         self.logger = MetricsLogger(cfg.log_dir, cfg.log_interval, cfg.train_iters, self.rank)
@@ -91,7 +93,7 @@ class PPOTrainer:
         t1 = time.perf_counter()
         peaks.append(rt.peak_memory_bytes())
         rt.reset_peak_memory()
-        self.score(batch)
+        gen_stats.update(self.score(batch))
         rt.synchronize()
         t2 = time.perf_counter()
         peaks.append(rt.peak_memory_bytes())
@@ -199,9 +201,9 @@ class PPOTrainer:
                                          share.size // mbs, batch.tokens.shape[1], mbs))
         return contexts
 
-    def score(self, batch: RolloutBatch) -> None:
+    def score(self, batch: RolloutBatch) -> dict:
         """Forward passes of the roles that exist (cfg.roles): actor old log-probs and entropy,
-        reference log-probs, critic values, reward-model scores."""
+        reference log-probs, critic values, reward-model scores (checked like a reward function's)."""
         ppo, R = self.cfg.ppo, batch.max_new_tokens
         temp = 1.0 if ppo.greedy else ppo.temperature
         jobs = {"actor": steps.logprob_score_step(self.vocab, temp, R, with_entropy=True),
@@ -216,6 +218,11 @@ class PPOTrainer:
                               "ref": (("logprobs", "ref_logprobs"),), "critic": (("values", "values"),),
                               "reward": (("scores", "scores"),)}[role]:
                 f[name] = gather_outputs(out, key, self.engines[role], batch)
+        if "reward" not in self.engines:
+            return {}
+        f["scores"], bad = self.bad_rewards.check_scores(f["scores"], f"reward model {self.cfg.reward_model}",
+                                                         self.iteration)
+        return {"bad_rewards": bad}
 
     # ---- advantages (pure math, identical on every rank) -------------------------------------
     def compute_advantages(self, batch: RolloutBatch) -> dict:

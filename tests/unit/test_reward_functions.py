@@ -125,3 +125,18 @@ def test_records_carry_the_other_fields_to_the_reward(tmp_path):
     assert bundled == make_records() and len(bundled) == 55  # the file is what its generator writes
     ds = load_prompt_dataset(bundled_arithmetic_path(), tok)
     assert ds.records[0] == {"answer": "0"} and tok.decode(ds.prompts[0]) == "0+0="
+
+
+def test_model_scores_follow_the_same_policy(capsys):
+    import torch
+
+    from puzzle.reward_functions.distributed import BadRewardPolicy
+
+    pol = BadRewardPolicy("default", 0.5)
+    scores, bad = pol.check_scores(torch.tensor([1.0, float("nan"), float("-inf")]), "reward model rm", 4)
+    assert scores.tolist() == [1.0, 0.5, 0.5] and bad == 2
+    assert "reward model rm: sample 1 of iteration 4 is nan" in capsys.readouterr().err
+    same, bad = pol.check_scores(torch.tensor([2.0]), "reward model rm", 5)
+    assert same.tolist() == [2.0] and bad == 0
+    with pytest.raises(BadRewardError, match="sample 0 of iteration 1 is inf"):
+        BadRewardPolicy("error").check_scores(torch.tensor([float("inf")]), "reward model rm", 1)
