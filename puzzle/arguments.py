@@ -165,6 +165,10 @@ def _add_algorithm_args(parser):
     g.add_argument("--overlong-buffer-len", type=int, default=0,
                    help="DAPO overlong shaping: the last N tokens of --max-new-tokens are penalised (0: off).")
     g.add_argument("--overlong-penalty-factor", type=float, default=1.0)
+
+
+def _add_reward_fn_args(parser):
+    g = parser.add_argument_group("reward functions (--reward-fn; docs/grpo.md)")
     g.add_argument("--reward-workers", type=int, default=0,
                    help="Processes per rank that run the reward function (0: in the rank's process).")
     g.add_argument("--reward-timeout", type=float, default=60.0,
@@ -238,7 +242,7 @@ def _add_plan_args(parser):
 def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_ppo_args,
-                _add_algorithm_args, _add_data_args, _add_logging_args, _add_plan_args):
+                _add_algorithm_args, _add_reward_fn_args, _add_data_args, _add_logging_args, _add_plan_args):
         add(parser)
     return parser
 
