@@ -481,7 +481,7 @@ def _summarize(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
-        inner = getattr(first, "exception", first)
+        inner = first[0] if isinstance(first, tuple) else first  # (exception, stack summary)
         ranks = ", ".join(map(str, sorted(failures)))
         return f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''} (ranks {ranks})"
     text = str(exc).strip().splitlines()
