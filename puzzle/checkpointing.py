@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 import puzzle
+from puzzle.parallel.device import runtime
 
 FORMAT = 1
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -285,7 +286,7 @@ def _ensure_optimizer_state(optimizer) -> None:
 @torch.no_grad()
 def weight_fingerprint(engine) -> list:
     """[sum, sum of squares] (float64) over the model's unique parameter shards, whole world."""
-    acc = torch.zeros(2, dtype=torch.float64)
+    acc = torch.zeros(2, dtype=torch.float64, device=runtime().device)
     if engine.member:
         lay, arch = engine.layout, engine.arch
         for name, p in engine.module.named_parameters():
@@ -354,18 +355,23 @@ def _log(msg: str) -> None:
         print(f"[checkpoint] {msg}", flush=True)
 
 
+def _all_gather_objects(obj) -> list:
+    """Every rank's ``obj`` (rank order), over the gloo object group."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj, group=runtime().object_group)
+    return parts
+
+
 def _checksum_files(d: str) -> Dict[str, list]:
     """Collective: {relative path: [size, sha256]} of every file under ``d``; each rank hashes
     every world_size-th file of the sorted list (files it or its peers have just written)."""
     names = None
     if dist.get_rank() == 0:
         names = sorted(os.path.relpath(os.path.join(dp, f), d) for dp, _, fs in os.walk(d) for f in fs)
-    box = [names]
-    dist.broadcast_object_list(box, src=0)
+    names = runtime().broadcast_object(names)
     mine = {rel: [os.path.getsize(os.path.join(d, rel)), _sha256(os.path.join(d, rel))]
-            for i, rel in enumerate(box[0]) if i % dist.get_world_size() == dist.get_rank()}
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
+            for i, rel in enumerate(names) if i % dist.get_world_size() == dist.get_rank()}
+    parts = _all_gather_objects(mine)
     return {k: v for part in parts for k, v in sorted(part.items())}
 
 
@@ -442,8 +448,7 @@ def _verified(root: str, it: int) -> List[str]:
     names = sorted(meta.get("files") or {})
     mine = names[dist.get_rank()::dist.get_world_size()]
     local = _file_problems(d, meta, files=mine, hashes=True) if names else _file_problems(d, meta)
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local if names or dist.get_rank() == 0 else [])
+    parts = _all_gather_objects(local if names or dist.get_rank() == 0 else [])
     return sorted({p for part in parts for p in part})
 
 

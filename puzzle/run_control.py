@@ -20,8 +20,9 @@ import sys
 import time
 from typing import Optional
 
-import torch
 import torch.distributed as dist
+
+from puzzle.parallel.device import runtime
 
 
 class ExitControl:
@@ -45,12 +46,12 @@ class ExitControl:
         reason = None
         if ops.exit_signal_handler or ops.exit_duration_in_mins:
             minutes = (time.time() - self.start) / 60.0
-            local = torch.tensor([float(self.signal_received),
-                                  float(bool(ops.exit_duration_in_mins) and minutes > ops.exit_duration_in_mins)])
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
-            if local[0] > 0:
+            signalled, late = runtime().all_reduce(
+                [float(self.signal_received),
+                 float(bool(ops.exit_duration_in_mins) and minutes > ops.exit_duration_in_mins)], op="max")
+            if signalled > 0:
                 reason = "a signal was received (--exit-signal-handler)"
-            elif local[1] > 0:
+            elif late > 0:
                 reason = f"{minutes:.1f} minutes passed (--exit-duration-in-mins {ops.exit_duration_in_mins:g})"
         if reason is None and ops.exit_interval and iteration % ops.exit_interval == 0:
             reason = f"iteration {iteration} is a multiple of --exit-interval {ops.exit_interval}"

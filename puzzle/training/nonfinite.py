@@ -14,7 +14,6 @@ import os
 from typing import Dict, List, Sequence
 
 import torch
-import torch.distributed as dist
 
 KINDS = ("loss", "gradient norm")
 TEST_ENV = "PUZZLE_TEST_NONFINITE_AT"  # "role:iteration[,role:iteration]": NaN gradients (tests)
@@ -39,8 +38,10 @@ def find(checks: Sequence[tuple]) -> Dict[str, Dict[str, List[int]]]:
     """Collective. ``checks``: (role, engine, last-stage outputs, loss keys) per trainable model.
     Returns {role: {kind: [pipeline stages where found]}} for the models with a non-finite value,
     the same on every rank."""
+    from puzzle.parallel.device import runtime
+
     pmax = max(eng.layout.plan.P for _, eng, _, _ in checks)
-    flags = torch.zeros(len(checks), len(KINDS), pmax, dtype=torch.float64)
+    flags = torch.zeros(len(checks), len(KINDS), pmax, dtype=torch.float64)  # host side, then one reduce
     for i, (role, eng, outputs, keys) in enumerate(checks):
         if not eng.member:
             continue
@@ -48,7 +49,7 @@ def find(checks: Sequence[tuple]) -> Dict[str, Dict[str, List[int]]]:
             flags[i, 0, eng.layout.p] = 1
         if not eng.grads_finite():
             flags[i, 1, eng.layout.p] = 1
-    dist.all_reduce(flags)
+    flags = torch.tensor(runtime().all_reduce(flags.flatten().tolist()), dtype=torch.float64).view_as(flags)
     found = {}
     for i, (role, *_rest) in enumerate(checks):
         kinds = {KINDS[k]: [p for p in range(pmax) if flags[i, k, p] > 0] for k in range(len(KINDS))}
