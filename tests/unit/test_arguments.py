@@ -102,5 +102,5 @@ def test_transformer_impl_and_sequence_parallel_on_cpu():
     assert cfg("--sequence-parallel").sequence_parallel  # T=1 everywhere: accepted, a no-op
     with pytest.raises(ArgumentError, match=r"^--sequence-parallel: needs --transformer-impl transformer_engine"):
         cfg("--sequence-parallel", "--tensor-model-parallel-size", "2")
-    with pytest.raises(SystemExit):
+    with pytest.raises(ArgumentError, match="argument --transformer-impl: invalid choice: 'te'"):
         parse_args(BASE + ["--transformer-impl", "te"])
