@@ -98,11 +98,13 @@ def straight(tmp_path_factory):
     rc, out, err = _finish(_launch(["--save", str(root / "a"), "--save-interval", "2", *SKIP_FLAGS],
                                    root / "log_a", env=SKIP))
     assert rc == 0, (out + err)[-5000:]
-    return root, _rows(root / "log_a"), out
+    return root, _rows(root / "log_a"), out, err
 
 
-def test_nonfinite_step_is_skipped_and_counted(straight):
-    _, rows, out = straight
+def test_nonfinite_step_is_skipped_and_counted_and_warnings_print_once(straight):
+    _, rows, out, err = straight
+    warned = [x for x in err.splitlines() if "megatron" in x and "Warning:" in x]
+    assert warned and len(warned) == len(set(warned))  # megatron-core's warnings: rank 0 only
     assert [r["nonfinite_skipped_steps"] for r in rows] == [0, 1, 1, 1, 1, 1]
     assert out.count("warning: non-finite gradient norm (pipeline stage 0) of the critic model at "
                      "iteration 2 (training stage, PPO epoch 1, mini-batch 1 of 1): optimizer step "
@@ -122,7 +124,7 @@ def test_nonfinite_without_allowance_stops_naming_model_stage_iteration(tmp_path
 def test_sigterm_finishes_the_iteration_saves_and_resumes_identically(straight):
     """SIGTERM to rank 1 only: both ranks stop after the same iteration, save, exit 0. The resume
     (tracker deleted: the newest verified checkpoint is found) repeats the uninterrupted run."""
-    root, rows, _ = straight
+    root, rows, _, _ = straight
     ckpt, log = root / "b", root / "log_b"
     proc = _launch(["--save", str(ckpt), "--exit-signal-handler", *SKIP_FLAGS], log, env=SKIP)
     workers = _workers(proc)
@@ -147,7 +149,7 @@ def test_sigterm_finishes_the_iteration_saves_and_resumes_identically(straight):
 def test_stopped_rank_ends_the_job_naming_it(straight, tmp_path):
     """SIGSTOP on rank 1: rank 0's next collective times out (--distributed-timeout-minutes 0.25)
     and the job ends non-zero, naming rank 1; a fresh run in an old log dir starts a fresh file."""
-    root, rows, _ = straight
+    root, rows, _, _ = straight
     log = tmp_path / "log"
     log.mkdir()
     (log / "metrics.jsonl").write_text("".join(json.dumps(dict(r, _old=1)) + "\n" for r in rows))  # another run's
@@ -172,7 +174,7 @@ def test_stopped_rank_ends_the_job_naming_it(straight, tmp_path):
 def damaged(straight, tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    root, _, _ = straight
+    root, _, _, _ = straight
     copy = tmp_path / "ckpt"
     shutil.copytree(root / "a", copy)
     yield copy
