@@ -488,9 +488,14 @@ def _summarize(exc: BaseException) -> str:
         first = next(iter(failures.values()))
         inner = first[0] if isinstance(first, tuple) else first  # (exception, stack summary)
         ranks = ", ".join(map(str, sorted(failures)))
-        return f"{type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''} (ranks {ranks})"
+        return f"{type(inner).__name__}: {_first_line(inner)} (ranks {ranks})"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+    line = text[0] if text else ""
+    return line if len(line) <= limit else line[:limit] + " ..."
 
 
 def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load_rng: bool = True,
