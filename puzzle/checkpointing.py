@@ -460,6 +460,7 @@ def verify_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[in
     t0 = time.perf_counter()
     it, how = resume_iteration(root, iteration)
     if it is None:
+        _log(f"no checkpoint under {root}: starting from scratch")
         return None
     candidates = [it] + ([k for k in saved_iterations(root) if k < it] if how == "scan" else [])
     for k in candidates:
