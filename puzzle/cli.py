@@ -32,7 +32,7 @@ def run(argv) -> int:
                                       overflow=args.prompt_overflow, split=args.prompt_split,
                                       apply_chat_template=args.apply_chat_template,
                                       skip_bad_records=args.skip_bad_records)
-    except (ArgumentError, ValueError, FileNotFoundError) as e:
+    except (ArgumentError, ValueError, OSError) as e:  # OSError: unreadable tokenizer or data files
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
