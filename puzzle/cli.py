@@ -114,7 +114,8 @@ def _train(cfg, tokenizer, dataset, *, load_optim: bool = True, load_rng: bool =
     from puzzle import checkpointing, run_control
     from puzzle.data.prompts import PromptLoader
     from puzzle.parallel.groups import init_distributed
-    from puzzle.trainer import NonFiniteError, PPOTrainer
+    from puzzle.trainer import PPOTrainer
+    from puzzle.training.nonfinite import NonFiniteError
 
     start = time.time()
     if cfg.load:  # metadata and file sizes only: a wrong model shape or a missing file fails here

@@ -24,7 +24,6 @@ from puzzle.parallel.device import runtime
 from puzzle.training import nonfinite
 from puzzle.training.batch import RolloutBatch, gather_outputs, rollout_from_generation
 from puzzle.training.engine import ModelEngine
-from puzzle.training.nonfinite import NonFiniteError  # noqa: F401 (raised by step())
 
 
 class PPOTrainer:
@@ -275,7 +274,7 @@ class PPOTrainer:
         for role, kinds in found.items():
             msg = nonfinite.describe(role, kinds, self.iteration, where)
             if self.nonfinite_skipped >= allowed:
-                raise NonFiniteError(msg + (f"; {self.nonfinite_skipped} step(s) skipped already, "
+                raise nonfinite.NonFiniteError(msg + (f"; {self.nonfinite_skipped} step(s) skipped already, "
                                             f"--skip-nonfinite-iterations {allowed}" if allowed else
                                             "; --skip-nonfinite-iterations N skips up to N such steps"))
             self.nonfinite_skipped += 1

@@ -92,12 +92,15 @@ def _same(a, b):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """Six uninterrupted iterations, checkpoints at 2, 4 and 6; the critic's step at iteration 2
-    has NaN gradients and is skipped (--skip-nonfinite-iterations 1)."""
+    """Six uninterrupted iterations, checkpoints at 2, 4 and 6, the newest two kept; the critic's
+    step at iteration 2 has NaN gradients and is skipped (--skip-nonfinite-iterations 1)."""
     root = tmp_path_factory.mktemp("faults")
-    rc, out, err = _finish(_launch(["--save", str(root / "a"), "--save-interval", "2", *SKIP_FLAGS],
-                                   root / "log_a", env=SKIP))
+    rc, out, err = _finish(_launch(["--save", str(root / "a"), "--save-interval", "2", "--keep-last-checkpoints", "2",
+                                    *SKIP_FLAGS], root / "log_a", env=SKIP))
     assert rc == 0, (out + err)[-5000:]
+    assert sorted(p.name for p in (root / "a").iterdir()) == ["iter_0000004", "iter_0000006",
+                                                              "latest_checkpointed_iteration.txt"]
+    assert f"deleted {root / 'a' / 'iter_0000002'} (--keep-last-checkpoints 2)" in out
     return root, _rows(root / "log_a"), out, err
 
 
