@@ -31,6 +31,14 @@ class ArgumentError(ValueError):
     """A flag value (or combination) that cannot run. The message names the flag."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """An unknown or malformed flag raises ArgumentError (one short line, printed once by the
+    caller) instead of printing the usage text and exiting on every rank."""
+
+    def error(self, message):
+        raise ArgumentError(f"{message} (see {self.prog} --help)")
+
+
 def _add_model_args(parser):
     g = parser.add_argument_group("model")
     for flag, typ, default, text in _MODEL_FLAGS:
@@ -144,6 +152,50 @@ def _add_ppo_args(parser):
                    help="Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.")
 
 
+def _add_algorithm_args(parser):
+    from puzzle.algorithms import KL_KINDS, LOSS_AGG_MODES
+    from puzzle.algorithms.advantage_estimators import ESTIMATORS
+
+    g = parser.add_argument_group("advantage estimators, GRPO family and DAPO (docs/grpo.md)")
+    g.add_argument("--advantage-estimator", choices=list(ESTIMATORS), default="gae",
+                   help="gae (PPO, with a critic) or a critic-free estimator.")
+    g.add_argument("--n-samples-per-prompt", type=int, default=1,
+                   help="Responses generated per prompt (the group of grpo/rloo); samples per iteration = "
+                        "rollout batch x N.")
+    g.add_argument("--grpo-std-normalization", action=argparse.BooleanOptionalAction, default=True,
+                   help="grpo: divide by the group's std (--no-grpo-std-normalization: Dr. GRPO).")
+    g.add_argument("--use-kl-loss", action="store_true", help="KL to the reference as a loss term of the actor.")
+    g.add_argument("--kl-loss-coef", type=float, default=0.001)
+    g.add_argument("--kl-loss-type", choices=list(KL_KINDS), default="low_var_kl")
+    g.add_argument("--clip-eps-low", type=float, default=None, help="Lower ratio clip (default --clip-eps).")
+    g.add_argument("--clip-eps-high", type=float, default=None,
+                   help="Upper ratio clip (DAPO clip-higher; default --clip-eps-low).")
+    g.add_argument("--loss-agg-mode", choices=list(LOSS_AGG_MODES), default="token-mean",
+                   help="How the actor's per-token losses are aggregated over the mini-batch.")
+    g.add_argument("--filter-groups", action="store_true",
+                   help="DAPO dynamic sampling: drop groups whose rewards are all equal and generate more "
+                        "until the batch is full.")
+    g.add_argument("--max-num-gen-batches", type=int, default=10,
+                   help="--filter-groups: at most this many generation rounds per iteration.")
+    g.add_argument("--overlong-buffer-len", type=int, default=0,
+                   help="DAPO overlong shaping: the last N tokens of --max-new-tokens are penalised (0: off).")
+    g.add_argument("--overlong-penalty-factor", type=float, default=1.0)
+
+
+def _add_reward_fn_args(parser):
+    g = parser.add_argument_group("reward functions (--reward-fn; docs/grpo.md)")
+    g.add_argument("--reward-workers", type=int, default=0,
+                   help="Processes per rank that run the reward function (0: in the rank's process).")
+    g.add_argument("--reward-timeout", type=float, default=60.0,
+                   help="Seconds per sample before a reward counts as bad (0: no timeout).")
+    g.add_argument("--on-bad-reward", choices=["default", "error"], default="default",
+                   help="A reward that is not a number, NaN/inf, raises or times out: substitute "
+                        "--bad-reward-value (counted as bad_rewards) or stop the run.")
+    g.add_argument("--bad-reward-value", type=float, default=0.0)
+    g.add_argument("--reward-normalization", choices=["none", "running"], default="none",
+                   help="running: scores normalised by their running mean/std (checkpointed).")
+
+
 def _add_data_args(parser):
     g = parser.add_argument_group("data")
     g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (JSONL/Parquet/Arrow); default: bundled tiny set.")
@@ -181,6 +233,34 @@ def _add_logging_args(parser):
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore the per-rank RNG states.")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="Resume this iteration of --load instead of its latest one.")
+    g.add_argument("--keep-last-checkpoints", type=int, default=None,
+                   help="Delete all but the newest N checkpoints under --save after each save "
+                        "(default: keep all).")
+    g.add_argument("--tensorboard-dir", type=str, default=None,
+                   help="Write the metrics of metrics.jsonl as TensorBoard scalars (extra 'tb').")
+    g.add_argument("--wandb-project", type=str, default=None,
+                   help="Log the metrics of metrics.jsonl to this Weights & Biases project (extra "
+                        "'wandb'; WANDB_MODE=offline works without network).")
+    g.add_argument("--wandb-exp-name", type=str, default=None, help="The W&B run name.")
+    g.add_argument("--wandb-save-dir", type=str, default=None,
+                   help="Local W&B directory (default: --log-dir, else wandb's own).")
+
+
+def _add_operations_args(parser):
+    g = parser.add_argument_group("preemption, time limits, hangs and non-finite steps")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM: finish the current iteration, save (--save), exit 0. All ranks "
+                        "agree on the iteration to stop at.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Save (--save) and exit 0 after the iteration that ends past this many minutes.")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Save (--save) and exit 0 at the first iteration divisible by N.")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="Timeout of every process group's collectives (minutes; fractions allowed): "
+                        "a stuck rank ends the job instead of hanging it.")
+    g.add_argument("--skip-nonfinite-iterations", type=int, default=0,
+                   help="Skip up to N optimizer steps whose loss or gradient norm is NaN/inf "
+                        "(counted in the metrics); past N, or with 0, such a step stops the run.")
 
 
 def _add_plan_args(parser):
@@ -202,16 +282,20 @@ def _add_plan_args(parser):
                    help="Vocabulary size when the tokenizer files are not at hand (dry runs, planning).")
 
 
-def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
+def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argparse.ArgumentParser:
+    """``raise_errors``: an unknown or malformed flag raises ArgumentError instead of exiting."""
+    cls = _Parser if raise_errors else argparse.ArgumentParser
+    parser = cls(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_ppo_args,
-                _add_data_args, _add_logging_args, _add_plan_args):
+                _add_algorithm_args, _add_reward_fn_args, _add_data_args, _add_logging_args,
+                _add_operations_args, _add_plan_args):
         add(parser)
     return parser
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = build_parser()
+    """Parse train_ppo.py's flags; an unknown or malformed one raises ArgumentError."""
+    parser = build_parser(prog="train_ppo.py", raise_errors=True)
     args = parser.parse_args(argv)
     return args
 
@@ -340,21 +424,88 @@ def _check_hf_shape(arch, hf_dir: str, role: str) -> None:
               f"{hf_dir}/config.json does not match the {role} model flags: " + "; ".join(diff))
 
 
+def role_set(args) -> List[str]:
+    """The roles a run builds: no critic unless the estimator needs one (gae), no reference when
+    KL enters neither the reward (--kl-coef 0) nor the loss, a reward model only when given."""
+    from puzzle.algorithms.advantage_estimators import ESTIMATORS
+
+    roles = ["actor"]
+    if ESTIMATORS[args.advantage_estimator].needs_critic:
+        roles.append("critic")
+    if args.kl_coef > 0 or args.use_kl_loss:
+        roles.append("ref")
+    if args.reward_model:
+        roles.append("reward")
+    return roles
+
+
+def _check_algorithm_args(args) -> None:
+    """The GRPO-family / DAPO / reward-function flags and their combinations."""
+    from puzzle.algorithms.advantage_estimators import ESTIMATORS
+
+    est, N = args.advantage_estimator, args.n_samples_per_prompt
+    spec = ESTIMATORS[est]
+    if N < 1:
+        _fail("--n-samples-per-prompt", f"must be >= 1 (got {N})")
+    if spec.needs_groups and N < 2:
+        _fail("--n-samples-per-prompt", f"--advantage-estimator {est} compares the samples of a prompt: "
+                                        f"it needs at least 2 samples per prompt (got {N})")
+    if args.filter_groups:
+        if est == "gae":
+            _fail("--filter-groups", "dynamic sampling filters groups of samples; it needs a group "
+                                     "estimator (--advantage-estimator grpo, rloo, ...), not gae")
+        if N < 2:
+            _fail("--filter-groups", f"needs --n-samples-per-prompt >= 2 (got {N})")
+        if not args.reward_fn:
+            _fail("--filter-groups", "needs --reward-fn (groups are filtered in the generation stage)")
+        if spec.needs_greedy_baseline:
+            _fail("--filter-groups", "not with --advantage-estimator remax (its greedy baseline is generated "
+                                     "for the iteration's first prompts)")
+    if spec.needs_greedy_baseline and not args.reward_fn:
+        _fail("--advantage-estimator", "remax scores its greedy baseline in the generation stage: it needs "
+                                       "--reward-fn, not a reward model")
+    if args.max_num_gen_batches < 1:
+        _fail("--max-num-gen-batches", f"must be >= 1 (got {args.max_num_gen_batches})")
+    for flag in ("clip_eps", "clip_eps_low", "clip_eps_high"):
+        v = getattr(args, flag)
+        if v is not None and not v > 0:
+            _fail("--" + flag.replace("_", "-"), f"must be > 0 (got {v})")
+    if args.kl_loss_coef < 0:
+        _fail("--kl-loss-coef", f"must be >= 0 (got {args.kl_loss_coef})")
+    if args.overlong_buffer_len < 0 or args.overlong_buffer_len > args.max_new_tokens:
+        _fail("--overlong-buffer-len", f"must be in [0, --max-new-tokens {args.max_new_tokens}] "
+                                       f"(got {args.overlong_buffer_len})")
+    if args.overlong_penalty_factor < 0:
+        _fail("--overlong-penalty-factor", f"must be >= 0 (got {args.overlong_penalty_factor})")
+    if args.reward_workers < 0:
+        _fail("--reward-workers", f"must be >= 0 (got {args.reward_workers})")
+    if args.reward_timeout < 0:
+        _fail("--reward-timeout", f"must be >= 0 (got {args.reward_timeout})")
+    import math
+
+    if not math.isfinite(args.bad_reward_value):
+        _fail("--bad-reward-value", f"must be a finite number (got {args.bad_reward_value})")
+
+
 def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = True):
     """Derive and check every flag; returns a RunConfig. Raises ArgumentError naming the flag.
 
     Runs before any model is allocated. ``check_paths=False`` (dry runs, planning on a laptop)
     skips the checks that need checkpoint files to be present.
     """
-    from puzzle.config import PPOParams, RoleSpec, RunConfig
+    from puzzle import flag_checks
+    from puzzle.config import Operations, PPOParams, RoleSpec, RunConfig
     from puzzle.models.builders import check_layout
     from puzzle.parallel.plan import PlanError
     from puzzle.training.engine import OptimConfig
 
     if args.seq_length is None:
         _fail("--seq-length", "is required")
+    flag_checks.check_values(args)
     if args.bf16 and args.fp16:
         _fail("--bf16/--fp16", "choose one")
+    if check_paths:  # this machine: writable outputs, a GPU for --fp16, optional logging packages
+        flag_checks.check_environment(args)
     if args.max_new_tokens < 1:
         _fail("--max-new-tokens", f"must be >= 1 (got {args.max_new_tokens})")
     max_prompt = args.max_prompt_length or args.seq_length - args.max_new_tokens
@@ -377,6 +528,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                              f"({args.reward_model})")
     if args.reward_fn and ":" not in args.reward_fn:
         _fail("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
+    _check_algorithm_args(args)
     if not 0.0 < args.top_p <= 1.0:
         _fail("--top-p", f"must be in (0, 1] (got {args.top_p})")
     if args.top_k < 0:
@@ -409,8 +561,9 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--ranks-per-node", f"{args.ranks_per_node} must be >= 1 and divide the world size {world_size}")
 
     roles = {}
+    present = role_set(args)
     for role in ("actor", "critic", "ref", "reward"):
-        if role == "reward" and not args.reward_model:
+        if role not in present:
             continue
         arch = _arch_for(args, role, vocab_size)
         P = role_value(args, role, "pipeline-model-parallel-size")
@@ -448,34 +601,38 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
             _check_hf_shape(arch, hf, role)
         roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan,
                                trainable=trainable, lr=lr, hf_path=hf)
-    mini = args.ppo_mini_batch_size or args.global_batch_size or args.rollout_batch_size
-    if args.rollout_batch_size % mini:
-        _fail("--global-batch-size", f"the rollout batch {args.rollout_batch_size} is not divisible by "
-                                     f"the PPO mini-batch (global batch) {mini}")
+    N = args.n_samples_per_prompt
+    samples = args.rollout_batch_size * N
+    what = (f"rollout batch {args.rollout_batch_size}" if N == 1 else
+            f"rollout batch {args.rollout_batch_size} prompts x {N} samples = {samples}")
+    mini = args.ppo_mini_batch_size or args.global_batch_size or samples
+    if samples % mini:
+        _fail("--global-batch-size", f"the {what} is not divisible by the PPO mini-batch (global batch) {mini}")
     for role, spec in roles.items():
         D = spec.plan.D
         unit = args.micro_batch_size * D
         if role in ("actor", "critic") and mini % unit:
             _fail("--global-batch-size", f"global batch {mini} is not divisible by micro-batch size "
                                          f"{args.micro_batch_size} x {role} data-parallel size {D}")
-        if args.rollout_batch_size % unit:
-            _fail("--rollout-batch-size", f"rollout batch {args.rollout_batch_size} is not divisible by "
-                                          f"micro-batch size {args.micro_batch_size} x {role} data-parallel size {D}")
+        if samples % unit:
+            _fail("--rollout-batch-size", f"{what} is not divisible by micro-batch size "
+                                          f"{args.micro_batch_size} x {role} data-parallel size {D}")
     gen_D = roles["actor"].gen_plan.D
-    if args.rollout_batch_size % gen_D:
-        _fail("--rollout-batch-size", f"rollout batch {args.rollout_batch_size} is not divisible by the "
-                                      f"actor generation data-parallel size {gen_D}")
+    if samples % gen_D:
+        _fail("--rollout-batch-size", f"{what} is not divisible by the actor generation data-parallel "
+                                      f"size {gen_D}")
     gmb = args.generation_micro_batch_size
-    if gmb is not None and (gmb < 1 or (args.rollout_batch_size // gen_D) % gmb):
-        _fail("--generation-micro-batch-size", f"{gmb} must divide the prompts per generation DP rank "
-                                               f"({args.rollout_batch_size // gen_D})")
+    if gmb is not None and (gmb < 1 or (samples // gen_D) % gmb):
+        _fail("--generation-micro-batch-size", f"{gmb} must divide the samples per generation DP rank "
+                                               f"({samples // gen_D})")
 
     if args.cuda_graph_generation and roles["actor"].gen_plan.P > 1:
         _fail("--cuda-graph-generation", f"needs an actor generation layout with P=1 "
                                          f"(got P={roles['actor'].gen_plan.P})")
 
     for flag, placement, members in (("--score-placement", args.score_placement, list(roles)),
-                                     ("--train-placement", args.train_placement, ["actor", "critic"])):
+                                     ("--train-placement", args.train_placement,
+                                      [r for r in ("actor", "critic") if r in roles])):
         _check_placement(flag, placement, {r: roles[r].plan for r in members})
 
     from puzzle.models.builders import resolve_transformer_impl
@@ -493,14 +650,22 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         ppo_epochs=args.ppo_epochs, max_new_tokens=args.max_new_tokens, max_prompt_length=max_prompt,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
         kl_coef=args.kl_coef, kl_target=args.kl_target, kl_horizon=args.kl_horizon,
-        kl_estimator=args.kl_estimator, gamma=args.gamma, lam=args.lam, clip_eps=args.clip_eps,
+        kl_estimator=args.kl_estimator, gamma=args.gamma, lam=args.lam,
+        clip_eps=args.clip_eps_low if args.clip_eps_low is not None else args.clip_eps,
         value_clip_eps=args.value_clip_eps, entropy_coef=args.entropy_coef,
         reward_clip=args.reward_clip, whiten_advantages=not args.no_whiten_advantages,
+        advantage_estimator=args.advantage_estimator, n_samples_per_prompt=N,
+        grpo_std_normalization=args.grpo_std_normalization, use_kl_loss=args.use_kl_loss,
+        kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
+        clip_eps_high=args.clip_eps_high if args.clip_eps_high is not None else args.clip_eps_low,
+        loss_agg_mode=args.loss_agg_mode, filter_groups=args.filter_groups,
+        max_num_gen_batches=args.max_num_gen_batches, overlong_buffer_len=args.overlong_buffer_len,
+        overlong_penalty_factor=args.overlong_penalty_factor, reward_normalization=args.reward_normalization,
     )
     optim = OptimConfig(
         lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
         lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.train_iters * args.ppo_epochs * (args.rollout_batch_size // mini),
+        lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini),
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16, fp16=args.fp16,
@@ -509,13 +674,23 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         world_size=world_size, roles=roles, ppo=ppo, optim=optim, train_iters=args.train_iters,
         seed=args.seed, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
         prompt_data=args.prompt_data, prompt_key=args.prompt_key, reward_fn=args.reward_fn,
-        reward_model=args.reward_model, log_interval=args.log_interval, log_dir=args.log_dir,
+        reward_model=args.reward_model, reward_workers=args.reward_workers,
+        reward_timeout=args.reward_timeout or None, on_bad_reward=args.on_bad_reward,
+        bad_reward_value=args.bad_reward_value, log_interval=args.log_interval, log_dir=args.log_dir,
         save=args.save, load=args.load, save_interval=args.save_interval, bf16=args.bf16,
         fp16=args.fp16, recompute=args.recompute_activations, switch_segments=args.switch_segments,
         ranks_per_node=args.ranks_per_node,
         score_placement=args.score_placement, train_placement=args.train_placement,
         transformer_impl=impl, transformer_impl_note=impl_note,
         sequence_parallel=args.sequence_parallel,
+        ops=Operations(
+            exit_signal_handler=args.exit_signal_handler,
+            exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+            skip_nonfinite_iterations=args.skip_nonfinite_iterations,
+            keep_last_checkpoints=args.keep_last_checkpoints, tensorboard_dir=args.tensorboard_dir,
+            wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+            wandb_save_dir=args.wandb_save_dir),
     )
 
 

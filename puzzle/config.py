@@ -125,6 +125,41 @@ class PPOParams:
     entropy_coef: float = 0.0
     reward_clip: Optional[float] = None
     whiten_advantages: bool = True
+    # the GRPO family (docs/grpo.md); defaults are PPO's
+    advantage_estimator: str = "gae"
+    n_samples_per_prompt: int = 1
+    grpo_std_normalization: bool = True
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    clip_eps_high: Optional[float] = None  # None: clip_eps (symmetric)
+    loss_agg_mode: str = "token-mean"
+    filter_groups: bool = False
+    max_num_gen_batches: int = 10
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    reward_normalization: str = "none"
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per iteration: prompts x samples per prompt."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+@dataclass(frozen=True)
+class Operations:
+    """Preemption, time limits, hangs, non-finite steps, checkpoint retention, metric sinks."""
+
+    exit_signal_handler: bool = False           # SIGTERM: finish the iteration, save, exit 0
+    exit_duration_in_mins: Optional[float] = None
+    exit_interval: Optional[int] = None
+    distributed_timeout_minutes: float = 10.0   # every process group's collective timeout
+    skip_nonfinite_iterations: int = 0          # optimizer steps with NaN/inf that may be skipped
+    keep_last_checkpoints: Optional[int] = None  # None: keep all
+    tensorboard_dir: Optional[str] = None
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -143,6 +178,10 @@ class RunConfig:
     prompt_key: str = "prompt"
     reward_fn: Optional[str] = None
     reward_model: Optional[str] = None
+    reward_workers: int = 0
+    reward_timeout: Optional[float] = 60.0
+    on_bad_reward: str = "default"
+    bad_reward_value: float = 0.0
     log_interval: int = 1
     log_dir: Optional[str] = None
     save: Optional[str] = None
@@ -160,3 +199,4 @@ class RunConfig:
     transformer_impl: str = "local"            # resolved: "transformer_engine" only where TE runs
     transformer_impl_note: Optional[str] = None  # why the requested impl was replaced, if it was
     sequence_parallel: bool = False
+    ops: Operations = Operations()

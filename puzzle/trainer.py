@@ -1,7 +1,12 @@
-"""PPOTrainer: one process group, four role models, three stages per iteration.
+"""PPOTrainer: one process group, up to four role models, three stages per iteration.
 
-    generate (actor, generation layout) -> score (actor old log-probs, ref, reward, critic)
-    -> advantages (pure math) -> train (actor, critic) -> [switch to the generation layout]
+    generate (actor, generation layout; N samples per prompt, reward function, DAPO filter,
+    ReMax greedy baseline) -> score (actor old log-probs, ref, reward model, critic)
+    -> advantages (pure math, --advantage-estimator) -> train (actor, critic)
+    -> [switch to the generation layout]
+
+The roles that exist (cfg.roles) follow the estimator and the KL settings: no critic unless
+gae, no reference when KL enters neither the reward nor the loss (puzzle.arguments.role_set).
 """
 
 from __future__ import annotations
@@ -9,18 +14,21 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import replace
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from puzzle.algorithms import build_kl_controller, compute_gae, compute_token_rewards, masked_mean
+from puzzle import generation_stage
+from puzzle.algorithms import RunningMoments, build_kl_controller, compute_token_rewards, masked_mean
+from puzzle.algorithms.advantage_estimators import ESTIMATORS, compute_advantages
 from puzzle.config import RunConfig
 from puzzle.metrics import MetricsLogger
 from puzzle.parallel.groups import layout_for
 from puzzle.pipeline.stage import StageContext, run_stage
 from puzzle.training import steps
 from puzzle.parallel.device import runtime
+from puzzle.training import nonfinite
 from puzzle.training.batch import RolloutBatch, gather_outputs, rollout_from_generation
 from puzzle.training.engine import ModelEngine
 
@@ -59,38 +67,51 @@ class PPOTrainer:
         self.seq_multiple = (math.lcm(*(s.plan.T for s in cfg.roles.values()))
                              if cfg.sequence_parallel else 1)
         self.kl_ctl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
-        self.reward_fn = None
-        if cfg.reward_fn:
-            from puzzle.rewards import load_reward_fn
+        from puzzle.reward_functions.distributed import BadRewardPolicy, RolloutRewarder
 
-            self.reward_fn = load_reward_fn(cfg.reward_fn)
+        self.rewarder = None
+        if cfg.reward_fn:
+            self.rewarder = RolloutRewarder(cfg.reward_fn, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
+                                            on_bad_reward=cfg.on_bad_reward, bad_reward_value=cfg.bad_reward_value)
+        self.bad_rewards = (self.rewarder.policy if self.rewarder else
+                            BadRewardPolicy(cfg.on_bad_reward, cfg.bad_reward_value))
+        self.reward_norm = RunningMoments()  # --reward-normalization running (checkpointed)
         self.iteration = 0
-        self.logger = MetricsLogger(cfg.log_dir, cfg.log_interval, cfg.train_iters, self.rank)
+        self.nonfinite_skipped = 0  # optimizer steps skipped for NaN/inf (checkpointed)
+        self.progress = lambda iteration, phase: None  # run_control.Progress: where this rank is
+        self.logger = MetricsLogger(cfg.log_dir, cfg.log_interval, cfg.train_iters, self.rank, ops=cfg.ops)
 
     # ---- the iteration ---------------------------------------------------------------------
-    def step(self, prompt_ids: List[List[int]]) -> dict:
+    def step(self, prompt_ids: List[List[int]], records: Optional[List[dict]] = None,
+             refill: Optional[Callable] = None) -> dict:
+        """One iteration on a global batch of prompts; ``records`` are their dataset records (for
+        the reward function), ``refill()`` the next (prompt_ids, records) for dynamic sampling."""
         self.iteration += 1
         rt = self.runtime
         peaks = []  # accelerator only: peak bytes allocated per stage on this rank
         rt.reset_peak_memory()
         t0 = time.perf_counter()
-        batch = self.generate(prompt_ids)
+        self.progress(self.iteration, "generation stage")
+        batch, gen_stats = self.generate(prompt_ids, records, refill)
         rt.synchronize()
         t1 = time.perf_counter()
         peaks.append(rt.peak_memory_bytes())
         rt.reset_peak_memory()
-        self.score(batch)
+        self.progress(self.iteration, "scoring stage")
+        gen_stats.update(self.score(batch))
         rt.synchronize()
         t2 = time.perf_counter()
         peaks.append(rt.peak_memory_bytes())
         rt.reset_peak_memory()
         adv_stats = self.compute_advantages(batch)
+        self.progress(self.iteration, "training stage")
         train_stats = self.train(batch)
         rt.synchronize()
         t3 = time.perf_counter()
         peaks.append(rt.peak_memory_bytes())
         data = getattr(getattr(self.prompts, "stats", None), "as_dict", dict)()
         metrics = {"iteration": self.iteration, **adv_stats, **train_stats, **self._switch_metrics(),
+                   **gen_stats,
                    **{f"prompts_{k}": v for k, v in data.items()},
                    "response_length_mean": float(batch.response_lengths.float().mean()),
                    "samples_per_sec": batch.size / (t3 - t0),
@@ -110,31 +131,71 @@ class PPOTrainer:
         v = self.runtime.all_reduce([float(st.bytes_received), st.time_s], op="max")
         return {"switch_bytes_max_rank": int(v[0]), "switch_seconds": float(v[1])}
 
-    # ---- stage 1: generation -----------------------------------------------------------------
-    def generate(self, prompt_ids: List[List[int]]) -> RolloutBatch:
+    # ---- stage 1: generation (+ verifiable rewards, DAPO dynamic sampling, ReMax baseline) -----
+    def generate(self, prompt_ids: List[List[int]], records=None, refill=None):
+        """Each prompt N times (--n-samples-per-prompt), scored by the reward function when there is
+        one; returns the batch and the stage's metrics."""
+        ppo = self.cfg.ppo
+        engine = self.switch.generation_engine() if self.switch else self.engines["actor"]
+        if ppo.filter_groups:
+            batch, stats = generation_stage.dynamic_sampling(self, engine, prompt_ids, records, refill)
+        else:
+            batch = self.rollout(engine, prompt_ids)
+            stats = self.score_with_reward_fn(batch, prompt_ids, records) if self.rewarder else {}
+        if ESTIMATORS[ppo.advantage_estimator].needs_greedy_baseline:  # ReMax: same stage, same engine
+            greedy = self.rollout(engine, prompt_ids, greedy=True)
+            self.score_with_reward_fn(greedy, prompt_ids, records, what="greedy baseline sample")
+            batch.fields["baseline_scores"] = self.shaped_scores(greedy.fields["scores"], greedy.response_lengths)
+        if self.switch:
+            self.switch.release()
+        return batch, stats
+
+    def rollout(self, engine, prompt_ids: List[List[int]], round_: int = 0, greedy: bool = False) -> RolloutBatch:
+        """Generate N samples of every prompt (prompt-major: sample b is of prompt b // N); the noise
+        is keyed by the global sample index (+ round x batch size for later rounds)."""
         from puzzle.rollout.generation import SamplingParams, generate
 
-        ppo, B = self.cfg.ppo, len(prompt_ids)
-        engine = self.switch.generation_engine() if self.switch else self.engines["actor"]
+        ppo, N = self.cfg.ppo, self.cfg.ppo.n_samples_per_prompt
+        prompt_ids = [p for p in prompt_ids for _ in range(N)]
+        B = len(prompt_ids)
         layout, R = engine.layout, ppo.max_new_tokens
         responses = lengths = None
         share = B // layout.plan.D
         if engine.member:
             mine = prompt_ids[layout.d * share:(layout.d + 1) * share]
             params = SamplingParams(max_new_tokens=R, temperature=ppo.temperature, top_k=ppo.top_k,
-                                    top_p=ppo.top_p, greedy=ppo.greedy,
+                                    top_p=ppo.top_p, greedy=ppo.greedy or greedy,
                                     eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
             out = generate(engine, mine, params, seed=self.cfg.seed * 100003 + self.iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation,
-                           sample_offset=layout.d * share)
+                           sample_offset=round_ * B + layout.d * share)
             Lp = out.tokens.shape[1] - R
             responses, lengths = out.tokens[:, Lp:], out.response_lengths
-        if self.switch:
-            self.switch.release()
-        return rollout_from_generation(prompt_ids, responses, lengths, layout, R,
-                                       self.tokenizer.pad_id, self.runtime.device,
-                                       seq_multiple=self.seq_multiple)
+        batch = rollout_from_generation(prompt_ids, responses, lengths, layout, R, self.tokenizer.pad_id,
+                                        self.runtime.device, seq_multiple=self.seq_multiple)
+        if N > 1:
+            batch.fields["group_index"] = torch.arange(B, device=batch.device) // N
+        return batch
+
+    def score_with_reward_fn(self, batch: RolloutBatch, prompt_ids, records, what: str = "sample") -> dict:
+        """``fields['scores']`` from the reward function, computed across ranks; its metrics."""
+        N = self.cfg.ppo.n_samples_per_prompt
+        records = records if records is not None else [{} for _ in prompt_ids]
+        make = generation_stage.sample_maker(batch, self.tokenizer, [records[b // N] for b in range(batch.size)])
+        scores, bad = self.rewarder.score(make, batch.size, self.iteration, what)
+        batch.fields["scores"] = scores.to(batch.device)
+        return {"bad_rewards": bad}
+
+    def shaped_scores(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """DAPO's overlong penalty added to the scores (--overlong-buffer-len)."""
+        ppo = self.cfg.ppo
+        if not ppo.overlong_buffer_len:
+            return scores
+        from puzzle.algorithms.dapo import overlong_penalty
+
+        return scores + overlong_penalty(lengths, ppo.max_new_tokens, ppo.overlong_buffer_len,
+                                         ppo.overlong_penalty_factor)
 
     # ---- stage 2: scoring ----------------------------------------------------------------------
     def _contexts(self, batch: RolloutBatch, jobs):
@@ -147,105 +208,157 @@ class PPOTrainer:
                                          share.size // mbs, batch.tokens.shape[1], mbs))
         return contexts
 
-    def score(self, batch: RolloutBatch) -> None:
+    def score(self, batch: RolloutBatch) -> dict:
+        """Forward passes of the roles that exist (cfg.roles): actor old log-probs and entropy,
+        reference log-probs, critic values, reward-model scores (checked like a reward function's)."""
         ppo, R = self.cfg.ppo, batch.max_new_tokens
         temp = 1.0 if ppo.greedy else ppo.temperature
-        jobs = [("actor", steps.logprob_score_step(self.vocab, temp, R, with_entropy=True)),
-                ("ref", steps.logprob_score_step(self.vocab, temp, R)),
-                ("critic", steps.value_score_step(R))]
-        if "reward" in self.engines:
-            jobs.append(("reward", steps.reward_score_step()))
+        jobs = {"actor": steps.logprob_score_step(self.vocab, temp, R, with_entropy=True),
+                "ref": steps.logprob_score_step(self.vocab, temp, R),
+                "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
+        jobs = [(role, jobs[role]) for role in ("actor", "ref", "critic", "reward") if role in self.engines]
         outs = run_stage(self._contexts(batch, jobs), forward_only=True,
                          placement=self.cfg.score_placement)
-        f, e = batch.fields, self.engines
-        f["old_logprobs"] = gather_outputs(outs[0], "logprobs", e["actor"], batch)
-        f["entropy"] = gather_outputs(outs[0], "entropy", e["actor"], batch)
-        f["ref_logprobs"] = gather_outputs(outs[1], "logprobs", e["ref"], batch)
-        f["values"] = gather_outputs(outs[2], "values", e["critic"], batch)
-        if "reward" in self.engines:
-            f["scores"] = gather_outputs(outs[3], "scores", e["reward"], batch)
-        else:
-            f["scores"] = self._reward_fn_scores(batch)
-
-    def _reward_fn_scores(self, batch: RolloutBatch) -> torch.Tensor:
-        scores = None
-        if self.rank == 0:  # once, then broadcast: reward functions need not be deterministic
-            scores = []
-            tokens = batch.tokens.tolist()
-            plens, rlens = batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
-            for b in range(batch.size):
-                p, r = plens[b], rlens[b]
-                pids, rids = tokens[b][:p], tokens[b][p:p + r]
-                rids_text = [t for t in rids if t != self.tokenizer.eos_id]
-                scores.append(float(self.reward_fn(self.tokenizer.decode(pids),
-                                                   self.tokenizer.decode(rids_text), pids, rids_text)))
-        scores = self.runtime.broadcast_object(scores, src=0)
-        return torch.tensor(scores, dtype=torch.float64, device=batch.device).float()
+        f = batch.fields
+        for (role, _), out in zip(jobs, outs):
+            for key, name in {"actor": (("logprobs", "old_logprobs"), ("entropy", "entropy")),
+                              "ref": (("logprobs", "ref_logprobs"),), "critic": (("values", "values"),),
+                              "reward": (("scores", "scores"),)}[role]:
+                f[name] = gather_outputs(out, key, self.engines[role], batch)
+        stats = {}
+        if "reward" in self.engines:  # a reward model's scores follow --on-bad-reward like a function's
+            f["scores"], stats["bad_rewards"] = self.bad_rewards.check_scores(
+                f["scores"], f"reward model {self.cfg.reward_model}", self.iteration)
+        sources = {"old_logprobs": "actor", "entropy": "actor", "ref_logprobs": "ref", "values": "critic",
+                   "scores": "reward"}
+        nonfinite.check_scores(f, batch.response_mask, self.iteration,
+                               {k: r for k, r in sources.items() if r in self.engines})
+        return stats
 
     # ---- advantages (pure math, identical on every rank) -------------------------------------
     def compute_advantages(self, batch: RolloutBatch) -> dict:
         ppo, f, mask = self.cfg.ppo, batch.fields, batch.response_mask
         kl_coef = self.kl_ctl.value
-        rewards, kl = compute_token_rewards(f["scores"], f["old_logprobs"], f["ref_logprobs"], mask,
-                                            kl_coef=kl_coef, kl_kind=ppo.kl_estimator,
-                                            clip_reward=ppo.reward_clip)
-        adv, ret = compute_gae(rewards, f["values"], mask, ppo.gamma, ppo.lam,
-                               whiten_advantages=ppo.whiten_advantages)
+        scores = self.shaped_scores(f["scores"], batch.response_lengths)
+        baseline = f.get("baseline_scores")
+        if ppo.reward_normalization == "running":
+            scores = self.reward_norm.normalize(scores).float()
+            baseline = None if baseline is None else self.reward_norm.normalize(baseline, update=False).float()
+        ref = f.get("ref_logprobs", f["old_logprobs"])  # no reference: no KL
+        rewards, kl = compute_token_rewards(scores, f["old_logprobs"], ref, mask,
+                                            kl_coef=kl_coef if "ref" in self.engines else 0.0,
+                                            kl_kind=ppo.kl_estimator, clip_reward=ppo.reward_clip)
+        adv, ret = compute_advantages(ppo.advantage_estimator, rewards, mask, values=f.get("values"),
+                                      group_index=f.get("group_index"), baseline_scores=baseline,
+                                      gamma=ppo.gamma, lam=ppo.lam, whiten_advantages=ppo.whiten_advantages,
+                                      std_normalization=ppo.grpo_std_normalization)
         f["advantages"], f["returns"] = adv, ret
         seq_kl = (kl * mask).sum(dim=1).mean()
         self.kl_ctl.update(float(seq_kl), batch.size)
-        return {"reward_mean": float(f["scores"].mean()), "kl": float(masked_mean(kl, mask)),
-                "kl_seq": float(seq_kl), "kl_coef": kl_coef,
-                "entropy": float(masked_mean(f["entropy"], mask)),
-                "value_mean": float(masked_mean(f["values"], mask)),
-                "return_mean": float(masked_mean(ret, mask))}
+        stats = {"reward_mean": float(f["scores"].mean()), "kl": float(masked_mean(kl, mask)),
+                 "kl_seq": float(seq_kl), "kl_coef": kl_coef,
+                 "entropy": float(masked_mean(f["entropy"], mask))}
+        if ppo.reward_normalization == "running":
+            stats.update(reward_norm_mean=self.reward_norm.mean, reward_norm_std=self.reward_norm.std)
+        if "values" in f:
+            stats["value_mean"] = float(masked_mean(f["values"], mask))
+        stats["return_mean"] = float(masked_mean(ret, mask))
+        return {**stats, **generation_stage.rollout_metrics(batch, self.tokenizer.eos_id,
+                                                           ppo.n_samples_per_prompt)}
 
     # ---- stage 3: training ---------------------------------------------------------------------
     def train(self, batch: RolloutBatch) -> dict:
         ppo, R = self.cfg.ppo, batch.max_new_tokens
         temp = 1.0 if ppo.greedy else ppo.temperature
-        actor, critic = self.engines["actor"], self.engines["critic"]
-        sums = torch.zeros(7, dtype=torch.float64, device=self.runtime.device)  # pg, clip, approx_kl, tokens, vloss, vclip, vtok
+        actor, critic = self.engines["actor"], self.engines.get("critic")
+        trained = [e for e in (actor, critic) if e is not None]
+        # pg, clip, approx_kl, tokens, vloss, vclip, vtok, actor loss weight, kl loss
+        sums = torch.zeros(9, dtype=torch.float64, device=self.runtime.device)
         grad_norms = {"actor": [], "critic": []}
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         n_steps = ppo.ppo_epochs * (batch.size // ppo.mini_batch_size)
         step = 0
+        actor_step = steps.actor_train_step(self.vocab, temp, R, ppo.clip_eps, ppo.entropy_coef,
+                                            clip_eps_high=ppo.clip_eps_high, loss_agg=ppo.loss_agg_mode,
+                                            kl_loss_coef=ppo.kl_loss_coef, kl_loss_type=ppo.kl_loss_type,
+                                            use_kl_loss=ppo.use_kl_loss)
         for epoch in range(ppo.ppo_epochs):
             perm = torch.randperm(batch.size, generator=gen)
             for s in range(0, batch.size, ppo.mini_batch_size):
                 step += 1
                 mini = batch.rows(perm[s:s + ppo.mini_batch_size])
-                jobs = [("actor", steps.actor_train_step(self.vocab, temp, R, ppo.clip_eps, ppo.entropy_coef)),
-                        ("critic", steps.critic_train_step(R, ppo.value_clip_eps))]
+                jobs = [("actor", actor_step)]
+                if critic is not None:
+                    jobs.append(("critic", steps.critic_train_step(R, ppo.value_clip_eps)))
                 contexts = self._contexts(mini, jobs)
-                for eng in (actor, critic):
+                for eng in trained:
                     if eng.member:
                         eng.zero_grad()
                 outs = run_stage(contexts, forward_only=False, placement=self.cfg.train_placement)
-                if self.switch and step == n_steps:  # last actor step overlapped with the switch
+                skip = self._nonfinite_steps(outs, epoch, s // ppo.mini_batch_size, n_steps)
+                if "actor" in skip:
+                    pass  # no update; the next generation switches the unchanged weights
+                elif self.switch and step == n_steps:  # last actor step overlapped with the switch
                     res = self.switch.optimizer_step_and_switch()
                     if actor.member:
                         grad_norms["actor"].append(res["grad_norm"])
                 elif actor.member:
                     grad_norms["actor"].append(actor.optimizer_step()["grad_norm"])
-                if critic.member:
+                if critic is not None and critic.member and "critic" not in skip:
                     grad_norms["critic"].append(critic.optimizer_step()["grad_norm"])
                 if actor.member and actor.layout.is_last_stage and actor.layout.t == 0:
                     for o in outs[0]:
                         sums[0:4] += torch.stack([o["policy_loss_sum"], o["clip_sum"],
                                                   o["approx_kl_sum"], o["tokens"]]).double()
-                if critic.member and critic.layout.is_last_stage and critic.layout.t == 0:
+                        sums[7:9] += torch.stack([o["loss_weight"], o.get("kl_loss_sum", o["loss_weight"] * 0)]
+                                                 ).double()
+                if critic is not None and critic.member and critic.layout.is_last_stage and critic.layout.t == 0:
                     for o in outs[1]:
                         sums[4:7] += torch.stack([o["value_loss_sum"], o["value_clip_sum"],
                                                   o["tokens"]]).double()
         dist.all_reduce(sums)
         norms = self.runtime.all_reduce([max(grad_norms["actor"] or [0.0]),
                                          max(grad_norms["critic"] or [0.0])], op="max")
-        tok, vtok = max(float(sums[3]), 1.0), max(float(sums[6]), 1.0)
-        return {"policy_loss": float(sums[0]) / tok, "clip_frac": float(sums[1]) / tok,
-                "approx_kl": float(sums[2]) / tok, "value_loss": float(sums[4]) / vtok,
-                "value_clip_frac": float(sums[5]) / vtok,
-                "actor_grad_norm": float(norms[0]), "critic_grad_norm": float(norms[1])}
+        tok, vtok, weight = max(float(sums[3]), 1.0), max(float(sums[6]), 1.0), max(float(sums[7]), 1.0)
+        skipped = {"nonfinite_skipped_steps": self.nonfinite_skipped} if self.cfg.ops.skip_nonfinite_iterations else {}
+        stats = {**skipped, "policy_loss": float(sums[0]) / weight, "clip_frac": float(sums[1]) / tok,
+                 "approx_kl": float(sums[2]) / tok, "value_loss": float(sums[4]) / vtok,
+                 "value_clip_frac": float(sums[5]) / vtok,
+                 "actor_grad_norm": float(norms[0]), "critic_grad_norm": float(norms[1])}
+        if ppo.use_kl_loss:
+            stats["kl_loss"] = float(sums[8]) / tok
+        return stats
+
+    def _nonfinite_steps(self, outs, epoch: int, mini: int, n_steps: int) -> set:
+        """Collective: the roles whose optimizer step is skipped for a NaN/inf loss or gradient
+        (--skip-nonfinite-iterations); past the allowance, NonFiniteError on every rank."""
+        checks = []
+        for i, (role, keys) in enumerate((("actor", ("policy_loss_sum",)), ("critic", ("value_loss_sum",)))):
+            if role not in self.engines:  # no critic for critic-free estimators
+                continue
+            eng = self.engines[role]
+            nonfinite.inject_for_test(role, eng, self.iteration)
+            last = eng.member and eng.layout.is_last_stage and eng.layout.t == 0
+            checks.append((role, eng, outs[i] if last else [], keys))
+        found = nonfinite.find(checks)
+        where = f"training stage, PPO epoch {epoch + 1}, mini-batch {mini + 1} of {n_steps // self.cfg.ppo.ppo_epochs}"
+        allowed = self.cfg.ops.skip_nonfinite_iterations
+        for role, kinds in found.items():
+            msg = nonfinite.describe(role, kinds, self.iteration, where)
+            if self.nonfinite_skipped >= allowed:
+                raise nonfinite.NonFiniteError(msg + (f"; {self.nonfinite_skipped} step(s) skipped already, "
+                                            f"--skip-nonfinite-iterations {allowed}" if allowed else
+                                            "; --skip-nonfinite-iterations N skips up to N such steps"))
+            self.nonfinite_skipped += 1
+            if self.rank == 0:
+                print(f"warning: {msg}: optimizer step skipped ({self.nonfinite_skipped}/{allowed}, "
+                      f"--skip-nonfinite-iterations)", flush=True)
+            eng = self.engines[role]
+            if eng.member:
+                eng.zero_grad()
+        return set(found)
 
     def close(self) -> None:
+        if self.rewarder is not None:
+            self.rewarder.close()
         self.logger.close()

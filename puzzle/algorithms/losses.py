@@ -89,8 +89,9 @@ def policy_loss(
     clip_eps: float = 0.2,
     loss_agg: str = "token-mean",
     denominator: Optional[float] = None,
+    clip_eps_high: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate loss.
+    """PPO clipped surrogate loss (with DAPO's clip-higher: ``clip(ratio, 1 - eps, 1 + eps_high)``).
 
     ``ratio = exp(logprobs - old_logprobs)`` (log-ratio clamped to ``[-20, 20]``);
     per token ``max(-A * ratio, -A * clip(ratio, 1 - eps, 1 + eps))``, aggregated with
@@ -102,7 +103,8 @@ def policy_loss(
         old_logprobs: ``[B, R]`` rollout-time actor log-probs.
         advantages: ``[B, R]``.
         mask: ``[B, R]`` 0/1 response mask.
-        clip_eps: PPO clip range (``> 0``).
+        clip_eps: PPO clip range (``> 0``); the lower one when ``clip_eps_high`` is given.
+        clip_eps_high: upper clip range (DAPO clip-higher); ``None`` = ``clip_eps``.
 
     Returns:
         ``(loss, clip_frac, approx_kl, weight)``: ``loss`` scalar; ``clip_frac`` = fraction of
@@ -113,6 +115,9 @@ def policy_loss(
     check_same_shape("logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     if not clip_eps > 0:
         raise ValueError(f"clip_eps must be > 0, got {clip_eps}")
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    if not high > 0:
+        raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
     # Select invalid positions away first so NaN/inf padding can reach neither loss nor grads.
     valid = mask != 0
     logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))
@@ -122,7 +127,7 @@ def policy_loss(
     log_ratio = (logprobs - old_logprobs).clamp(min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(min=1.0 - clip_eps, max=1.0 + clip_eps)
+    clipped = -advantages * ratio.clamp(min=1.0 - clip_eps, max=1.0 + high)
     loss_mat = torch.maximum(unclipped, clipped)
     loss, weight = agg_loss(loss_mat, mask, loss_agg, denominator)
 

@@ -124,10 +124,13 @@ class RunningMoments:
         return b_mean, math.sqrt(b_m2 / (n - 1)) if n > 1 else 0.0
 
     def normalize(self, scores: torch.Tensor, update: bool = True) -> torch.Tensor:
-        """Optionally :meth:`update` with ``scores``, then return them normalised."""
+        """Optionally :meth:`update` with ``scores``, then return them normalised. While every score
+        seen was equal (std 0) only the mean is subtracted: dividing by eps would blow up the
+        first different score."""
         if update:
             self.update(scores)
-        return normalize_scores(scores, self.mean, self.std, self.eps)
+        std = self.std
+        return normalize_scores(scores, self.mean, std if std > 1e-6 else 1.0, self.eps)
 
     def state_dict(self) -> dict:
         return {"mean": self.mean, "m2": self.m2, "count": self.count}

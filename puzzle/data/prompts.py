@@ -59,6 +59,7 @@ class PromptDataset:
     source: str
     stats: PromptStats = field(default_factory=PromptStats)
     origins: List[str] = field(default_factory=list)  # "file:line" / "file:row" of each prompt
+    records: List[Dict[str, Any]] = field(default_factory=list)  # each prompt's other fields (e.g. answer)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -85,16 +86,19 @@ def _check_value(value: Any, chat: bool) -> Optional[str]:
 
 
 def _read_jsonl(path: str, key: str, chat: bool, skip: bool, stats: PromptStats
-                ) -> Tuple[List[Any], List[str]]:
-    values, origins = [], []
-    with open(path, "r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+                ) -> Tuple[List[Any], List[str], List[Dict[str, Any]]]:
+    values, origins, others = [], [], []
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error of that line
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             stats.records += 1
             err = None
             try:
+                line = raw.decode("utf-8")
                 rec = json.loads(line)
+            except UnicodeDecodeError as e:
+                err = f"not UTF-8 ({e.reason} at byte {e.start} of the line)"
             except json.JSONDecodeError as e:
                 err = f"invalid JSON ({e.msg} at column {e.colno})"
             else:
@@ -111,11 +115,12 @@ def _read_jsonl(path: str, key: str, chat: bool, skip: bool, stats: PromptStats
                 raise PromptDataError(f"{path}:{lineno}: {err}")
             values.append(rec[key])
             origins.append(f"{path}:{lineno}")
-    return values, origins
+            others.append({k: v for k, v in rec.items() if k != key})
+    return values, origins, others
 
 
 def _read_table(path: str, fmt: str, key: str, chat: bool, skip: bool, stats: PromptStats,
-                cache_dir: Optional[str], split: str = "train") -> Tuple[List[Any], List[str]]:
+                cache_dir: Optional[str], split: str = "train") -> Tuple[List[Any], List[str], List[Dict[str, Any]]]:
     import datasets
 
     try:
@@ -133,7 +138,8 @@ def _read_table(path: str, fmt: str, key: str, chat: bool, skip: bool, stats: Pr
     if key not in ds.column_names:
         raise PromptDataError(f"{path}: no column {key!r} (columns: {', '.join(ds.column_names)}; "
                               f"see --prompt-key)")
-    values, origins = [], []
+    values, origins, others = [], [], []
+    columns = {c: ds[c] for c in ds.column_names if c != key}
     for row, value in enumerate(ds[key]):
         stats.records += 1
         err = _check_value(value, chat)
@@ -144,7 +150,8 @@ def _read_table(path: str, fmt: str, key: str, chat: bool, skip: bool, stats: Pr
             raise PromptDataError(f"{path}: row {row}: {err}")
         values.append(value)
         origins.append(f"{path}:row{row}")
-    return values, origins
+        others.append({c: col[row] for c, col in columns.items()})
+    return values, origins, others
 
 
 def _hf_dataset(values: List[Any], key: str):
@@ -185,17 +192,17 @@ def load_prompt_dataset(path: str, tokenizer, prompt_key: str = "prompt", *,
             raise PromptDataError(f"{path}: unknown prompt file type {Path(path).suffix!r} "
                                   f"(expected {', '.join(FORMATS)} or a save_to_disk directory)")
     if fmt == "json":
-        values, origins = _read_jsonl(path, prompt_key, apply_chat_template, skip_bad_records, stats)
+        values, origins, others = _read_jsonl(path, prompt_key, apply_chat_template, skip_bad_records, stats)
         if apply_chat_template:  # one Arrow type per column: strings become one user message
             values = [[{"role": "user", "content": v}] if isinstance(v, str) else
                       [{"role": m["role"], "content": m["content"]} for m in v] for v in values]
         ds = _hf_dataset(values, prompt_key)  # one representation downstream: an HF Dataset
         values = ds[prompt_key]
     else:
-        values, origins = _read_table(path, fmt, prompt_key, apply_chat_template, skip_bad_records,
-                                      stats, cache_dir, split)
-    prompts, kept = [], []
-    for value, origin in zip(values, origins):
+        values, origins, others = _read_table(path, fmt, prompt_key, apply_chat_template, skip_bad_records,
+                                              stats, cache_dir, split)
+    prompts, kept, kept_records = [], [], []
+    for value, origin, other in zip(values, origins, others):
         if apply_chat_template:
             msgs = [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
             ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
@@ -209,10 +216,11 @@ def load_prompt_dataset(path: str, tokenizer, prompt_key: str = "prompt", *,
             ids = ids[-max_prompt_len:] if overflow == "truncate_left" else ids[:max_prompt_len]
         prompts.append(ids)
         kept.append(origin)
+        kept_records.append(other)
     stats.loaded = len(prompts)
     if not prompts:
         raise PromptDataError(f"{path}: no usable prompts ({stats.as_dict()})")
-    return PromptDataset(prompts=prompts, source=path, stats=stats, origins=kept)
+    return PromptDataset(prompts=prompts, source=path, stats=stats, origins=kept, records=kept_records)
 
 
 # ---- iteration ---------------------------------------------------------------------------------

@@ -32,10 +32,10 @@ def shapes_from_config(cfg) -> Dict[str, ModelShape]:
 
 def workload_from_config(cfg) -> PPOWorkload:
     ppo = cfg.ppo
-    return PPOWorkload(rollout_batch_size=ppo.rollout_batch_size, prompt_len=ppo.max_prompt_length,
+    return PPOWorkload(rollout_batch_size=ppo.num_samples, prompt_len=ppo.max_prompt_length,
                        gen_len=ppo.max_new_tokens, micro_batch_size=ppo.micro_batch_size,
                        ppo_epochs=ppo.ppo_epochs,
-                       ppo_minibatches=ppo.rollout_batch_size // ppo.mini_batch_size,
+                       ppo_minibatches=ppo.num_samples // ppo.mini_batch_size,
                        distributed_optimizer=cfg.optim.use_distributed_optimizer,
                        generation_micro_batch_size=ppo.generation_micro_batch_size,
                        cuda_graphs=ppo.cuda_graph_generation)
@@ -56,7 +56,7 @@ def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:
 
 def _memory_setup(cfg, profile):
     shapes = shapes_from_config(cfg)
-    roles = ppo_roles(shapes["actor"], shapes["critic"], shapes.get("ref"), shapes.get("reward"))
+    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"))
     roles = {r: roles[r] for r in shapes}
     shadow = cfg.roles["actor"].gen_plan != cfg.roles["actor"].plan
     return MemoryModel(profile, workload_from_config(cfg)), placement_from_config(cfg), roles, shadow
@@ -82,7 +82,7 @@ def stage_estimate(cfg, profile) -> Dict[str, float]:
     """Estimated seconds per stage of the run's layouts and placements (training includes the
     actor's switch, as PPOTrainer's time_train does)."""
     shapes = shapes_from_config(cfg)
-    roles = ppo_roles(shapes["actor"], shapes["critic"], shapes.get("ref"), shapes.get("reward"))
+    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"))
     return stage_seconds(CostModel(profile, workload_from_config(cfg)), roles, placement_from_config(cfg),
                          {"scoring": cfg.score_placement, "training": cfg.train_placement})
 
@@ -115,9 +115,10 @@ def job_from_config(cfg, profile):
     from puzzle.plan.search import PPOJob
 
     shapes = shapes_from_config(cfg)
-    return PPOJob(world_size=cfg.world_size, actor=shapes["actor"], critic=shapes["critic"],
+    critic = shapes.get("critic", shapes["actor"])  # a stand-in shape when the run has no critic
+    return PPOJob(world_size=cfg.world_size, actor=shapes["actor"], critic=critic,
                   workload=workload_from_config(cfg), profile=profile, ref=shapes.get("ref"),
-                  reward=shapes.get("reward") or shapes["critic"])
+                  reward=shapes.get("reward") or critic, roles=tuple(cfg.roles))
 
 
 def search(cfg, profile, exhaustive: bool = False):

@@ -105,12 +105,15 @@ class ModelRole:
         return self.shape.param_count(self.lm_head)
 
 
-def ppo_roles(actor: ModelShape, critic: ModelShape, ref: Optional[ModelShape] = None,
+def ppo_roles(actor: ModelShape, critic: Optional[ModelShape], ref: Optional[ModelShape] = None,
               reward: Optional[ModelShape] = None) -> Dict[str, ModelRole]:
-    """actor/critic/ref/reward; ref mirrors the actor and reward the critic unless given."""
-    return {"actor": ModelRole("actor", actor, True, True), "critic": ModelRole("critic", critic, True, False),
-            "ref": ModelRole("ref", ref or actor, False, True),
-            "reward": ModelRole("reward", reward or critic, False, False)}
+    """actor/critic/ref/reward; ref mirrors the actor and reward the critic (else the actor) unless
+    given. ``critic=None``: a run without a critic (critic-free estimators), no critic role."""
+    roles = {"actor": ModelRole("actor", actor, True, True), "ref": ModelRole("ref", ref or actor, False, True),
+             "reward": ModelRole("reward", reward or critic or actor, False, False)}
+    if critic is not None:
+        roles["critic"] = ModelRole("critic", critic, True, False)
+    return roles
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ class PPOJob:
     ref: Optional[ModelShape] = None
     reward: Optional[ModelShape] = None
     disjoint_fractions: Tuple[float, ...] = (0.25, 0.5, 0.75)
+    #: the roles the run builds (critic-free estimators have no critic, --kl-coef 0 no reference, a
+    #: reward function no reward model); absent ones take no time, memory or plan
+    roles: Tuple[str, ...] = ("actor", "critic", "ref", "reward")
 
 
 @dataclass
@@ -129,6 +132,9 @@ class _Layout:
         self.missing: List[str] = []
         for v, (model, stage, g) in VAR_INFO.items():
             n, off = groups[g]
+            if model not in ev.job.roles:  # one placeholder plan, costed at zero, never reported
+                self.plans[v] = [ParallelPlan(1, n, 1, off)]
+                continue
             plans, bad = candidate_plans(ev.roles[model].shape, n, off, ev.w, stage, rpn)
             if not plans:
                 self.missing.append(f"layout {self.name}: {model} {stage} on {n} ranks has no valid (P,D,T): "
@@ -139,14 +145,19 @@ class _Layout:
             return
         self.task = {v: [ev.task(v, q) for q in self.plans[v]] for v in VARS}
         # forward passes of the trainable models' home plans in the scoring stage
-        self.fwd = {v: [ev.cost.forward_cost(ev.roles[VAR_INFO[v][0]], q) for q in self.plans[v]] for v in ("A", "C")}
+        self.fwd = {v: [ev.cost.forward_cost(ev.roles[VAR_INFO[v][0]], q) if v not in ev.absent else self.task[v][i]
+                        for i, q in enumerate(self.plans[v])] for v in ("A", "C")}
         vec = ev.mem.vector
         roles = {v: ev.roles[VAR_INFO[v][0]] for v in VARS}
-        self.static = {v: [vec("static", roles[v], q, N) for q in self.plans[v]] for v in ("A", "C", "R", "W")}
+        self.static = {v: [vec("static", roles[v], q, N) if v not in ev.absent else (0.0,) * N
+                           for q in self.plans[v]] for v in ("A", "C", "R", "W")}
         self.act = {}
         for v in ("A", "C", "R", "W"):
             self.act[v] = []
             for q in self.plans[v]:
+                if v in ev.absent:
+                    self.act[v].append((0.0,) * N)
+                    continue
                 sc = vec("scoring", roles[v], q, N)
                 if v in ("A", "C"):
                     sc = tuple(map(max, sc, vec("training", roles[v], q, N)))
@@ -191,6 +202,7 @@ class _Evaluator:
         self.profile = job.profile or load_profile("a100_80gb")
         self.w = job.workload
         self.roles = ppo_roles(job.actor, job.critic, job.ref, job.reward)
+        self.absent = {v for v, (model, _, _) in VAR_INFO.items() if model not in job.roles}
         self.cost = CostModel(self.profile, self.w)
         self.mem = MemoryModel(self.profile, self.w)
         self.usable = self.profile.device_memory_bytes - self.profile.memory_reserved_bytes
@@ -207,13 +219,16 @@ class _Evaluator:
 
     def describe(self, cfg) -> str:
         A, G, C, R, W = self.layouts[cfg[0]].cfg_plans(cfg)
-        return (f"actor train {fmt_plan(A)} gen {fmt_plan(G)}, critic {fmt_plan(C)}, ref {fmt_plan(R)}, "
-                f"reward {fmt_plan(W)} [{self.layouts[cfg[0]].name}]")
+        parts = [f"actor train {fmt_plan(A)} gen {fmt_plan(G)}"] + [
+            f"{m} {fmt_plan(q)}" for m, q in (("critic", C), ("ref", R), ("reward", W)) if m in self.job.roles]
+        return ", ".join(parts) + f" [{self.layouts[cfg[0]].name}]"
 
     # ---- times -------------------------------------------------------------------------------
     def task(self, var: str, plan: ParallelPlan) -> TaskCost:
         model, stage, _ = VAR_INFO[var]
         role = self.roles[model]
+        if var in self.absent:
+            return TaskCost(model, "forward", plan, 0, 0.0, 0.0, 1, 0.0)
         if stage == "training":
             return self.cost.train_cost(role, plan)
         if stage == "generation":
@@ -235,7 +250,10 @@ class _Evaluator:
         if r is None:
             L = self.layouts[li]
             ta, tc = L.task["A"][a], L.task["C"][c]
-            r = (max(ta.total, tc.total), False) if L.k is not None else grouped_time([ta, tc])
+            if "C" in self.absent:
+                r = (ta.total, False)
+            else:
+                r = (max(ta.total, tc.total), False) if L.k is not None else grouped_time([ta, tc])
             self._train[key] = r
         return r
 
@@ -246,6 +264,8 @@ class _Evaluator:
             L = self.layouts[li]
             side_a = [L.task["R"][r], L.fwd["A"][a]] if self.w.actor_logprobs_in_scoring else [L.task["R"][r]]
             side_c = [L.fwd["C"][c], L.task["W"][w]]
+            side_a = [t for t, v in zip(side_a, ("R", "A")) if v not in self.absent]
+            side_c = [t for t, v in zip(side_c, ("C", "W")) if v not in self.absent]
             if L.k is not None:
                 res = (max(grouped_time(side_a)[0], grouped_time(side_c)[0]), False)
             else:
@@ -310,8 +330,9 @@ class _Evaluator:
     # ---- results / errors -----------------------------------------------------------------
     def placement(self, cfg) -> Dict[str, Dict[str, ParallelPlan]]:
         A, G, C, R, W = self.layouts[cfg[0]].cfg_plans(cfg)
-        return {"actor": {"generation": G, "scoring": A, "training": A}, "critic": {"scoring": C, "training": C},
-                "ref": {"scoring": R}, "reward": {"scoring": W}}
+        out = {"actor": {"generation": G, "scoring": A, "training": A}, "critic": {"scoring": C, "training": C},
+               "ref": {"scoring": R}, "reward": {"scoring": W}}
+        return {m: st for m, st in out.items() if m in self.job.roles}
 
     def result(self, cfg, method: str, seconds: float) -> SearchResult:
         li, a, g, c, r, w = cfg

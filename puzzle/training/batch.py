@@ -160,3 +160,13 @@ def right_pad_rollout(tokens_left: torch.Tensor, prompt_lengths: torch.Tensor,
         out = torch.where(in_resp, response_tokens.gather(1, src_resp), out)
     return out
 
+
+def concat_rollouts(batches: List[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Rows of several rollouts (same max_new_tokens and fields) in order, right-padded to the
+    widest sequence."""
+    width = max(b.tokens.shape[1] for b in batches)
+    tokens = torch.cat([torch.nn.functional.pad(b.tokens, (0, width - b.tokens.shape[1]), value=pad_id)
+                        for b in batches])
+    fields = {k: torch.cat([b.fields[k] for b in batches]) for k in batches[0].fields}
+    return RolloutBatch(tokens, torch.cat([b.prompt_lengths for b in batches]),
+                        torch.cat([b.response_lengths for b in batches]), batches[0].max_new_tokens, fields)

@@ -11,7 +11,7 @@ from functools import partial
 
 import torch
 
-from puzzle.algorithms import policy_loss, value_loss
+from puzzle.algorithms import agg_loss, entropy_bonus, kl_penalty, policy_loss, value_loss
 from puzzle.parallel.device import check_on_device
 from puzzle.training.batch import gather_response
 from puzzle.training.vocab_parallel import vocab_parallel_logprobs
@@ -93,25 +93,43 @@ def reward_score_step():
 
 # ---- training -------------------------------------------------------------------------------
 def actor_train_step(true_vocab: int, temperature: float, R: int, clip_eps: float,
-                     entropy_coef: float):
-    """PPO clipped surrogate (token-mean over the mini-batch) minus the entropy bonus."""
+                     entropy_coef: float, *, clip_eps_high=None, loss_agg: str = "token-mean",
+                     kl_loss_coef: float = 0.0, kl_loss_type: str = "low_var_kl", use_kl_loss: bool = False):
+    """PPO clipped surrogate minus the entropy bonus (plus ``kl_loss_coef`` x KL to the reference
+    with ``use_kl_loss``), aggregated over the mini-batch by ``loss_agg`` (the per-token
+    convention's "tokens" are then the aggregation weights: tokens or non-empty sequences).
+    Reports carry token sums for the metrics and ``loss_weight`` for the loss itself."""
 
     def loss_func(mb, tp_group, output):
         mask = mb["response_mask"]
         res = _response_logprobs(output, mb, tp_group, true_vocab, temperature, R,
                                  with_entropy=entropy_coef > 0)
         lp, ent = res if entropy_coef > 0 else (res, None)
-        pg, clip_frac, approx_kl, weight = policy_loss(lp, mb["old_logprobs"], mb["advantages"],
-                                                      mask, clip_eps=clip_eps)
         n = mask.sum()
-        loss_sum = pg * n
+        if loss_agg == "token-mean" and not use_kl_loss:  # PPO: exactly the numbers of earlier runs
+            pg, clip_frac, approx_kl, weight = policy_loss(lp, mb["old_logprobs"], mb["advantages"],
+                                                          mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high)
+            loss_sum, w = pg * n, n
+            ent_sum = (ent * mask).sum() if ent is not None else None
+            ent_term = ent_sum
+        else:  # numerators (denominator 1) of the chosen aggregation; weights summed by megatron
+            pg, clip_frac, approx_kl, w = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask,
+                                                     clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                                                     loss_agg=loss_agg, denominator=1.0)
+            loss_sum = pg
+            ent_sum = (ent * mask).sum() if ent is not None else None
+            ent_term = entropy_bonus(ent, mask, loss_agg, denominator=1.0) if ent is not None else None
         report = {"policy_loss_sum": loss_sum.detach(), "clip_sum": clip_frac * n,
-                  "approx_kl_sum": approx_kl * n, "tokens": n}
+                  "approx_kl_sum": approx_kl * n, "tokens": n, "loss_weight": w.detach()}
+        if use_kl_loss:
+            kl = kl_penalty(lp, mb["ref_logprobs"], kl_loss_type)
+            kl_term = agg_loss(kl, mask, loss_agg, denominator=1.0)[0]
+            loss_sum = loss_sum + kl_loss_coef * kl_term
+            report["kl_loss_sum"] = (torch.where(mask != 0, kl, torch.zeros_like(kl))).sum().detach()
         if ent is not None:
-            ent_sum = (ent * mask).sum()
-            loss_sum = loss_sum - entropy_coef * ent_sum
+            loss_sum = loss_sum - entropy_coef * ent_term
             report["entropy_sum"] = ent_sum.detach()
-        return loss_sum, n.to(torch.int), report
+        return loss_sum, w.to(torch.int), report
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)

@@ -177,6 +177,9 @@ def test_running_moments_and_normalize():
     rm2.load_state_dict(rm.state_dict())
     close(rm2.normalize(t([3.0, 5.5]), update=False), [0.0, 2.5 / math.sqrt(2.5)], tol=1e-6)
     close(normalize_scores(t([2.0, 0.0]), 1.0, 2.0), [0.5, -0.5], tol=1e-6)
+    flat = RunningMoments()  # every score equal so far: centred, not divided by ~0
+    close(flat.normalize(t([0.0, 0.0, 0.0])), [0.0, 0.0, 0.0])
+    close(flat.normalize(t([1.0]), update=False), [1.0], tol=1e-6)
 
 
 # ---------------------------------------------------------------- GAE

@@ -1,0 +1,96 @@
+"""4-rank world: every critic-free estimator (with KL loss, KL in the reward, clip-higher, each
+loss aggregation, overlong shaping, dynamic sampling, running reward normalisation) runs one
+iteration at two layouts -- all roles (1,4,1) sequential, and actor/ref (2,1,2) time-shared with
+the actor generating at (1,2,2) through the switch -- and reports its metrics; plus the bad-reward
+policy with a reward function that fails on one rank only.
+"""
+
+import torch
+
+from puzzle.arguments import parse_args, validate_args
+from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
+from puzzle.data.tokenizers import build_tokenizer
+from puzzle.reward_functions import BadRewardError, Sample
+from puzzle.reward_functions.distributed import RolloutRewarder
+from puzzle.trainer import PPOTrainer
+from tests.harness import world_main
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "40", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--max-new-tokens", "6",
+         "--micro-batch-size", "2", "--ppo-epochs", "2", "--lr", "5e-3", "--train-iters", "1",
+         "--reward-fn", "puzzle.rewards:lowercase_fraction", "--temperature", "1.0"]
+LAYOUTS = {
+    "seq": ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"],
+    "ts": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+           "--actor-gen-tensor-model-parallel-size", "2", "--actor-gen-pipeline-model-parallel-size", "1",
+           "--score-placement", "time-sharing", "--train-placement", "time-sharing"],
+}
+CONFIGS = {
+    "grpo": ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "4",
+             "--global-batch-size", "8", "--kl-coef", "0", "--use-kl-loss", "--kl-loss-coef", "0.1",
+             "--clip-eps-high", "0.28"],
+    "rloo": ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "4",
+             "--global-batch-size", "8", "--kl-coef", "0.05", "--loss-agg-mode", "seq-mean-token-mean"],
+    "reinforce_plus_plus": ["--advantage-estimator", "reinforce_plus_plus", "--n-samples-per-prompt", "2",
+                            "--rollout-batch-size", "4", "--kl-coef", "0", "--loss-agg-mode", "seq-mean-token-sum",
+                            "--overlong-buffer-len", "3", "--gamma", "0.9"],
+    "reinforce_plus_plus_baseline": ["--advantage-estimator", "reinforce_plus_plus_baseline",
+                                     "--n-samples-per-prompt", "4", "--rollout-batch-size", "2", "--kl-coef", "0",
+                                     "--filter-groups", "--reward-normalization", "running",
+                                     "--reward-fn", "tests.unit.reward_fixtures:half_constant"],
+    "remax": ["--advantage-estimator", "remax", "--rollout-batch-size", "8", "--global-batch-size", "8",
+              "--kl-coef", "0", "--no-grpo-std-normalization"],
+}
+
+
+def _run(name, layout):
+    tok = build_tokenizer("ByteLevelTokenizer", None)
+    cfg = validate_args(parse_args(MODEL + CONFIGS[name] + LAYOUTS[layout]), torch.distributed.get_world_size(),
+                        tok.vocab_size)
+    ds = load_prompt_dataset(bundled_prompts_path(), tok, max_prompt_len=cfg.ppo.max_prompt_length)
+    trainer = PPOTrainer(cfg, tok, ds)
+    n = cfg.ppo.rollout_batch_size
+    batches = iter([ds.prompts[i * n:(i + 1) * n] for i in range(8)])
+
+    def refill():
+        return next(batches), None
+
+    try:
+        m = trainer.step(next(batches), refill=refill)
+    finally:
+        trainer.close()
+    return {"roles": sorted(trainer.engines), "switch": trainer.switch is not None,
+            **{k: v for k, v in m.items() if not k.startswith("time_") and k != "samples_per_sec"
+               and not k.startswith("switch_")}}
+
+
+def check_estimators():
+    return {f"{name}/{layout}": _run(name, layout) for name in CONFIGS for layout in LAYOUTS}
+
+
+def check_bad_reward_one_rank():
+    """Rank 3's share raises: every rank sees the same scores (default) or the same error."""
+    B = 8
+    recs = [{"value": 0.5 if b < 6 else "raise"} for b in range(B)]
+
+    def make(b):
+        return Sample(index=b, prompt_text="p", response_text="r", prompt_ids=[1], response_ids=[2], record=recs[b])
+
+    out = {}
+    r = RolloutRewarder("tests.unit.reward_fixtures:batched_by_record", bad_reward_value=-2.0)
+    scores, bad = r.score(make, B, iteration=5)
+    out["scores"], out["bad"] = scores.tolist(), bad
+    strict = RolloutRewarder("tests.unit.reward_fixtures:batched_by_record", on_bad_reward="error")
+    try:
+        strict.score(make, B, iteration=5)
+        out["error"] = None
+    except BadRewardError as e:
+        out["error"] = str(e)
+    torch.distributed.barrier()  # every rank is still here
+    out["after"] = True
+    return out
+
+
+if __name__ == "__main__":
+    world_main([("bad_reward", check_bad_reward_one_rank), ("estimators", check_estimators)])
