@@ -68,7 +68,7 @@ def test_flags():
             validate_args(parse_args(BASE + ["--cuda-graph-generation"]), 4, 259)
         with pytest.raises(ArgumentError, match="^--attention-backend flash needs transformer-engine"):
             validate_args(parse_args(BASE + ["--attention-backend", "flash"]), 4, 259)
-    with pytest.raises(SystemExit):
+    with pytest.raises(Exception, match="--attention-backend: invalid choice: 'sdpa'"):
         parse_args(BASE + ["--attention-backend", "sdpa"])
 
 
