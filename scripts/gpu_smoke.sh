@@ -6,7 +6,7 @@
 #      for a few iterations in bf16 on one GPU, then its figures: per-stage seconds, generation
 #      tokens/s against the decode bound, training MFU, peak memory per stage against the dry run;
 #   3. with 2+ GPUs: the tiny run with TP/PP, time-sharing and the switch, and its CPU twin.
-#   bash scripts/gpu_smoke.sh                    (SMOKE_DIR=runs/gpu_smoke, LLAMA_ITERS=4)
+#   bash scripts/gpu_smoke.sh        (SMOKE_DIR=runs/gpu_smoke, LLAMA_ITERS=4, LLAMA_FLAGS="more flags")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
@@ -53,7 +53,7 @@ LLAMA=(
     --bf16 --micro-batch-size 8 --global-batch-size 64 --train-iters "${LLAMA_ITERS:-4}"
     --lr 1e-6 --critic-lr 1e-6 --rollout-batch-size 64 --ppo-epochs 1
     --max-new-tokens "${LLAMA_NEW_TOKENS:-256}" --max-prompt-length 128
-    --kl-coef 0.05 --reward-model random
+    --kl-coef 0.05 --reward-model random ${LLAMA_FLAGS:-}
 )
 step "~1.1B LLaMA actor/critic/ref/reward, bf16, 1 GPU"
 torchrun --standalone --nproc-per-node 1 train_ppo.py "${LLAMA[@]}" --log-dir "$OUT/llama1b" \
