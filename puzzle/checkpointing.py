@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 
 import puzzle
+from puzzle.config import HEADS
+from puzzle.models.param_names import drop_extra_state
 
 FORMAT = 1
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -167,7 +169,8 @@ def _role_sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool) 
     if not engine.member:
         return {}  # this rank holds no part of the model; the collective save/load still runs here
     metadata = _sharding_metadata(engine)
-    model_sd = engine.module.sharded_state_dict(prefix="", metadata=metadata)
+    # TE's FP8 metadata is dropped so the local and transformer_engine specs load each other's files
+    model_sd = drop_extra_state(engine.module.sharded_state_dict(prefix="", metadata=metadata))
     sd = {"model": model_sd}
     if with_optimizer and engine.optimizer is not None:
         if is_loading:
@@ -196,7 +199,7 @@ def weight_fingerprint(engine) -> list:
             if lay.d != 0 or (lay.t != 0 and not getattr(p, "tensor_model_parallel", False)):
                 continue  # DP replicas and TP-replicated tensors (norms, scalar heads) count once
             if (name == "output_layer.weight" and not arch.untie_embeddings_and_output_weights
-                    and not lay.is_first_stage):
+                    and HEADS[engine.role] == "lm" and not lay.is_first_stage):
                 continue  # the last stage's tied copy of the word embeddings
             x = p.detach().double()
             acc += torch.stack([x.sum(), (x * x).sum()])
