@@ -340,7 +340,7 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
                     f"{meta['optimizer']['use_distributed_optimizer']}; retry with --no-load-optim)")
             raise CheckpointError(f"loading {role} from {os.path.join(d, role)} failed{hint}: {e}") from e
         if eng.member:
-            eng.module.load_state_dict(state["model"], strict=True)
+            _load_module_state(eng.module, state["model"])
             if load_optim:
                 # (megatron_patches.distrib_optimizer_step keeps Adam's "step" right on this path)
                 eng.optimizer.load_state_dict(state["optimizer"])  # fp32 main params included
@@ -389,3 +389,38 @@ def _refresh_main_params(engine) -> None:
     opt = engine.optimizer
     if hasattr(opt, "reload_model_params"):
         opt.reload_model_params()
+
+
+# ---- one model's weights (tools, tests) ------------------------------------------------------------
+def save_role_weights(engine, role_dir: str) -> None:
+    """Collective: write the weights of one role model (no optimizer) as a dist checkpoint, in the
+    same format as a role directory of save_checkpoint (any layout loads it)."""
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        os.makedirs(role_dir, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_role_sharded_state_dict(engine, is_loading=False, with_optimizer=False), role_dir)
+
+
+def load_role_weights(engine, role_dir: str) -> None:
+    """Collective: fill one role model's weights from a role directory of a checkpoint (e.g.
+    ``iter_0000010/actor``) saved at any layout, with either transformer implementation."""
+    from megatron.core import dist_checkpointing
+
+    sd = _role_sharded_state_dict(engine, is_loading=True, with_optimizer=False)
+    try:
+        state = dist_checkpointing.load(sd, role_dir)
+    except Exception as e:
+        raise CheckpointError(f"loading {engine.role} weights from {role_dir} failed: {e}") from e
+    if engine.member:
+        _load_module_state(engine.module, state["model"])
+
+
+def _load_module_state(module, state: dict) -> None:
+    """``load_state_dict`` that tolerates only TE's absent ``_extra_state`` (see param_names)."""
+    res = module.load_state_dict(state, strict=False)
+    missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
+    if missing or res.unexpected_keys:
+        raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, "
+                              f"unexpected {list(res.unexpected_keys)[:5]}")

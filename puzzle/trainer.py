@@ -102,7 +102,8 @@ class PPOTrainer:
             mine = prompt_ids[layout.d * share:(layout.d + 1) * share]
             params = SamplingParams(max_new_tokens=R, temperature=ppo.temperature, top_k=ppo.top_k,
                                     top_p=ppo.top_p, greedy=ppo.greedy,
-                                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+                                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+                                    eos_ids=tuple(self.tokenizer.eos_ids))
             out = generate(engine, mine, params, seed=self.cfg.seed * 100003 + self.iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            sample_offset=layout.d * share)
@@ -169,7 +170,7 @@ class PPOTrainer:
             for b in range(batch.size):
                 p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
                 pids, rids = batch.tokens[b, :p].tolist(), batch.tokens[b, p:p + r].tolist()
-                rids_text = [t for t in rids if t != self.tokenizer.eos_id]
+                rids_text = [t for t in rids if t not in self.tokenizer.eos_ids]
                 scores[b] = float(self.reward_fn(self.tokenizer.decode(pids), self.tokenizer.decode(rids_text),
                                                  pids, rids_text))
         dist.broadcast(scores, src=0)

@@ -60,13 +60,13 @@ class GenerationOutput:
 class MicroBatch:
     """Rows of one micro-batch, their KV cache and their generation state (same on all stages)."""
 
-    def __init__(self, rows: List[int], prompts: List[List[int]], max_new: int, eos_id):
+    def __init__(self, rows: List[int], prompts: List[List[int]], max_new: int, stop_ids):
         from megatron.core.inference.contexts import StaticInferenceContext
 
         self.rows = torch.tensor(rows, dtype=torch.long)
         lens = torch.tensor([len(prompts[r]) for r in rows], dtype=torch.long)
         self.lm = int(lens.max())
-        self.max_new, self.eos_id = max_new, eos_id
+        self.max_new, self.stop_ids = max_new, torch.tensor(list(stop_ids), dtype=torch.long)
         n, width = len(rows), self.lm + max_new
         pad = self.lm - lens
         self.ids = torch.zeros(n, self.lm, dtype=torch.long)  # id 0 under the (masked) padding
@@ -114,7 +114,7 @@ class MicroBatch:
         self.step += 1
         if self.step >= self.max_new:
             return self._finish()
-        keep = torch.ones_like(tok, dtype=torch.bool) if self.eos_id is None else tok != self.eos_id
+        keep = ~torch.isin(tok, self.stop_ids)
         if not bool(keep.any()):
             return self._finish()
         if not bool(keep.all()):
@@ -226,8 +226,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
                          f"{engine.layout.plan}; only its ranks call generate")
     arch = engine.arch
     _check_prompts(prompts, arch.vocab_size)
-    if params.eos_id is not None and params.eos_id >= arch.vocab_size:
-        raise ValueError(f"eos_id={params.eos_id} is outside the vocabulary ({arch.vocab_size})")
+    if any(i >= arch.vocab_size for i in params.stop_ids):
+        raise ValueError(f"eos ids {params.stop_ids} are outside the vocabulary ({arch.vocab_size})")
     if not isinstance(sample_offset, int) or sample_offset < 0:
         raise ValueError(f"sample_offset must be an int >= 0 (got {sample_offset!r})")
     b = len(prompts)
@@ -245,7 +245,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     was_training = model.training
     model.eval()
     mbatches = [MicroBatch(list(range(i, min(i + mbs, b))), prompts, params.max_new_tokens,
-                           params.eos_id) for i in range(0, b, mbs)]
+                           params.stop_ids) for i in range(0, b, mbs)]
     try:
         with torch.no_grad(), _Hooks(model) as hooks:
             stepper = Stepper(engine, hooks)

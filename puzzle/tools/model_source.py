@@ -1,0 +1,65 @@
+"""Where a tool's model comes from: an HF directory or a puzzle checkpoint, at any layout.
+
+``SOURCE`` is either an HF model directory (``config.json`` + safetensors: Llama-2/3.x, Mistral,
+Qwen2/2.5, Qwen3) or a puzzle checkpoint root written by ``train_ppo.py --save`` (its
+``latest_checkpointed_iteration.txt``, or ``--ckpt-step``), whose ``metadata.json`` holds every
+role's architecture. Either loads into a model built at the caller's (P, D, T), whatever layout
+wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Tuple
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def checkpoint_role_dir(root: str, role: str, step: Optional[int] = None) -> Tuple[str, dict]:
+    """(the role's weights directory, that role's ModelArch fields) of a puzzle checkpoint."""
+    from puzzle.checkpointing import METADATA, iter_dir, read_tracker
+
+    it = step if step is not None else read_tracker(root)
+    if it is None:
+        raise FileNotFoundError(f"{root}: neither an HF directory (config.json) nor a puzzle checkpoint "
+                                f"(latest_checkpointed_iteration.txt)")
+    d = iter_dir(root, it)
+    with open(os.path.join(d, METADATA)) as f:
+        meta = json.load(f)
+    if role not in meta["roles"]:
+        raise KeyError(f"{d}: no role {role!r} in the checkpoint (has {', '.join(meta['roles'])})")
+    if not os.path.isdir(os.path.join(d, role)):
+        raise FileNotFoundError(f"{d}/{role}: the checkpoint holds no weights of {role} (only trainable "
+                                f"roles are saved; a frozen one comes from its source "
+                                f"{meta['roles'][role].get('source')})")
+    return os.path.join(d, role), meta["roles"][role]["arch"]
+
+
+def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq_length: Optional[int] = None,
+                make_vocab_size_divisible_by: int = 128, bf16: bool = False):
+    """A frozen ModelEngine of ``role`` at ``plan`` with the weights of ``source`` (collective)."""
+    from puzzle.config import ModelArch
+    from puzzle.parallel.groups import layout_for
+    from puzzle.training.engine import ModelEngine
+
+    layout = layout_for(plan)
+    if is_hf_dir(source):
+        from puzzle.models.hf_llama import arch_from_hf_dir, load_hf_into_model
+
+        overrides = {"make_vocab_size_divisible_by": make_vocab_size_divisible_by}
+        if seq_length:
+            overrides["seq_length"] = seq_length
+        arch = arch_from_hf_dir(source, **overrides)
+        engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False)
+        load_hf_into_model(engine.module, arch, role, source)
+        return engine
+    from puzzle.checkpointing import load_role_weights
+
+    role_dir, fields = checkpoint_role_dir(source, role, step)
+    arch = ModelArch(**fields)
+    engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False)
+    load_role_weights(engine, role_dir)
+    return engine
