@@ -74,38 +74,46 @@ def tiny_tokenizer():
     return hf
 
 
+def _save(model, path):
+    """save_pretrained from this rank (transformers writes only on rank 0 of an initialised world)."""
+    model.should_save_on_this_rank = lambda is_main_process: True
+    model.save_pretrained(path)
+
+
 def _make_models():
-    """Rank 0: for each family an LM and a *ForSequenceClassification dir; reference log-probs,
+    """Rank k makes family k: an LM and a *ForSequenceClassification dir, the reference log-probs,
     values and greedy tokens (without and with two stop ids, which go to generation_config.json)."""
     obj = [tempfile.mkdtemp(prefix="puzzle-families-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(obj, src=0)
     root = obj[0]
     _DIRS["root"] = root
-    refs = None
-    if dist.get_rank() == 0:
-        refs = {}
-        for fam, (_, extra) in FAMILIES.items():
-            lm_cls, cfg_cls = _cls(fam, "ForCausalLM")
-            cls_cls, _ = _cls(fam, "ForSequenceClassification")
-            torch.manual_seed(0)
-            lm = _randomise(lm_cls(cfg_cls(**COMMON, **extra))).eval()
-            crit = _randomise(cls_cls(cfg_cls(**COMMON, **extra, num_labels=1))).eval()
-            lm.save_pretrained(os.path.join(root, fam))
-            tiny_tokenizer().save_pretrained(os.path.join(root, fam))
-            crit.save_pretrained(os.path.join(root, fam + "-critic"))
-            tok = _tokens()
-            with torch.no_grad():
-                lp = torch.log_softmax(lm(tok).logits.float()[:, :-1], -1).gather(-1, tok[:, 1:, None]).squeeze(-1)
-                values = crit.score(crit.model(tok).last_hidden_state).squeeze(-1)
-            greedy = _hf_greedy(lm, PROMPTS)
-            stops = [greedy[0][2], greedy[2][3]]
-            with open(os.path.join(root, fam, "generation_config.json"), "w") as f:
-                json.dump({"eos_token_id": stops, "pad_token_id": 0}, f)
-            refs[fam] = {"lp": lp.tolist(), "values": values.tolist(), "greedy": greedy, "stops": stops,
-                         "greedy_eos": _hf_greedy(lm, PROMPTS, eos=stops)}
-    box = [refs]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    mine = {}
+    for i, (fam, (_, extra)) in enumerate(FAMILIES.items()):
+        if i % dist.get_world_size() != dist.get_rank():
+            continue
+        lm_cls, cfg_cls = _cls(fam, "ForCausalLM")
+        cls_cls, _ = _cls(fam, "ForSequenceClassification")
+        torch.manual_seed(0)
+        lm = _randomise(lm_cls(cfg_cls(**COMMON, **extra))).eval()
+        crit = _randomise(cls_cls(cfg_cls(**COMMON, **extra, num_labels=1))).eval()
+        _save(lm, os.path.join(root, fam))
+        tiny_tokenizer().save_pretrained(os.path.join(root, fam))
+        _save(crit, os.path.join(root, fam + "-critic"))
+        tok = _tokens()
+        with torch.no_grad():
+            lp = torch.log_softmax(lm(tok).logits.float()[:, :-1], -1).gather(-1, tok[:, 1:, None]).squeeze(-1)
+            values = crit.score(crit.model(tok).last_hidden_state).squeeze(-1)
+        greedy = _hf_greedy(lm, PROMPTS)
+        stops = [greedy[0][2], greedy[2][3]]
+        with open(os.path.join(root, fam, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": stops, "pad_token_id": 0}, f)
+        mine[fam] = {"lp": lp.tolist(), "values": values.tolist(), "greedy": greedy, "stops": stops,
+                     "greedy_eos": _hf_greedy(lm, PROMPTS, eos=stops)}
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    refs = {k: v for part in got for k, v in part.items()}
+    _DIRS["refs"] = refs
+    return refs
 
 
 def _arch(fam, critic=False):
@@ -224,7 +232,8 @@ def check_families():
         # export from (2,1,2): transformers reloads the original tensors bitwise
         out_dir = os.path.join(_DIRS["root"], fam + "-export")
         export_hf(engines[P(2, 1, 2)].module, arch, "actor", out_dir)
-        if dist.get_rank() == 0:
+        dist.barrier()
+        if dist.get_rank() == list(FAMILIES).index(fam) % dist.get_world_size():
             from safetensors.torch import load_file
 
             lm_cls, _ = _cls(fam, "ForCausalLM")
@@ -233,6 +242,7 @@ def check_families():
             saved = load_file(os.path.join(out_dir, "model.safetensors"))
             r["export"] = {"same_keys": sorted(orig) == sorted(saved),
                            "bitwise": all(torch.equal(orig[k], back[k]) for k in orig)}
+        r["export"] = _one(r.get("export"))
         # the switch (2,1,2) -> (1,1,4): the destination slices bitwise and the same log-probs
         shadow = switch_to_generation(engines[P(2, 1, 2)], P(1, 1, 4))
         r["switch_bitwise"] = _all(_same(_params(shadow.module), _params(engines[P(1, 1, 4)].module)))
@@ -269,12 +279,7 @@ def check_generate_tool():
         with open(prompts, "w") as f:
             for p in PROMPTS:
                 f.write(json.dumps({"prompt_ids": p}) + "\n")
-        refs = {}
-        for fam in FAMILIES:
-            lm_cls, _ = _cls(fam, "ForCausalLM")
-            lm = lm_cls.from_pretrained(os.path.join(root, fam), dtype=torch.float32).eval()
-            gen = json.load(open(os.path.join(root, fam, "generation_config.json")))
-            refs[fam] = _hf_greedy(lm, PROMPTS, eos=gen["eos_token_id"])
+    refs = {fam: r["greedy_eos"] for fam, r in _DIRS["refs"].items()}  # the stops of generation_config.json
     dist.barrier()
     res = {}
     runs = [(fam, os.path.join(root, fam), ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
