@@ -56,8 +56,9 @@ def test_switch_and_resume_across_layouts(world, fam):
     assert r["resume"] == {"differs_before": True, "bitwise": True}, r["resume"]
 
 
-def test_generate_tool_matches_transformers(world):
-    res = world[0]["tool"]
+def test_generate_and_export_tools(world):
+    res = dict(world[0]["tool"])
+    assert res.pop("export_tool") == {"same_keys": True, "bitwise": True, "model_type": "llama"}
     assert len(res) == len(FAMILIES) + 2, sorted(res)
     for key, r in res.items():
         assert r["equal"] and r["fields"] == ["prompt", "response", "tokens"], (key, r)

@@ -296,6 +296,20 @@ def check_generate_tool():
             got = [row["tokens"] for row in rows]
             key = f"{i}:{fam}:{os.path.basename(src)}:{' '.join(layout)}"
             res[key] = {"equal": got == refs[fam], "fields": sorted(rows[0])}
+    # python -m puzzle.tools.export_hf from the puzzle checkpoint at T=4: the original tensors back
+    from puzzle.tools.export_hf import main as export_main
+
+    out_dir = os.path.join(root, "llama3-ckpt-export")
+    export_main(["--load", os.path.join(root, "llama3-ckpt"), "--save", out_dir, "--tensor-model-parallel-size", "4",
+                 "--make-vocab-size-divisible-by", "64"])
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        orig = load_file(os.path.join(root, "llama3", "model.safetensors"))
+        back = load_file(os.path.join(out_dir, "model.safetensors"))
+        res["export_tool"] = {"same_keys": sorted(orig) == sorted(back),
+                              "bitwise": all(torch.equal(orig[k], back[k]) for k in orig),
+                              "model_type": json.load(open(os.path.join(out_dir, "config.json")))["model_type"]}
     dist.barrier()
     if dist.get_rank() == 0:
         import shutil
