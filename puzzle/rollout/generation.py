@@ -227,7 +227,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     arch = engine.arch
     _check_prompts(prompts, arch.vocab_size)
     if any(i >= arch.vocab_size for i in params.stop_ids):
-        raise ValueError(f"eos ids {params.stop_ids} are outside the vocabulary ({arch.vocab_size})")
+        raise ValueError(f"eos_id/eos_ids {params.stop_ids} are outside the vocabulary ({arch.vocab_size})")
     if not isinstance(sample_offset, int) or sample_offset < 0:
         raise ValueError(f"sample_offset must be an int >= 0 (got {sample_offset!r})")
     b = len(prompts)
