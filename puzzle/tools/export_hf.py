@@ -17,51 +17,34 @@ from __future__ import annotations
 import argparse
 import sys
 
+from puzzle.tools.model_source import add_source_args
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m puzzle.tools.export_hf", description=__doc__.split("\n\n")[0])
-    g = p.add_argument_group("checkpoint")
-    g.add_argument("--load", required=True, help="source: a puzzle checkpoint root or an HF directory")
-    g.add_argument("--ckpt-step", type=int, default=None, help="checkpoint iteration (default: the latest)")
+    p = argparse.ArgumentParser(prog="python -m puzzle.tools.export_hf", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    add_source_args(p)
+    g = p.add_argument_group("destination")
     g.add_argument("--save", required=True, help="destination HF directory")
-    g.add_argument("--role", default="actor", choices=("actor", "ref", "critic", "reward"))
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="dtype of the saved tensors (default: the model's)")
     g.add_argument("--max-shard-size-mb", type=int, default=5 * 1024)
-    g = p.add_argument_group("layout")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     return p
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    import megatron_patches
-
-    megatron_patches.apply()
-    import torch.distributed as dist
-
     from puzzle.models.hf_llama import export_hf
-    from puzzle.parallel.groups import init_distributed
-    from puzzle.parallel.plan import ParallelPlan
-    from puzzle.tools.model_source import load_engine
+    from puzzle.tools.model_source import end_world, load_engine, start_world
 
-    owns_world = not dist.is_initialized()
-    rank, world = init_distributed()
-    T, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world % (T * P):
-        raise SystemExit(f"world size {world} is not divisible by T*P = {T * P}")
-    plan = ParallelPlan(P, world // (T * P), T)
+    rank, plan, owns_world = start_world(args)
     engine = load_engine(args.load, args.role, plan, step=args.ckpt_step,
                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     files = export_hf(engine.module, engine.arch, args.role, args.save, dtype=args.dtype,
                       max_shard_bytes=args.max_shard_size_mb * 2 ** 20)
     if rank == 0:
         print(f"export_hf: {args.load} -> {args.save} at {plan}: {', '.join(files)}", flush=True)
-    dist.barrier()
-    if owns_world:
-        dist.destroy_process_group()
+    end_world(owns_world)
     return 0
 
 

@@ -28,21 +28,17 @@ import os
 import sys
 from typing import List
 
+from puzzle.tools.model_source import add_source_args
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m puzzle.tools.generate", description=__doc__.split("\n\n")[0],
                                 allow_abbrev=False)
+    add_source_args(p)
     g = p.add_argument_group("model")
-    g.add_argument("--load", required=True, help="HF model directory or puzzle checkpoint root")
-    g.add_argument("--role", default="actor", choices=("actor", "ref"), help="model of a puzzle checkpoint")
-    g.add_argument("--ckpt-step", type=int, default=None, help="checkpoint iteration (default: the latest)")
     g.add_argument("--seq-length", type=int, default=None,
                    help="longest prompt + response (HF source; default max_position_embeddings)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--bf16", action="store_true")
-    g = p.add_argument_group("layout")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--micro-batch-size", type=int, default=None, help="prompts per generation micro-batch")
     g = p.add_argument_group("data")
     g.add_argument("--prompts", required=True, help="input JSONL")
@@ -108,29 +104,21 @@ def read_prompts(path: str, tokenizer, key: str = "prompt", chat: bool = False):
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    import megatron_patches
+    if args.role not in ("actor", "ref"):
+        raise SystemExit(f"--role: generation needs an LM (actor or ref), got {args.role}")
+    from puzzle.tools.model_source import end_world, load_engine, start_world
 
-    megatron_patches.apply()
+    rank, plan, owns_world = start_world(args)
     import torch.distributed as dist
 
-    from puzzle.parallel.groups import init_distributed
-    from puzzle.parallel.plan import ParallelPlan
     from puzzle.rollout.generation import generate
     from puzzle.rollout.sampling import SamplingParams
-    from puzzle.tools.model_source import load_engine
 
-    owns_world = not dist.is_initialized()
-    rank, world = init_distributed()
-    T, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if T < 1 or P < 1 or world % (T * P):
-        raise SystemExit(f"--tensor-model-parallel-size/--pipeline-model-parallel-size: T*P = {T * P} "
-                         f"does not divide the world size {world}")
     tokenizer = _tokenizer(args)
     records, prompts = read_prompts(args.prompts, tokenizer, args.prompt_key, args.apply_chat_template)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
                             eos_id=tokenizer.eos_id, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id)
-    plan = ParallelPlan(P, world // (T * P), T)
     engine = load_engine(args.load, args.role, plan, step=args.ckpt_step, seq_length=args.seq_length,
                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, bf16=args.bf16)
     lay = engine.layout
@@ -143,7 +131,7 @@ def main(argv=None) -> int:
                        sample_offset=lo)
         if lay.p == 0 and lay.t == 0:
             rows = [(lo + i, r) for i, r in enumerate(out.responses())]
-    got = [None] * world if rank == 0 else None
+    got = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(rows, got, dst=0)
     if rank == 0:
         by_index = dict(r for part in got for r in part)
@@ -155,9 +143,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps({"prompt": rec.get(args.prompt_key, rec.get("prompt_ids")),
                                     "response": tokenizer.decode(text), "tokens": toks}) + "\n")
         print(f"generate: {len(records)} prompts from {args.load} at {plan} -> {args.output}", flush=True)
-    dist.barrier()
-    if owns_world:
-        dist.destroy_process_group()
+    end_world(owns_world)
     return 0
 
 

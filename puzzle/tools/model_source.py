@@ -63,3 +63,43 @@ def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq
     engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False)
     load_role_weights(engine, role_dir)
     return engine
+
+
+def add_source_args(parser) -> None:
+    """--load / --role / --ckpt-step and the layout flags shared by the tools."""
+    g = parser.add_argument_group("model source and layout")
+    g.add_argument("--load", required=True, help="HF model directory or puzzle checkpoint root")
+    g.add_argument("--role", default="actor", choices=("actor", "ref", "critic", "reward"),
+                   help="the model of a puzzle checkpoint (and of its export)")
+    g.add_argument("--ckpt-step", type=int, default=None, help="checkpoint iteration (default: the latest)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+
+def start_world(args):
+    """Patches, process group (joined when already initialised), and the (P, D, T) plan over the
+    whole world from the layout flags. Returns (rank, plan, owns_world)."""
+    import megatron_patches
+
+    megatron_patches.apply()
+    import torch.distributed as dist
+
+    from puzzle.parallel.groups import init_distributed
+    from puzzle.parallel.plan import ParallelPlan
+
+    owns_world = not dist.is_initialized()
+    rank, world = init_distributed()
+    T, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if T < 1 or P < 1 or world % (T * P):
+        raise SystemExit(f"--tensor-model-parallel-size/--pipeline-model-parallel-size: T*P = {T * P} "
+                         f"does not divide the world size {world}")
+    return rank, ParallelPlan(P, world // (T * P), T), owns_world
+
+
+def end_world(owns_world: bool) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    if owns_world:
+        dist.destroy_process_group()

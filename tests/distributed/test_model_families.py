@@ -27,6 +27,8 @@ def test_family_features_read_from_config(world, fam):
                  "mistral": dict(qkv_bias=False, qk_layernorm=False, kv_channels=8, rope_scaling=False,
                                  tied=False)}[fam]
     assert world[0]["families"][fam]["names_in_spec_order"] is True
+    # dist-checkpoint keys are the transformer_engine names: either spec loads the other's files
+    assert world[0]["families"][fam]["ckpt_keys_are_te_names"] is True
 
 
 @pytest.mark.parametrize("fam", FAMILIES)

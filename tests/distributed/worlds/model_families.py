@@ -5,6 +5,7 @@ checkpoint saved at one layout and loaded at another."""
 
 import json
 import os
+import re
 import tempfile
 
 import torch
@@ -196,6 +197,15 @@ def _same(a, b):
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _sharded_keys(module):
+    """Checkpoint keys of a model's tensors (megatron stacks the layers: no layer index)."""
+    from puzzle.checkpointing import _sharding_metadata
+    from types import SimpleNamespace
+
+    sd = module.sharded_state_dict(prefix="", metadata=_sharding_metadata(SimpleNamespace(layout=module.puzzle_layout)))
+    return {v.key for v in sd.values() if hasattr(v, "key") and not v.key.endswith("_extra_state")}
+
+
 def _all(flag):
     t = torch.tensor([int(bool(flag))])
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -223,6 +233,9 @@ def check_families():
         m = engines[P(1, 1, 1)].module
         r["names_in_spec_order"] = _one(None if m is None else [n for n, _ in m.named_parameters()] ==
                                         names_for_impl([s.name for s in param_specs(arch, "actor")], "local"))
+        r["ckpt_keys_are_te_names"] = _one(None if m is None else _sharded_keys(m) == {
+            re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n)
+            for n in names_for_impl([s.name for s in param_specs(arch, "actor")], "transformer_engine")})
         r["lp_err"] = {str(p): _err(_forward(e.module, e.layout), ref["lp"]) for p, e in engines.items()}
         crit = _engine(fam, P(2, 1, 2), role="critic")
         r["value_err"] = _err(_forward(crit.module, crit.layout, values=True), ref["values"])
