@@ -104,8 +104,14 @@ def _add_training_args(parser):
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and activations; fp32 main parameters and gradients in the optimizer.")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
+                   help="Transformer layer implementation (Megatron-LM's flag): transformer_engine where TE "
+                        "imports on a CUDA machine, else local (said once at start).")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism within each model's tensor-parallel group (T > 1).")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--recompute-activations", action="store_true")
 
@@ -498,6 +504,13 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                                      ("--train-placement", args.train_placement, ["actor", "critic"])):
         _check_placement(flag, placement, {r: roles[r].plan for r in members})
 
+    from puzzle.models.builders import resolve_transformer_impl
+
+    impl, impl_note = resolve_transformer_impl(args.transformer_impl)
+    if args.sequence_parallel and impl == "local" and any(r.plan.T > 1 for r in roles.values()):
+        _fail("--sequence-parallel", "needs --transformer-impl transformer_engine (TE on a CUDA machine): "
+                                     "megatron-core's local layer spec normalises with torch norms, which "
+                                     "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
     ppo = PPOParams(
         rollout_batch_size=args.rollout_batch_size, mini_batch_size=mini,
         micro_batch_size=args.micro_batch_size, generation_micro_batch_size=gmb,
@@ -525,6 +538,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         fp16=args.fp16, recompute=args.recompute_activations, switch_segments=args.switch_segments,
         ranks_per_node=args.ranks_per_node,
         score_placement=args.score_placement, train_placement=args.train_placement,
+        transformer_impl=impl, transformer_impl_note=impl_note,
+        sequence_parallel=args.sequence_parallel,
     )
 
 

@@ -192,7 +192,9 @@ def _ensure_optimizer_state(optimizer) -> None:
 @torch.no_grad()
 def weight_fingerprint(engine) -> list:
     """[sum, sum of squares] (float64) over the model's unique parameter shards, whole world."""
-    acc = torch.zeros(2, dtype=torch.float64)
+    from puzzle.parallel.device import runtime
+
+    acc = torch.zeros(2, dtype=torch.float64, device=runtime().device)
     if engine.member:
         lay, arch = engine.layout, engine.arch
         for name, p in engine.module.named_parameters():

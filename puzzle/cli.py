@@ -88,6 +88,8 @@ def _dry_run(args, rank: int) -> int:
 
 def _print_plan(cfg) -> None:
     print(f"puzzle PPO: world size {cfg.world_size}", flush=True)
+    if getattr(cfg, "transformer_impl_note", None):
+        print(cfg.transformer_impl_note, flush=True)
     for role, spec in cfg.roles.items():
         gen = f", generation {spec.gen_plan}" if spec.gen_plan is not None and spec.gen_plan != spec.plan else ""
         a = spec.arch

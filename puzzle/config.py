@@ -173,3 +173,6 @@ class RunConfig:
     train_placement: str = "sequential"
     pad_id: int = 0
     eos_id: Optional[int] = None
+    transformer_impl: str = "local"            # resolved: "transformer_engine" only where TE runs
+    transformer_impl_note: Optional[str] = None  # why the requested impl was replaced, if it was
+    sequence_parallel: bool = False

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Dict, List
@@ -19,7 +20,8 @@ from puzzle.metrics import MetricsLogger
 from puzzle.parallel.groups import layout_for
 from puzzle.pipeline.stage import StageContext, run_stage
 from puzzle.training import steps
-from puzzle.training.batch import RolloutBatch, right_pad_rollout, world_assemble
+from puzzle.parallel.device import runtime
+from puzzle.training.batch import RolloutBatch, gather_outputs, rollout_from_generation
 from puzzle.training.engine import ModelEngine
 
 
@@ -27,6 +29,7 @@ class PPOTrainer:
     def __init__(self, cfg: RunConfig, tokenizer, prompts):
         self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts
         self.rank = dist.get_rank()
+        self.runtime = runtime()
         self.vocab = tokenizer.vocab_size
         ppo = cfg.ppo
         self.engines: Dict[str, ModelEngine] = {}
@@ -36,7 +39,9 @@ class PPOTrainer:
             seed = cfg.seed + (0 if role in ("actor", "ref") else {"critic": 1, "reward": 2}[role])
             self.engines[role] = ModelEngine(role, spec.arch, layout_for(spec.plan),
                                              trainable=spec.trainable, optim=optim, seed=seed,
-                                             recompute=cfg.recompute, bf16=cfg.bf16, fp16=cfg.fp16)
+                                             recompute=cfg.recompute, bf16=cfg.bf16, fp16=cfg.fp16,
+                                             transformer_impl=cfg.transformer_impl,
+                                             sequence_parallel=cfg.sequence_parallel)
             if spec.hf_path and self.engines[role].member:
                 from puzzle.models.hf_llama import load_hf_into_model
 
@@ -50,6 +55,9 @@ class PPOTrainer:
 
             self.switch = ActorSwitch(self.engines["actor"], gen_plan, cfg.switch_segments,
                                       ranks_per_node=cfg.ranks_per_node)
+        # sequence parallelism splits the sequence over each model's T
+        self.seq_multiple = (math.lcm(*(s.plan.T for s in cfg.roles.values()))
+                             if cfg.sequence_parallel else 1)
         self.kl_ctl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.reward_fn = None
         if cfg.reward_fn:
@@ -62,20 +70,35 @@ class PPOTrainer:
     # ---- the iteration ---------------------------------------------------------------------
     def step(self, prompt_ids: List[List[int]]) -> dict:
         self.iteration += 1
+        rt = self.runtime
+        peaks = []  # accelerator only: peak bytes allocated per stage on this rank
+        rt.reset_peak_memory()
         t0 = time.perf_counter()
         batch = self.generate(prompt_ids)
+        rt.synchronize()
         t1 = time.perf_counter()
+        peaks.append(rt.peak_memory_bytes())
+        rt.reset_peak_memory()
         self.score(batch)
+        rt.synchronize()
         t2 = time.perf_counter()
+        peaks.append(rt.peak_memory_bytes())
+        rt.reset_peak_memory()
         adv_stats = self.compute_advantages(batch)
         train_stats = self.train(batch)
+        rt.synchronize()
         t3 = time.perf_counter()
+        peaks.append(rt.peak_memory_bytes())
         data = getattr(getattr(self.prompts, "stats", None), "as_dict", dict)()
         metrics = {"iteration": self.iteration, **adv_stats, **train_stats, **self._switch_metrics(),
                    **{f"prompts_{k}": v for k, v in data.items()},
                    "response_length_mean": float(batch.response_lengths.float().mean()),
                    "samples_per_sec": batch.size / (t3 - t0),
                    "time_generate": t1 - t0, "time_score": t2 - t1, "time_train": t3 - t2}
+        if rt.on_accelerator:  # the busiest rank's peak per stage
+            peaks = rt.all_reduce(peaks, op="max")
+            metrics.update({f"mem_peak_gib_{k}": v / 2 ** 30
+                            for k, v in zip(("generate", "score", "train"), peaks)})
         self.logger.log(metrics)
         return metrics
 
@@ -84,8 +107,7 @@ class PPOTrainer:
         if self.switch is None or self.switch.last_stats is None:
             return {}
         st = self.switch.last_stats
-        v = torch.tensor([float(st.bytes_received), st.time_s], dtype=torch.float64)
-        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        v = self.runtime.all_reduce([float(st.bytes_received), st.time_s], op="max")
         return {"switch_bytes_max_rank": int(v[0]), "switch_seconds": float(v[1])}
 
     # ---- stage 1: generation -----------------------------------------------------------------
@@ -96,7 +118,6 @@ class PPOTrainer:
         engine = self.switch.generation_engine() if self.switch else self.engines["actor"]
         layout, R = engine.layout, ppo.max_new_tokens
         responses = lengths = None
-        owner = False
         share = B // layout.plan.D
         if engine.member:
             mine = prompt_ids[layout.d * share:(layout.d + 1) * share]
@@ -109,40 +130,22 @@ class PPOTrainer:
                            sample_offset=layout.d * share)
             Lp = out.tokens.shape[1] - R
             responses, lengths = out.tokens[:, Lp:], out.response_lengths
-            owner = layout.p == 0 and layout.t == 0
         if self.switch:
             self.switch.release()
-        d0 = max(layout.d, 0) * share
-        responses = world_assemble(responses, d0, B, (R,), torch.long, owner)
-        lengths = world_assemble(lengths, d0, B, (), torch.long, owner)
-        prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
-        Lmax = max(len(p) for p in prompt_ids)
-        left = torch.full((B, Lmax), self.tokenizer.pad_id, dtype=torch.long)
-        for b, p in enumerate(prompt_ids):
-            left[b, Lmax - len(p):] = torch.tensor(p, dtype=torch.long)
-        seq = int((prompt_lengths + R).max())
-        tokens = right_pad_rollout(left, prompt_lengths, responses, lengths, seq, self.tokenizer.pad_id)
-        return RolloutBatch(tokens, prompt_lengths, lengths, R)
+        return rollout_from_generation(prompt_ids, responses, lengths, layout, R,
+                                       self.tokenizer.pad_id, self.runtime.device,
+                                       seq_multiple=self.seq_multiple)
 
     # ---- stage 2: scoring ----------------------------------------------------------------------
     def _contexts(self, batch: RolloutBatch, jobs):
-        mbs, contexts, shares = self.cfg.ppo.micro_batch_size, [], []
+        mbs = self.cfg.ppo.micro_batch_size
+        contexts = []
         for role, fn in jobs:
             eng = self.engines[role]
-            D = eng.layout.plan.D
-            share = batch.dp_share(eng.layout.d, D) if eng.member else batch.dp_share(0, D)
+            share = batch.share_for(eng.layout)
             contexts.append(StageContext(eng, fn, iter(share.micro_batches(mbs)),
                                          share.size // mbs, batch.tokens.shape[1], mbs))
-            shares.append(share.size)
-        return contexts, shares
-
-    def _assemble(self, role: str, outputs, key: str, batch: RolloutBatch, share: int):
-        eng = self.engines[role]
-        owner = eng.member and eng.layout.is_last_stage and eng.layout.t == 0
-        local = torch.cat([o[key] for o in outputs]) if owner else None
-        tail = () if key == "scores" else (batch.max_new_tokens,)
-        return world_assemble(local, max(eng.layout.d, 0) * share, batch.size, tail,
-                              torch.float32, owner)
+        return contexts
 
     def score(self, batch: RolloutBatch) -> None:
         ppo, R = self.cfg.ppo, batch.max_new_tokens
@@ -152,29 +155,32 @@ class PPOTrainer:
                 ("critic", steps.value_score_step(R))]
         if "reward" in self.engines:
             jobs.append(("reward", steps.reward_score_step()))
-        contexts, shares = self._contexts(batch, jobs)
-        outs = run_stage(contexts, forward_only=True, placement=self.cfg.score_placement)
-        f = batch.fields
-        f["old_logprobs"] = self._assemble("actor", outs[0], "logprobs", batch, shares[0])
-        f["entropy"] = self._assemble("actor", outs[0], "entropy", batch, shares[0])
-        f["ref_logprobs"] = self._assemble("ref", outs[1], "logprobs", batch, shares[1])
-        f["values"] = self._assemble("critic", outs[2], "values", batch, shares[2])
+        outs = run_stage(self._contexts(batch, jobs), forward_only=True,
+                         placement=self.cfg.score_placement)
+        f, e = batch.fields, self.engines
+        f["old_logprobs"] = gather_outputs(outs[0], "logprobs", e["actor"], batch)
+        f["entropy"] = gather_outputs(outs[0], "entropy", e["actor"], batch)
+        f["ref_logprobs"] = gather_outputs(outs[1], "logprobs", e["ref"], batch)
+        f["values"] = gather_outputs(outs[2], "values", e["critic"], batch)
         if "reward" in self.engines:
-            f["scores"] = self._assemble("reward", outs[3], "scores", batch, shares[3])
+            f["scores"] = gather_outputs(outs[3], "scores", e["reward"], batch)
         else:
             f["scores"] = self._reward_fn_scores(batch)
 
     def _reward_fn_scores(self, batch: RolloutBatch) -> torch.Tensor:
-        scores = torch.zeros(batch.size, dtype=torch.float64)
+        scores = None
         if self.rank == 0:  # once, then broadcast: reward functions need not be deterministic
+            scores = []
+            tokens = batch.tokens.tolist()
+            plens, rlens = batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
             for b in range(batch.size):
-                p, r = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
-                pids, rids = batch.tokens[b, :p].tolist(), batch.tokens[b, p:p + r].tolist()
+                p, r = plens[b], rlens[b]
+                pids, rids = tokens[b][:p], tokens[b][p:p + r]
                 rids_text = [t for t in rids if t not in self.tokenizer.eos_ids]
-                scores[b] = float(self.reward_fn(self.tokenizer.decode(pids), self.tokenizer.decode(rids_text),
-                                                 pids, rids_text))
-        dist.broadcast(scores, src=0)
-        return scores.float()
+                scores.append(float(self.reward_fn(self.tokenizer.decode(pids),
+                                                   self.tokenizer.decode(rids_text), pids, rids_text)))
+        scores = self.runtime.broadcast_object(scores, src=0)
+        return torch.tensor(scores, dtype=torch.float64, device=batch.device).float()
 
     # ---- advantages (pure math, identical on every rank) -------------------------------------
     def compute_advantages(self, batch: RolloutBatch) -> dict:
@@ -199,7 +205,7 @@ class PPOTrainer:
         ppo, R = self.cfg.ppo, batch.max_new_tokens
         temp = 1.0 if ppo.greedy else ppo.temperature
         actor, critic = self.engines["actor"], self.engines["critic"]
-        sums = torch.zeros(7, dtype=torch.float64)  # pg, clip, approx_kl, tokens, vloss, vclip, vtok
+        sums = torch.zeros(7, dtype=torch.float64, device=self.runtime.device)  # pg, clip, approx_kl, tokens, vloss, vclip, vtok
         grad_norms = {"actor": [], "critic": []}
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         n_steps = ppo.ppo_epochs * (batch.size // ppo.mini_batch_size)
@@ -211,7 +217,7 @@ class PPOTrainer:
                 mini = batch.rows(perm[s:s + ppo.mini_batch_size])
                 jobs = [("actor", steps.actor_train_step(self.vocab, temp, R, ppo.clip_eps, ppo.entropy_coef)),
                         ("critic", steps.critic_train_step(R, ppo.value_clip_eps))]
-                contexts, _ = self._contexts(mini, jobs)
+                contexts = self._contexts(mini, jobs)
                 for eng in (actor, critic):
                     if eng.member:
                         eng.zero_grad()
@@ -226,17 +232,15 @@ class PPOTrainer:
                     grad_norms["critic"].append(critic.optimizer_step()["grad_norm"])
                 if actor.member and actor.layout.is_last_stage and actor.layout.t == 0:
                     for o in outs[0]:
-                        sums[0:4] += torch.tensor([float(o["policy_loss_sum"]), float(o["clip_sum"]),
-                                                   float(o["approx_kl_sum"]), float(o["tokens"])],
-                                                  dtype=torch.float64)
+                        sums[0:4] += torch.stack([o["policy_loss_sum"], o["clip_sum"],
+                                                  o["approx_kl_sum"], o["tokens"]]).double()
                 if critic.member and critic.layout.is_last_stage and critic.layout.t == 0:
                     for o in outs[1]:
-                        sums[4:7] += torch.tensor([float(o["value_loss_sum"]), float(o["value_clip_sum"]),
-                                                   float(o["tokens"])], dtype=torch.float64)
+                        sums[4:7] += torch.stack([o["value_loss_sum"], o["value_clip_sum"],
+                                                  o["tokens"]]).double()
         dist.all_reduce(sums)
-        norms = torch.tensor([max(grad_norms["actor"] or [0.0]), max(grad_norms["critic"] or [0.0])],
-                             dtype=torch.float64)
-        dist.all_reduce(norms, op=dist.ReduceOp.MAX)
+        norms = self.runtime.all_reduce([max(grad_norms["actor"] or [0.0]),
+                                         max(grad_norms["critic"] or [0.0])], op="max")
         tok, vtok = max(float(sums[3]), 1.0), max(float(sums[6]), 1.0)
         return {"policy_loss": float(sums[0]) / tok, "clip_frac": float(sums[1]) / tok,
                 "approx_kl": float(sums[2]) / tok, "value_loss": float(sums[4]) / vtok,

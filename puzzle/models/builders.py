@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from puzzle.config import HEADS, ModelArch
+from puzzle.parallel.device import accelerator_available, runtime
 from puzzle.parallel.groups import Layout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,17 +27,28 @@ class ScalarHead(torch.nn.Module):
     identical on every TP rank, like a layernorm weight's.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, tp_group=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.sequence_parallel = False
+        self.tp_group = tp_group
+        # with sequence parallelism the final norm's output is split along the sequence: gather
+        # it; every TP rank then computes the same scores, so the backward only takes this
+        # rank's slice of the (identical) input gradient instead of reduce-scattering it
+        self.gather_sequence = sequence_parallel
+        self.sequence_parallel = False  # read by GPTModel; the gather happens here
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.gather_sequence:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self.tp_group)
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
 def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, fp16: bool = False,
-                       recompute: bool = False):
+                       recompute: bool = False, sequence_parallel: bool = False):
     """megatron TransformerConfig of a model of shape ``arch`` in ``layout``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -45,7 +57,7 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
                      num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
                      hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size)
     params_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else _DTYPES[arch.params_dtype]
-    on_gpu = torch.cuda.is_available() and not _cpu_backend()
+    on_gpu = accelerator_available()
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -65,7 +77,7 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
         init_method_std=arch.init_method_std,
         tensor_model_parallel_size=plan.T,
         pipeline_model_parallel_size=plan.P,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel and plan.T > 1,  # meaningless at T=1 (Megatron-LM too)
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=bf16,
@@ -101,18 +113,36 @@ def seed_model_rng(seed: int, layout: Layout) -> None:
                                     force_reset_rng=True)
 
 
-def layer_spec(arch: ModelArch):
-    """transformer-engine spec with TE + CUDA, megatron-core's local spec otherwise."""
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+
+
+def resolve_transformer_impl(requested: str) -> tuple:
+    """(impl to use, note or None): transformer_engine only where TE imports on a CUDA machine."""
+    if requested not in TRANSFORMER_IMPLS:
+        raise ValueError(f"--transformer-impl must be one of {', '.join(TRANSFORMER_IMPLS)} "
+                         f"(got {requested!r})")
+    if requested == "transformer_engine" and not te_available():
+        why = "no CUDA device" if not accelerator_available() else "transformer_engine does not import"
+        return "local", f"--transformer-impl transformer_engine: {why}; using the local implementation"
+    return requested, None
+
+
+def layer_spec(arch: ModelArch, transformer_impl: str = "local"):
+    """megatron-core's transformer-engine or local GPT layer spec."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if te_available():
+    if transformer_impl == "transformer_engine":
+        if not te_available():
+            raise RuntimeError("transformer_impl='transformer_engine' needs CUDA and transformer_engine; "
+                               "resolve it with resolve_transformer_impl first")
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
     return specs.get_gpt_layer_local_spec(normalization=arch.normalization, qk_layernorm=arch.qk_layernorm)
 
 
 def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool = False,
                      fp16: bool = False, recompute: bool = False,
-                     head_seed: int = 0, layout_independent_init: bool = True
+                     head_seed: int = 0, layout_independent_init: bool = True,
+                     transformer_impl: str = "local", sequence_parallel: bool = False
                      ) -> Optional[torch.nn.Module]:
     """GPTModel for ``role`` (actor, ref, critic, reward) in ``layout``; None off-layout.
 
@@ -127,11 +157,12 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
 
     from puzzle.models.rope import apply_rope_scaling
 
-    config = transformer_config(arch, layout, bf16=bf16, fp16=fp16, recompute=recompute)
+    config = transformer_config(arch, layout, bf16=bf16, fp16=fp16, recompute=recompute,
+                                sequence_parallel=sequence_parallel)
     seed_model_rng(head_seed, layout)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch),
+        transformer_layer_spec=layer_spec(arch, transformer_impl),
         vocab_size=arch.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=layout.is_first_stage,
@@ -145,31 +176,25 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
     )
     apply_rope_scaling(model, arch)
     if HEADS[role] != "lm" and layout.is_last_stage:
-        model.output_layer = ScalarHead(arch.hidden_size, config.params_dtype)
+        model.output_layer = ScalarHead(arch.hidden_size, config.params_dtype, layout.tp_group,
+                                        config.sequence_parallel)
     model.puzzle_layout = layout
     if layout_independent_init:
         from puzzle.models.init import init_layout_independent
 
         init_layout_independent(model, arch, role, head_seed)
-    if not _cpu_backend() and torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
-    return model
+    model.puzzle_device = runtime().device  # every input of a model call must live here
+    return model.to(model.puzzle_device)
 
 
 def te_available() -> bool:
-    if not torch.cuda.is_available() or _cpu_backend():
+    if not accelerator_available():
         return False
     try:
         import transformer_engine  # noqa: F401
     except (ImportError, RuntimeError):
         return False
     return True
-
-
-def _cpu_backend() -> bool:
-    import megatron_patches
-
-    return megatron_patches.on_cpu()
 
 
 def check_layout(arch: ModelArch, plan, role: str) -> None:

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from puzzle.parallel.device import accelerator_available, local_device, make_runtime
 from puzzle.parallel.plan import ParallelPlan, PlanError
 
 _GROUPS: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
@@ -142,7 +143,7 @@ def init_distributed(backend: Optional[str] = None) -> Tuple[int, int]:
 
     if not dist.is_initialized():
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() and not _cpu_backend() else "gloo"
+            backend = "nccl" if accelerator_available() else "gloo"
         if "RANK" not in os.environ:  # plain `python script.py`: a world of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -150,20 +151,15 @@ def init_distributed(backend: Optional[str] = None) -> Tuple[int, int]:
             os.environ.setdefault("WORLD_SIZE", "1")
             os.environ.setdefault("LOCAL_RANK", "0")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local_device())
         dist.init_process_group(backend=backend)
+    make_runtime()
     from megatron.core import parallel_state
 
     # megatron's shared scratch buffer, used by its tensor-parallel layers
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
     return dist.get_rank(), dist.get_world_size()
-
-
-def _cpu_backend() -> bool:
-    import megatron_patches
-
-    return megatron_patches.on_cpu()
 
 
 def _free_port() -> int:

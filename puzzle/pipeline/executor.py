@@ -128,7 +128,7 @@ class _Ctx:
         self.p2p = eng.p2p
         self.N = sc.num_microbatches
         self.store: List[Any] = []
-        self.total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=eng.module.puzzle_device)
         self.shapes = get_tensor_shapes(seq_length=sc.seq_length, micro_batch_size=sc.micro_batch_size,
                                         decoder_seq_length=None, config=self.config,
                                         tp_group=self.pgc.tp, cp_group=self.pgc.cp)

@@ -52,15 +52,28 @@ def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:
     return out
 
 
-def memory_estimate(cfg, profile) -> list:
-    """The worst-stage MemoryReport of every rank under the run's layouts."""
+def _memory_setup(cfg, profile):
     shapes = shapes_from_config(cfg)
     roles = ppo_roles(shapes["actor"], shapes["critic"], shapes.get("ref"), shapes.get("reward"))
     roles = {r: roles[r] for r in shapes}
-    mem = MemoryModel(profile, workload_from_config(cfg))
-    placement = placement_from_config(cfg)
     shadow = cfg.roles["actor"].gen_plan != cfg.roles["actor"].plan
+    return MemoryModel(profile, workload_from_config(cfg)), placement_from_config(cfg), roles, shadow
+
+
+def memory_estimate(cfg, profile) -> list:
+    """The worst-stage MemoryReport of every rank under the run's layouts."""
+    mem, placement, roles, shadow = _memory_setup(cfg, profile)
     return [mem.rank_report(r, placement, roles, shadow) for r in range(cfg.world_size)]
+
+
+def stage_memory_estimate(cfg, profile) -> Dict[str, float]:
+    """The busiest rank's estimated peak bytes in each stage (generation, scoring, training)."""
+    mem, placement, roles, shadow = _memory_setup(cfg, profile)
+    out: Dict[str, float] = {}
+    for r in range(cfg.world_size):
+        for rep in mem.stage_reports(r, placement, roles, shadow):
+            out[rep.stage] = max(out.get(rep.stage, 0.0), rep.total)
+    return out
 
 
 def stage_estimate(cfg, profile) -> Dict[str, float]:

@@ -191,14 +191,19 @@ class MemoryModel:
     # ---- whole-configuration breakdown (for messages) -----------------------------------
     def rank_report(self, rank: int, placement: Dict[str, Dict[str, ParallelPlan]],
                     roles: Dict[str, ModelRole], shadow: bool) -> MemoryReport:
-        """Worst stage of ``rank`` for a configuration ``placement[model][stage] = plan``;
-        static memory comes from each model's home (training or scoring) plan."""
+        """Worst stage of ``rank`` for a configuration ``placement[model][stage] = plan``."""
+        return max(self.stage_reports(rank, placement, roles, shadow), key=lambda r: r.total)
+
+    def stage_reports(self, rank: int, placement: Dict[str, Dict[str, ParallelPlan]],
+                      roles: Dict[str, ModelRole], shadow: bool) -> List[MemoryReport]:
+        """``rank``'s peak in every stage; static memory comes from each model's home (training
+        or scoring) plan."""
         static: List[Tuple[str, float]] = []
         for name, stages in placement.items():
             home = stages.get("training") or stages.get("scoring")
             if home is not None and home.contains(rank):
                 static += self.static_items(roles[name], home, home.coords(rank)[0])
-        best = None
+        reports = []
         for stage in STAGES:
             act: List[List[Tuple[str, float]]] = []
             for name, stages in placement.items():
@@ -209,7 +214,5 @@ class MemoryModel:
                 chosen = [i for a in act for i in a]
             else:
                 chosen = max(act, key=lambda a: sum(b for _, b in a), default=[])
-            rep = self.usable_report(rank, stage, static + chosen)
-            if best is None or rep.total > best.total:
-                best = rep
-        return best
+            reports.append(self.usable_report(rank, stage, static + chosen))
+        return reports

@@ -315,7 +315,7 @@ class _LayerHooks:
 def _sync(dev):
     import torch
 
-    if dev.type == "cuda":
+    if dev.type != "cpu":
         torch.cuda.synchronize()
 
 
@@ -335,12 +335,12 @@ def _hardware(dev, dtype) -> dict:
             ts.append(time.perf_counter() - t)
         return 2.0 * n * n * k / statistics.median(ts)
 
-    big = 4096 if dev.type == "cuda" else 512
+    big = 4096 if dev.type != "cpu" else 512
     peak = max(rate(big), rate(big // 2))
     small_f = 2.0 * 64 * 64 * 64
     r_small = rate(64)
     half = max(small_f * (peak / r_small - 1.0), 1.0)
-    x = torch.empty(16 * 2 ** 20 if dev.type != "cuda" else 256 * 2 ** 20, dtype=torch.uint8, device=dev)
+    x = torch.empty(16 * 2 ** 20 if dev.type == "cpu" else 256 * 2 ** 20, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
     y.copy_(x)
     ts = []
@@ -493,9 +493,10 @@ def worker(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     rank, world = init_distributed()
-    dev = torch.device("cuda", torch.cuda.current_device()) if (
-        torch.cuda.is_available() and not megatron_patches.on_cpu()) else torch.device("cpu")
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    from puzzle.parallel.device import runtime
+
+    dev = runtime().device
+    dtype = torch.bfloat16 if dev.type != "cpu" else torch.float32
     try:
         import resource
 
@@ -536,8 +537,8 @@ def worker(spec_path: str) -> None:
             "p2p": [[b, statistics.median(g["comm"]["p2p"][i][1] for g in gathered if g["comm"]["p2p"])]
                     for i, (b, _) in enumerate(comm_raw["p2p"])],
             "elem_bytes": torch.tensor([], dtype=dtype).element_size(), "padded_vocab": padded,
-            "device_name": (torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu-{os.cpu_count()}cores-{world}ranks"),
-            "device_memory_bytes": (torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda"
+            "device_name": (torch.cuda.get_device_name() if dev.type != "cpu" else f"cpu-{os.cpu_count()}cores-{world}ranks"),
+            "device_memory_bytes": (torch.cuda.get_device_properties(dev).total_memory if dev.type != "cpu"
                                     else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world),
             "reserved_bytes": rss, "ranks_per_node": world, "torch": torch.__version__, "dtype": str(dtype),
             "omp": os.environ.get("OMP_NUM_THREADS", "unset"),

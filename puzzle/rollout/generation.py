@@ -60,25 +60,29 @@ class GenerationOutput:
 class MicroBatch:
     """Rows of one micro-batch, their KV cache and their generation state (same on all stages)."""
 
-    def __init__(self, rows: List[int], prompts: List[List[int]], max_new: int, stop_ids):
+    def __init__(self, rows: List[int], prompts: List[List[int]], max_new: int, stop_ids,
+                 device: torch.device):
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        self.rows = torch.tensor(rows, dtype=torch.long)
+        self.device = device
         lens = torch.tensor([len(prompts[r]) for r in rows], dtype=torch.long)
         self.lm = int(lens.max())
-        self.max_new, self.stop_ids = max_new, torch.tensor(list(stop_ids), dtype=torch.long)
+        self.max_new, self.stop_ids = max_new, torch.tensor(list(stop_ids), dtype=torch.long, device=device)
         n, width = len(rows), self.lm + max_new
         pad = self.lm - lens
-        self.ids = torch.zeros(n, self.lm, dtype=torch.long)  # id 0 under the (masked) padding
+        ids = torch.zeros(n, self.lm, dtype=torch.long)  # id 0 under the (masked) padding
         for i, r in enumerate(rows):
-            self.ids[i, int(pad[i]):] = torch.tensor(prompts[r], dtype=torch.long)
+            ids[i, int(pad[i]):] = torch.tensor(prompts[r], dtype=torch.long)
         slots = torch.arange(width).unsqueeze(0)
-        self.positions = (slots - pad.unsqueeze(1)).clamp(min=0)        # [n, width]
-        self.key_pad = slots < pad.unsqueeze(1)                          # [n, width] True = pad
+        # every tensor that meets the model or the sampler lives on the model's device
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
+        self.ids = ids.to(device)
+        self.positions = (slots - pad.unsqueeze(1)).clamp(min=0).to(device)  # [n, width]
+        self.key_pad = (slots < pad.unsqueeze(1)).to(device)                 # [n, width] True = pad
         self.ctx = StaticInferenceContext(max_batch_size=n, max_sequence_length=width)
-        self.active = torch.arange(n)          # rows (of this micro-batch) still generating
-        self.out = torch.zeros(n, max_new, dtype=torch.long)
-        self.resp_len = torch.zeros(n, dtype=torch.long)
+        self.active = torch.arange(n, device=device)  # rows (of this micro-batch) still generating
+        self.out = torch.zeros(n, max_new, dtype=torch.long, device=device)
+        self.resp_len = torch.zeros(n, dtype=torch.long, device=device)
         self.last: Optional[torch.Tensor] = None  # tokens sampled at the previous step (active rows)
         self.step = 0                           # number of tokens generated so far
         self.done = False
@@ -92,7 +96,7 @@ class MicroBatch:
         a = self.active
         if self.step == 0:
             s = self.lm
-            causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+            causal = torch.ones(s, s, dtype=torch.bool, device=self.device).triu(1)
             mask = causal.unsqueeze(0) | self.key_pad[a, None, :s]
             self.ctx.sequence_len_offset = 0
             self.ctx.enable_prefill_mode()
@@ -244,8 +248,15 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     model = engine.module
     was_training = model.training
     model.eval()
+    # megatron runs inference without sequence parallelism (a decode step has one position)
+    sequence_parallel = bool(model.config.sequence_parallel)
+    if sequence_parallel:
+        from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+        set_model_to_sequence_parallel(model, False)
+    device = model.puzzle_device
     mbatches = [MicroBatch(list(range(i, min(i + mbs, b))), prompts, params.max_new_tokens,
-                           params.stop_ids) for i in range(0, b, mbs)]
+                           params.stop_ids, device) for i in range(0, b, mbs)]
     try:
         with torch.no_grad(), _Hooks(model) as hooks:
             stepper = Stepper(engine, hooks)
@@ -254,6 +265,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         for mb in mbatches:
             mb.ctx = None  # drop every KV cache, also on error
         model.train(was_training)
+        if sequence_parallel:
+            set_model_to_sequence_parallel(model, True)
     return _assemble(prompts, mbatches, params, lp, stepper.forward_passes)
 
 
@@ -269,10 +282,11 @@ def _assemble(prompts, mbatches: List[MicroBatch], params: SamplingParams, lp: i
         tokens[i, lp - len(p):lp] = torch.tensor(p, dtype=torch.long)
         prompt_mask[i, lp - len(p):lp] = 1
     for mb in mbatches:
+        out, resp_len = mb.out.cpu(), mb.resp_len.tolist()
         for j, r in enumerate(mb.rows.tolist()):
-            n = int(mb.resp_len[j])
+            n = resp_len[j]
             rlen[r] = n
-            tokens[r, lp:lp + n] = mb.out[j, :n]
+            tokens[r, lp:lp + n] = out[j, :n]
             response_mask[r, lp:lp + n] = 1
     out = GenerationOutput(tokens=tokens, attention_mask=prompt_mask | response_mask,
                            prompt_mask=prompt_mask, response_mask=response_mask,

@@ -217,7 +217,7 @@ def uniform_noise(seed: int, sample_ids: torch.Tensor, step: Union[int, torch.Te
                   start: int, end: int) -> torch.Tensor:
     """Uniforms in (0, 1), float64 [n, end-start], a function of (seed, sample, step, vocab id) only."""
     sample_ids = torch.as_tensor(sample_ids, dtype=torch.long).reshape(-1, 1)
-    step = torch.as_tensor(step, dtype=torch.long).reshape(-1, 1)
+    step = torch.as_tensor(step, dtype=torch.long, device=sample_ids.device).reshape(-1, 1)
     seed = int(seed)
     h = torch.full_like(sample_ids, 0x5EED5EED)
     for word in (seed & _M32, (seed >> 32) & _M32):
@@ -256,6 +256,6 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, *, true_vocab: i
     x = top_k_filter(x, params.top_k, tp_group)
     x = top_p_filter(x, float(params.top_p), tp_group)
     if sample_ids is None:
-        sample_ids = torch.arange(n)
+        sample_ids = torch.arange(n, device=logits.device)
     y = x.double() + gumbel_noise(seed, sample_ids, step, start, start + v)
     return vocab_parallel_argmax(y, start, tp_group)

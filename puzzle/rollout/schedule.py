@@ -63,7 +63,7 @@ def _run_pipelined(engine, mbatches: List, stepper, sample) -> None:
             if mb.done:
                 continue
             if awaiting[i]:
-                tok = torch.empty(len(mb.active), dtype=torch.long)
+                tok = torch.empty(len(mb.active), dtype=torch.long, device=mb.device)
                 dist.recv(tok, src=peer[P - 1], group=pp)
                 awaiting[i] = False
                 mb.advance(tok)
@@ -72,7 +72,7 @@ def _run_pipelined(engine, mbatches: List, stepper, sample) -> None:
             hidden = None
             if not first:
                 hidden = torch.empty(mb.seq_len(), len(mb.active), config.hidden_size,
-                                     dtype=dtype)
+                                     dtype=dtype, device=mb.device)
                 dist.recv(hidden, src=peer[p - 1], group=pp)
             out = stepper(mb, hidden)
             if not last:

@@ -83,7 +83,7 @@ class ShadowModel:
     ``memory`` records RSS and parameter bytes at build and release."""
 
     def __init__(self, arch: ModelArch, role: str, plan: ParallelPlan, *, bf16: bool = False,
-                 fp16: bool = False, seed: int = 0):
+                 fp16: bool = False, seed: int = 0, transformer_impl: str = "local"):
         from puzzle.models.builders import build_role_model
         from puzzle.parallel.groups import layout_for
 
@@ -94,7 +94,8 @@ class ShadowModel:
         # every weight is written by the switch: megatron's own (cheap) per-shard init only, for
         # the tensor-parallel attributes it sets; not the layout-independent one
         self.module = build_role_model(role, arch, self.layout, bf16=bf16, fp16=fp16, head_seed=seed,
-                                       layout_independent_init=False)
+                                       layout_independent_init=False,
+                                       transformer_impl=transformer_impl)
         if self.module is not None:
             for p in self.module.parameters():
                 p.requires_grad_(False)
@@ -137,8 +138,10 @@ def build_shadow(engine_arch: ModelArch, role: str, dst_plan: ParallelPlan, **kw
 
 
 def _dtype_flags(engine) -> dict:
+    """The shadow is built like the training model: same dtype and layer implementation."""
     dt = engine.config.params_dtype if engine.config is not None else torch.float32
-    return {"bf16": dt == torch.bfloat16, "fp16": dt == torch.float16}
+    return {"bf16": dt == torch.bfloat16, "fp16": dt == torch.float16,
+            "transformer_impl": getattr(engine, "transformer_impl", "local")}
 
 
 def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1, *,

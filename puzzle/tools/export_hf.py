@@ -39,7 +39,8 @@ def main(argv=None) -> int:
 
     rank, plan, owns_world = start_world(args)
     engine = load_engine(args.load, args.role, plan, step=args.ckpt_step,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                         transformer_impl=args.transformer_impl)
     files = export_hf(engine.module, engine.arch, args.role, args.save, dtype=args.dtype,
                       max_shard_bytes=args.max_shard_size_mb * 2 ** 20)
     if rank == 0:

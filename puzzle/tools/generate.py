@@ -120,7 +120,8 @@ def main(argv=None) -> int:
                             top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
                             eos_id=tokenizer.eos_id, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id)
     engine = load_engine(args.load, args.role, plan, step=args.ckpt_step, seq_length=args.seq_length,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, bf16=args.bf16)
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, bf16=args.bf16,
+                         transformer_impl=args.transformer_impl)
     lay = engine.layout
     share = math.ceil(len(prompts) / plan.D)
     lo = lay.d * share

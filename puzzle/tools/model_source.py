@@ -39,12 +39,16 @@ def checkpoint_role_dir(root: str, role: str, step: Optional[int] = None) -> Tup
 
 
 def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq_length: Optional[int] = None,
-                make_vocab_size_divisible_by: int = 128, bf16: bool = False):
-    """A frozen ModelEngine of ``role`` at ``plan`` with the weights of ``source`` (collective)."""
+                make_vocab_size_divisible_by: int = 128, bf16: bool = False,
+                transformer_impl: str = "transformer_engine"):
+    """A frozen ModelEngine of ``role`` at ``plan`` with the weights of ``source`` (collective).
+    ``transformer_impl`` falls back to the local spec where TE cannot run (as train_ppo.py)."""
     from puzzle.config import ModelArch
+    from puzzle.models.builders import resolve_transformer_impl
     from puzzle.parallel.groups import layout_for
     from puzzle.training.engine import ModelEngine
 
+    impl, _ = resolve_transformer_impl(transformer_impl)
     layout = layout_for(plan)
     if is_hf_dir(source):
         from puzzle.models.hf_llama import arch_from_hf_dir, load_hf_into_model
@@ -53,14 +57,16 @@ def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq
         if seq_length:
             overrides["seq_length"] = seq_length
         arch = arch_from_hf_dir(source, **overrides)
-        engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False)
+        engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False,
+                             transformer_impl=impl)
         load_hf_into_model(engine.module, arch, role, source)
         return engine
     from puzzle.checkpointing import load_role_weights
 
     role_dir, fields = checkpoint_role_dir(source, role, step)
     arch = ModelArch(**fields)
-    engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False)
+    engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False,
+                             transformer_impl=impl)
     load_role_weights(engine, role_dir)
     return engine
 
@@ -75,6 +81,8 @@ def add_source_args(parser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
+                   help="layer implementation (transformer_engine falls back to local without CUDA + TE)")
 
 
 def start_world(args):

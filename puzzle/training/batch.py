@@ -34,8 +34,12 @@ class RolloutBatch:
         return self.tokens.shape[0]
 
     @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    @property
     def response_mask(self) -> torch.Tensor:
-        k = torch.arange(self.max_new_tokens).unsqueeze(0)
+        k = torch.arange(self.max_new_tokens, device=self.device).unsqueeze(0)
         return (k < self.response_lengths.unsqueeze(1)).float()
 
     def rows(self, index: torch.Tensor) -> "RolloutBatch":
@@ -45,7 +49,13 @@ class RolloutBatch:
 
     def dp_share(self, d: int, D: int) -> "RolloutBatch":
         n = self.size // D
-        return self.rows(torch.arange(d * n, (d + 1) * n))
+        return self.rows(torch.arange(d * n, (d + 1) * n, device=self.device))
+
+    def share_for(self, layout) -> "RolloutBatch":
+        """The rows a model in ``layout`` works on: its DP rank's share (off-layout ranks get
+        share 0's shape so that stage bookkeeping is the same on every rank)."""
+        D = layout.plan.D
+        return self.dp_share(layout.d if layout.member else 0, D)
 
     def micro_batches(self, mbs: int) -> List[dict]:
         """Micro-batches as dicts (what forward_step functions read)."""
@@ -62,7 +72,7 @@ class RolloutBatch:
 
 def response_index(prompt_lengths: torch.Tensor, R: int, seq_len: int, shift: int = -1) -> torch.Tensor:
     """[b, R] positions P_b + k + shift (clamped into the sequence)."""
-    k = torch.arange(R).unsqueeze(0)
+    k = torch.arange(R, device=prompt_lengths.device).unsqueeze(0)
     return (prompt_lengths.unsqueeze(1) + k + shift).clamp(0, seq_len - 1)
 
 
@@ -74,13 +84,14 @@ def gather_response(per_position: torch.Tensor, prompt_lengths: torch.Tensor, R:
 
 
 def world_assemble(local: Optional[torch.Tensor], row_offset: int, total_rows: int,
-                   shape_tail, dtype, owner: bool) -> torch.Tensor:
-    """Every rank gets the [total_rows, *shape_tail] tensor whose rows were computed by owners.
+                   shape_tail, dtype, owner: bool, device: torch.device) -> torch.Tensor:
+    """Every rank gets the [total_rows, *shape_tail] tensor (on ``device``) whose rows were
+    computed by owners.
 
     ``local``: this rank's rows (placed at ``row_offset``) when ``owner``; ignored otherwise.
     """
     buf = torch.zeros((total_rows, *shape_tail), dtype=torch.float64 if dtype.is_floating_point
-                      else torch.long)
+                      else torch.long, device=device)
     if owner and local is not None:
         buf[row_offset:row_offset + local.shape[0]] = local.to(buf.dtype)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -88,15 +99,64 @@ def world_assemble(local: Optional[torch.Tensor], row_offset: int, total_rows: i
     return buf.to(dtype)
 
 
+def gather_outputs(outputs: List[dict], key: str, engine, batch: "RolloutBatch") -> torch.Tensor:
+    """One field of a model's per-micro-batch outputs, assembled on every rank in batch order.
+
+    Rows come from the last pipeline stage, TP rank 0, of each DP rank of ``engine``'s layout.
+    """
+    lay = engine.layout
+    owner = engine.member and lay.is_last_stage and lay.t == 0
+    local = torch.cat([o[key] for o in outputs]) if owner else None
+    share = batch.size // lay.plan.D
+    tail = () if key == "scores" else (batch.max_new_tokens,)
+    return world_assemble(local, max(lay.d, 0) * share, batch.size, tail, torch.float32, owner,
+                          batch.device)
+
+
+def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[torch.Tensor],
+                            lengths: Optional[torch.Tensor], layout, max_new_tokens: int,
+                            pad_id: int, device: torch.device, seq_multiple: int = 1) -> RolloutBatch:
+    """The world's RolloutBatch from each generation DP rank's [b, R] responses and [b] lengths.
+
+    ``responses``/``lengths`` are this rank's rows (prompts ``d*b .. (d+1)*b`` of the batch) on the
+    ranks that generated (any may pass None off the layout); rows are contributed once, by the
+    first pipeline stage's TP rank 0 of each DP rank. The sequence length is rounded up to
+    ``seq_multiple`` (sequence parallelism splits it over T); padding after a sequence does not
+    change it (causal attention).
+    """
+    B, R = len(prompt_ids), max_new_tokens
+    share = B // layout.plan.D
+    owner = layout.member and layout.p == 0 and layout.t == 0
+    d0 = max(layout.d, 0) * share
+    responses = world_assemble(responses, d0, B, (R,), torch.long, owner, device)
+    lengths = world_assemble(lengths, d0, B, (), torch.long, owner, device)
+    prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    Lmax = int(prompt_lengths.max())
+    left = torch.full((B, Lmax), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompt_ids):
+        left[b, Lmax - len(p):] = torch.tensor(p, dtype=torch.long)
+    seq = -(-int((prompt_lengths + R).max()) // seq_multiple) * seq_multiple
+    left, prompt_lengths = left.to(device), prompt_lengths.to(device)
+    tokens = right_pad_rollout(left, prompt_lengths, responses, lengths, seq, pad_id)
+    return RolloutBatch(tokens, prompt_lengths, lengths, R)
+
+
 def right_pad_rollout(tokens_left: torch.Tensor, prompt_lengths: torch.Tensor,
                       response_tokens: torch.Tensor, response_lengths: torch.Tensor,
                       seq_len: int, pad_id: int) -> torch.Tensor:
     """Left-padded prompts [B, Lp] + responses [B, R] -> right-padded rows [B, seq_len]."""
     B, Lp = tokens_left.shape
-    out = torch.full((B, seq_len), pad_id, dtype=torch.long)
-    for b in range(B):
-        p, r = int(prompt_lengths[b]), int(response_lengths[b])
-        out[b, :p] = tokens_left[b, Lp - p:]
-        out[b, p:p + r] = response_tokens[b, :r]
+    R = response_tokens.shape[1]
+    dev = tokens_left.device
+    out = torch.full((B, seq_len), pad_id, dtype=torch.long, device=dev)
+    col = torch.arange(seq_len, device=dev).unsqueeze(0)                  # [1, S]
+    p, r = prompt_lengths.unsqueeze(1), response_lengths.unsqueeze(1)     # [B, 1]
+    in_prompt = col < p
+    in_resp = (col >= p) & (col < p + r)
+    src_prompt = (Lp - p + col).clamp(0, Lp - 1)
+    src_resp = (col - p).clamp(0, max(R - 1, 0))
+    out = torch.where(in_prompt, tokens_left.gather(1, src_prompt), out)
+    if R:
+        out = torch.where(in_resp, response_tokens.gather(1, src_resp), out)
     return out
 

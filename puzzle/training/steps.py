@@ -12,6 +12,7 @@ from functools import partial
 import torch
 
 from puzzle.algorithms import policy_loss, value_loss
+from puzzle.parallel.device import check_on_device
 from puzzle.training.batch import gather_response
 from puzzle.training.vocab_parallel import vocab_parallel_logprobs
 
@@ -24,7 +25,8 @@ def _unwrap(model):
 
 def _run(model, mb):
     tokens = mb["tokens"]
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    check_on_device("forward_step", _unwrap(model).puzzle_device, mb)
+    pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     return model(tokens, pos, None)
 
 

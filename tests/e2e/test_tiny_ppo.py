@@ -139,3 +139,4 @@ def test_malformed_prompt_file_names_file_and_line(tmp_path):
             "--prompt-data", str(bad), "--rollout-batch-size", "1"]
     proc = subprocess.run(base, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and f"{bad}:2: prompt must be a string, got int" in proc.stderr, proc.stderr[-2000:]
+

@@ -93,3 +93,14 @@ def test_disjoint_placement_layouts():
         cfg("--critic-rank-offset", "2", "--critic-data-parallel-size", "2", "--train-placement", "disjoint")
     with pytest.raises(ArgumentError, match="--critic-tensor-model-parallel-size.*outside the world"):
         cfg("--critic-rank-offset", "4")
+
+
+def test_transformer_impl_and_sequence_parallel_on_cpu():
+    c = cfg()  # Megatron-LM's default impl, resolved to local where TE cannot run, and said so
+    assert c.transformer_impl == "local" and "using the local implementation" in c.transformer_impl_note
+    assert cfg("--transformer-impl", "local").transformer_impl_note is None
+    assert cfg("--sequence-parallel").sequence_parallel  # T=1 everywhere: accepted, a no-op
+    with pytest.raises(ArgumentError, match=r"^--sequence-parallel: needs --transformer-impl transformer_engine"):
+        cfg("--sequence-parallel", "--tensor-model-parallel-size", "2")
+    with pytest.raises(SystemExit):
+        parse_args(BASE + ["--transformer-impl", "te"])

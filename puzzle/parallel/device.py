@@ -1,0 +1,118 @@
+"""The device contract: which ``torch.device`` this rank computes on, and how values cross ranks.
+
+One ``Runtime`` per process, made by ``init_distributed`` (puzzle/parallel/groups.py):
+
+- ``device``: ``cuda:LOCAL_RANK`` on a CUDA machine, ``cpu`` where megatron runs on the CPU
+  backend (megatron_patches.cpu_backend). Every tensor that meets a model, a schedule, a sampler or
+  a collective lives there: models are built there, rollout batches are assembled there, and the
+  pipeline and generation buffers are allocated there.
+- tensor collectives run on the world group or on the models' own groups (NCCL on GPUs, gloo on
+  CPU), always with tensors on ``device``;
+- ``object_group``: one gloo group over the whole world for Python objects (reward values,
+  checkpoint metadata, flags), so no object ever travels through NCCL.
+
+This is the only module that names the CUDA device type.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def accelerator_available() -> bool:
+    """Whether models run on CUDA here (CUDA present and the CPU backend not forced)."""
+    import megatron_patches
+
+    return torch.cuda.is_available() and not megatron_patches.on_cpu()
+
+
+def local_device() -> torch.device:
+    """This process's compute device, from torchrun's LOCAL_RANK."""
+    if accelerator_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    object_group: Optional[Any] = None  # gloo group over the world (None: world of one / no dist)
+
+    @property
+    def on_accelerator(self) -> bool:
+        return self.device.type != "cpu"
+
+    def tensor(self, values, dtype=torch.float64) -> torch.Tensor:
+        return torch.as_tensor(values, dtype=dtype, device=self.device)
+
+    def all_reduce(self, values: Iterable[float], op: str = "sum") -> List[float]:
+        """Reduce a short list of floats over the world (float64, on this rank's device)."""
+        t = self.tensor(list(values))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                   "min": dist.ReduceOp.MIN}[op])
+        return t.tolist()
+
+    def broadcast_object(self, obj, src: int = 0):
+        """``obj`` of rank ``src`` on every rank, over the gloo object group."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.object_group)
+        return box[0]
+
+    def synchronize(self) -> None:
+        if self.on_accelerator:
+            torch.cuda.synchronize(self.device)
+
+    def reset_peak_memory(self) -> None:
+        if self.on_accelerator:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_memory_bytes(self) -> int:
+        """Peak bytes allocated on this rank's accelerator since the last reset (0 on CPU)."""
+        return int(torch.cuda.max_memory_allocated(self.device)) if self.on_accelerator else 0
+
+
+_RUNTIME: Optional[Runtime] = None
+
+
+def make_runtime() -> Runtime:
+    """Create this process's Runtime (called once by init_distributed, collectively)."""
+    global _RUNTIME
+    device = local_device()
+    if device.type != "cpu":
+        torch.cuda.set_device(device)
+    group = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    _RUNTIME = Runtime(device=device, object_group=group)
+    return _RUNTIME
+
+
+def runtime() -> Runtime:
+    """This process's Runtime (a CPU one before init_distributed, e.g. in pure unit tests)."""
+    return _RUNTIME if _RUNTIME is not None else Runtime(device=local_device())
+
+
+def to_device(tree, device: torch.device):
+    """Tensors of a (nested) dict / list / tuple moved to ``device`` (no copy when already there)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device, non_blocking=True)
+    if isinstance(tree, dict):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_device(v, device) for v in tree)
+    return tree
+
+
+def check_on_device(what: str, device: torch.device, tensors: dict) -> None:
+    """Raise naming the tensor when an input of a model call is not on the model's device."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise RuntimeError(f"{what}: input {name!r} is on {t.device}, the model on {device}")

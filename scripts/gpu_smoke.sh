@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# What to run first on a GPU box. Exits non-zero on any failure.
+#   1. the tiny PPO run on one GPU in fp32; its metrics must match the same run on the CPU
+#      (relative 1e-4);
+#   2. a ~1.1B LLaMA-shaped actor, critic, reference and reward model (random init, no downloads)
+#      for a few iterations in bf16 on one GPU, then its figures: per-stage seconds, generation
+#      tokens/s against the decode bound, training MFU, peak memory per stage against the dry run;
+#   3. with 2+ GPUs: the tiny run with TP/PP, time-sharing and the switch, and its CPU twin.
+#   bash scripts/gpu_smoke.sh                    (SMOKE_DIR=runs/gpu_smoke, LLAMA_ITERS=4)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+OUT=${SMOKE_DIR:-runs/gpu_smoke}
+mkdir -p "$OUT"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$NGPU" -lt 1 ]; then echo "error: gpu_smoke.sh needs a CUDA device (found none)" >&2; exit 1; fi
+python3 - <<'PY'
+import importlib.metadata as md, torch
+print(f"gpu: {torch.cuda.get_device_name()} x{torch.cuda.device_count()}; torch {torch.__version__}; "
+      f"megatron-core {md.version('megatron-core')}")
+try:
+    import transformer_engine  # noqa: F401
+    print("transformer_engine: present")
+except Exception as e:  # noqa: BLE001
+    print(f"transformer_engine: absent ({type(e).__name__}); the local implementation is used")
+PY
+
+step() { echo; echo "=== $* ==="; }
+# fractions of tokens at a clip boundary: a last-bit difference between devices moves a whole
+# token (1/250 here), so these two get an absolute tolerance of a few tokens instead
+CLIP_COUNTS="--field-atol clip_frac=0.02 --field-atol value_clip_frac=0.02"
+
+# 1. tiny run, fp32, one GPU vs CPU
+ONE_RANK=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+          --critic-tensor-model-parallel-size 1 --critic-pipeline-model-parallel-size 1
+          --train-iters "${TINY_ITERS:-8}")
+step "tiny PPO, fp32, 1 GPU"
+NPROC=1 bash examples/run_ppo_tiny.sh "${ONE_RANK[@]}" --log-dir "$OUT/tiny_gpu" > "$OUT/tiny_gpu.log" 2>&1 \
+    || { tail -40 "$OUT/tiny_gpu.log"; exit 1; }
+tail -2 "$OUT/tiny_gpu.log"
+step "tiny PPO, fp32, CPU (same flags)"
+CUDA_VISIBLE_DEVICES= NPROC=1 bash examples/run_ppo_tiny.sh "${ONE_RANK[@]}" --log-dir "$OUT/tiny_cpu" \
+    > "$OUT/tiny_cpu.log" 2>&1 || { tail -40 "$OUT/tiny_cpu.log"; exit 1; }
+python3 -m puzzle.tools.compare_metrics "$OUT/tiny_cpu/metrics.jsonl" "$OUT/tiny_gpu/metrics.jsonl" \
+    --rtol 1e-4 --atol 1e-6 $CLIP_COUNTS
+
+# 2. ~1.1B LLaMA (TinyLlama shape: 22 layers, hidden 2048, GQA 32/4), bf16, one GPU
+LLAMA=(
+    --num-layers 22 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 32
+    --group-query-attention --num-query-groups 4 --seq-length 1024 --max-position-embeddings 2048
+    --normalization RMSNorm --swiglu --position-embedding-type rope
+    --untie-embeddings-and-output-weights --disable-bias-linear --tokenizer-type ByteLevelTokenizer
+    --bf16 --micro-batch-size 8 --global-batch-size 64 --train-iters "${LLAMA_ITERS:-4}"
+    --lr 1e-6 --critic-lr 1e-6 --rollout-batch-size 64 --ppo-epochs 1
+    --max-new-tokens "${LLAMA_NEW_TOKENS:-256}" --max-prompt-length 128
+    --kl-coef 0.05 --reward-model random
+)
+step "~1.1B LLaMA actor/critic/ref/reward, bf16, 1 GPU"
+torchrun --standalone --nproc-per-node 1 train_ppo.py "${LLAMA[@]}" --log-dir "$OUT/llama1b" \
+    > "$OUT/llama1b.log" 2>&1 || { tail -40 "$OUT/llama1b.log"; exit 1; }
+grep "iteration" "$OUT/llama1b.log" | tail -"${LLAMA_ITERS:-4}"
+python3 -m puzzle.bench.gpu_report --metrics "$OUT/llama1b/metrics.jsonl" -- "${LLAMA[@]}" \
+    | tee "$OUT/llama1b_report.json"
+
+# 3. several GPUs: TP/PP layouts, time-sharing and the switch, against the CPU twin
+if [ "$NGPU" -ge 2 ]; then
+    N=$(( NGPU >= 4 ? 4 : 2 ))
+    MULTI=(--train-iters "${TINY_ITERS:-8}" --tensor-model-parallel-size 2 --pipeline-model-parallel-size $((N / 2))
+           --critic-tensor-model-parallel-size 2 --critic-pipeline-model-parallel-size $((N / 2))
+           --score-placement time-sharing --train-placement time-sharing
+           --actor-gen-tensor-model-parallel-size 1 --actor-gen-pipeline-model-parallel-size 1)
+    step "tiny PPO, fp32, $N GPUs: TP/PP, time-sharing, switch"
+    NPROC=$N bash examples/run_ppo_tiny.sh "${MULTI[@]}" --log-dir "$OUT/multi_gpu" > "$OUT/multi_gpu.log" 2>&1 \
+        || { tail -40 "$OUT/multi_gpu.log"; exit 1; }
+    CUDA_VISIBLE_DEVICES= NPROC=$N bash examples/run_ppo_tiny.sh "${MULTI[@]}" --log-dir "$OUT/multi_cpu" \
+        > "$OUT/multi_cpu.log" 2>&1 || { tail -40 "$OUT/multi_cpu.log"; exit 1; }
+    python3 -m puzzle.tools.compare_metrics "$OUT/multi_cpu/metrics.jsonl" "$OUT/multi_gpu/metrics.jsonl" \
+        --rtol 1e-4 --atol 1e-6 $CLIP_COUNTS
+else
+    step "one GPU: the multi-GPU checks (TP/PP, time-sharing, switch) need 2+ GPUs; skipped"
+fi
+echo; echo "gpu_smoke: all checks passed"
