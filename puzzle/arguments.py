@@ -234,12 +234,18 @@ def _fail(flag: str, message: str):
 
 def _arch_for(args, role: str, vocab_size: int):
     """The role's ModelArch: from its HF ``config.json`` when one is at hand (flags may only
-    repeat it), else from the model flags."""
+    repeat it; a critic/reward without a checkpoint of its own takes the actor's shape, as its
+    model flags default to the actor's, unless role-prefixed shape flags describe it), else from
+    the model flags."""
     from puzzle.config import ModelArch
 
-    hf = _hf_dir_for(args, role)
-    if hf and os.path.isfile(os.path.join(hf, "config.json")):
-        return _arch_from_hf(args, role, vocab_size, hf)
+    own = _hf_dir_for(args, role)
+    hf, source_flag = (own, f"--hf-{'actor' if role == 'ref' else role}-path") if own else \
+        (args.hf_actor_path, "--hf-actor-path")
+    own_shape_flags = role != "actor" and any(getattr(args, f"{role}_{f.replace('-', '_')}", None) is not None
+                                              for f, *_ in _MODEL_FLAGS)
+    if hf and os.path.isfile(os.path.join(hf, "config.json")) and (own or not own_shape_flags):
+        return _arch_from_hf(args, role, vocab_size, hf, source_flag)
 
     def v(flag):
         return role_value(args, role, flag)
@@ -294,11 +300,10 @@ def _hf_dir_for(args, role: str) -> Optional[str]:
             "reward": args.hf_reward_path}[role]
 
 
-def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str):
+def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: str):
     """The checkpoint's architecture; a shape flag that disagrees with it is an error naming both."""
     from puzzle.models.hf_llama import arch_from_hf_dir
 
-    flag_of_role = f"--hf-{'actor' if role == 'ref' else role}-path"
     cfg_path = os.path.join(hf_dir, "config.json")
     try:
         arch = arch_from_hf_dir(hf_dir, seq_length=args.seq_length,

@@ -223,6 +223,9 @@ def test_hf_path_alone_sets_the_shape(tmp_path):
     a = c.roles["actor"].arch
     assert (a.num_layers, a.hidden_size, a.kv_channels, a.qk_layernorm, a.vocab_size) == (2, 64, 16, True, 200)
     assert c.roles["critic"].arch == a and c.roles["ref"].arch == a
+    # a critic without a checkpoint of its own takes the actor's shape (its flags default to the actor's)
+    c2 = validate_args(parse_args(_RUN + ["--hf-actor-path", d]), 4, 150)
+    assert c2.roles["critic"].arch == a and c2.roles["critic"].hf_path is None
     # flags repeating the checkpoint are fine
     validate_args(parse_args(_RUN + ["--hf-actor-path", d, "--hf-critic-path", d, "--num-layers", "2",
                                      "--kv-channels", "16", "--qk-layernorm"]), 4, 150)
