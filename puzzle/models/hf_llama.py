@@ -1,4 +1,5 @@
-"""HF LLaMA import/export for role models at any (P, D, T) layout.
+"""HF import/export of the LLaMA-family decoders (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) for role
+models at any (P, D, T) layout.
 
 Import (``load_hf_into_model``): every rank opens the safetensors files lazily (``safe_open``,
 through ``model.safetensors.index.json`` when sharded) and reads ONLY the rows/columns of its own
@@ -114,7 +115,7 @@ def _head_name(ckpt: HFCheckpoint) -> Optional[str]:
 @torch.no_grad()
 def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_dir: str, *,
                        allow_missing_head: bool = False) -> Dict[str, int]:
-    """Fill this rank's shards of ``module`` (built by build_role_model) from an HF LLaMA directory.
+    """Fill this rank's shards of ``module`` (built by build_role_model) from an HF directory.
 
     Not collective: each rank reads only the HF rows/columns of its own shards. Critic/reward
     heads come from ``score.weight`` or ``v_head.weight``; with ``allow_missing_head`` a
