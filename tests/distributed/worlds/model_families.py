@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
+from tests.distributed.worlds.hf_import import _randomise  # weights large enough for RoPE to matter
 from tests.harness import world_main
 
 V, S, MAX_NEW = 256, 12, 6
@@ -38,15 +39,6 @@ def _cls(family, kind):
 
     prefix, _ = FAMILIES[family]
     return getattr(transformers, f"{prefix}{kind}"), getattr(transformers, f"{prefix}Config")
-
-
-def _randomise(model):
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
-    return model
 
 
 def _tokens():
