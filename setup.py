@@ -20,10 +20,12 @@ setup(
         "psutil",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout"],
+        # tensorboard: the --tensorboard-dir test reads the event files back
+        "test": ["pytest>=7", "pytest-timeout", "tensorboard"],
         # never pulled by `test`: on a CPU machine the installable TE package breaks `import megatron.core`
         "gpu": ["transformer-engine[pytorch]"],
         "hf": ["transformers", "safetensors"],
         "tb": ["tensorboard"],
+        "wandb": ["wandb"],
     },
 )

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # PPO of a LLaMA-2-7B actor (reference = the SFT model) with a 7B critic and reward model on one
 # node of 8 GPUs. Multi-node: launch with examples/slurm/ppo_7b.sbatch. Any flag can be
-# overridden at the end of the command line ("$@" comes last), e.g. --dry-run.
+# overridden at the end of the command line ("$@" comes last), e.g. --dry-run. Switches that a
+# later flag cannot undo are environment variables: BF16=0 (fp32), DIST_OPT=0 (the plain megatron
+# optimizer), REWARD_FN=module:function (a Python reward instead of the reward model RM_DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +16,9 @@ SFT_DIR=${SFT_DIR:-/checkpoints/llama2-7b-sft-hf}
 RM_DIR=${RM_DIR:-/checkpoints/llama2-7b-rm-hf}
 DATA=${DATA:-/data/prompts.jsonl}
 OUT=${OUT:-/checkpoints/ppo-7b}
+BF16=${BF16:-1}
+DIST_OPT=${DIST_OPT:-1}
+REWARD_FN=${REWARD_FN:-}
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
@@ -24,8 +29,8 @@ MODEL_ARGS=(   # LLaMA-2-7B
     --seq-length 2048 --max-position-embeddings 4096
     --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --position-embedding-type rope
     --untie-embeddings-and-output-weights --disable-bias-linear --make-vocab-size-divisible-by 128
-    --bf16
 )
+if [[ $BF16 == 1 ]]; then MODEL_ARGS+=(--bf16); fi
 DATA_ARGS=(
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$SFT_DIR"
     --vocab-size 32000                       # only used when the tokenizer files are absent (--dry-run)
@@ -35,8 +40,9 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2       # actor training layout
     --actor-gen-tensor-model-parallel-size 4 --actor-gen-pipeline-model-parallel-size 1
     --critic-tensor-model-parallel-size 2 --critic-pipeline-model-parallel-size 2
-    --use-distributed-optimizer --switch-segments 8 --ranks-per-node "$GPUS_PER_NODE"
+    --switch-segments 8 --ranks-per-node "$GPUS_PER_NODE"
 )
+if [[ $DIST_OPT == 1 ]]; then PARALLEL_ARGS+=(--use-distributed-optimizer); fi
 TRAIN_ARGS=(
     --micro-batch-size 4 --global-batch-size 64 --train-iters 500
     --lr 1e-6 --critic-lr 5e-6 --min-lr 1e-7 --lr-decay-style cosine --lr-warmup-iters 10
@@ -45,8 +51,9 @@ TRAIN_ARGS=(
 PPO_ARGS=(
     --rollout-batch-size 128 --ppo-epochs 1 --max-new-tokens 512 --temperature 1.0 --top-p 1.0
     --kl-coef 0.05 --kl-target 6.0 --kl-horizon 10000 --gamma 1.0 --lam 0.95
-    --clip-eps 0.2 --value-clip-eps 0.2 --reward-model "$RM_DIR"
+    --clip-eps 0.2 --value-clip-eps 0.2
 )
+if [[ -n $REWARD_FN ]]; then PPO_ARGS+=(--reward-fn "$REWARD_FN"); else PPO_ARGS+=(--reward-model "$RM_DIR"); fi
 LOG_ARGS=(--log-interval 1 --log-dir "$OUT/logs")
 
 ALL_ARGS=("${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${PPO_ARGS[@]}" "${LOG_ARGS[@]}" "$@")

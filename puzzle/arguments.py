@@ -31,6 +31,14 @@ class ArgumentError(ValueError):
     """A flag value (or combination) that cannot run. The message names the flag."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """An unknown or malformed flag raises ArgumentError (one short line, printed once by the
+    caller) instead of printing the usage text and exiting on every rank."""
+
+    def error(self, message):
+        raise ArgumentError(f"{message} (see {self.prog} --help)")
+
+
 def _add_model_args(parser):
     g = parser.add_argument_group("model")
     for flag, typ, default, text in _MODEL_FLAGS:
@@ -183,6 +191,34 @@ def _add_logging_args(parser):
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore the per-rank RNG states.")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="Resume this iteration of --load instead of its latest one.")
+    g.add_argument("--keep-last-checkpoints", type=int, default=None,
+                   help="Delete all but the newest N checkpoints under --save after each save "
+                        "(default: keep all).")
+    g.add_argument("--tensorboard-dir", type=str, default=None,
+                   help="Write the metrics of metrics.jsonl as TensorBoard scalars (extra 'tb').")
+    g.add_argument("--wandb-project", type=str, default=None,
+                   help="Log the metrics of metrics.jsonl to this Weights & Biases project (extra "
+                        "'wandb'; WANDB_MODE=offline works without network).")
+    g.add_argument("--wandb-exp-name", type=str, default=None, help="The W&B run name.")
+    g.add_argument("--wandb-save-dir", type=str, default=None,
+                   help="Local W&B directory (default: --log-dir, else wandb's own).")
+
+
+def _add_operations_args(parser):
+    g = parser.add_argument_group("preemption, time limits, hangs and non-finite steps")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On SIGTERM: finish the current iteration, save (--save), exit 0. All ranks "
+                        "agree on the iteration to stop at.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="Save (--save) and exit 0 after the iteration that ends past this many minutes.")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="Save (--save) and exit 0 at the first iteration divisible by N.")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="Timeout of every process group's collectives (minutes; fractions allowed): "
+                        "a stuck rank ends the job instead of hanging it.")
+    g.add_argument("--skip-nonfinite-iterations", type=int, default=0,
+                   help="Skip up to N optimizer steps whose loss or gradient norm is NaN/inf "
+                        "(counted in the metrics); past N, or with 0, such a step stops the run.")
 
 
 def _add_plan_args(parser):
@@ -204,16 +240,19 @@ def _add_plan_args(parser):
                    help="Vocabulary size when the tokenizer files are not at hand (dry runs, planning).")
 
 
-def build_parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
+def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argparse.ArgumentParser:
+    """``raise_errors``: an unknown or malformed flag raises ArgumentError instead of exiting."""
+    cls = _Parser if raise_errors else argparse.ArgumentParser
+    parser = cls(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_ppo_args,
-                _add_data_args, _add_logging_args, _add_plan_args):
+                _add_data_args, _add_logging_args, _add_operations_args, _add_plan_args):
         add(parser)
     return parser
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = build_parser()
+    """Parse train_ppo.py's flags; an unknown or malformed one raises ArgumentError."""
+    parser = build_parser(prog="train_ppo.py", raise_errors=True)
     args = parser.parse_args(argv)
     return args
 
@@ -384,15 +423,19 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     Runs before any model is allocated. ``check_paths=False`` (dry runs, planning on a laptop)
     skips the checks that need checkpoint files to be present.
     """
-    from puzzle.config import PPOParams, RoleSpec, RunConfig
+    from puzzle import flag_checks
+    from puzzle.config import Operations, PPOParams, RoleSpec, RunConfig
     from puzzle.models.builders import check_layout
     from puzzle.parallel.plan import PlanError
     from puzzle.training.engine import OptimConfig
 
     if args.seq_length is None:
         _fail("--seq-length", "is required")
+    flag_checks.check_values(args)
     if args.bf16 and args.fp16:
         _fail("--bf16/--fp16", "choose one")
+    if check_paths:  # this machine: writable outputs, a GPU for --fp16, optional logging packages
+        flag_checks.check_environment(args)
     if args.max_new_tokens < 1:
         _fail("--max-new-tokens", f"must be >= 1 (got {args.max_new_tokens})")
     max_prompt = args.max_prompt_length or args.seq_length - args.max_new_tokens
@@ -545,6 +588,14 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         score_placement=args.score_placement, train_placement=args.train_placement,
         transformer_impl=impl, transformer_impl_note=impl_note,
         sequence_parallel=args.sequence_parallel,
+        ops=Operations(
+            exit_signal_handler=args.exit_signal_handler,
+            exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval,
+            distributed_timeout_minutes=args.distributed_timeout_minutes,
+            skip_nonfinite_iterations=args.skip_nonfinite_iterations,
+            keep_last_checkpoints=args.keep_last_checkpoints, tensorboard_dir=args.tensorboard_dir,
+            wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+            wandb_save_dir=args.wandb_save_dir),
     )
 
 

@@ -13,6 +13,15 @@ On disk (``--save DIR``)::
         rng/rank_00000.pt ...               per-rank RNG: torch CPU generator, megatron's RNG tracker
                                             (and the CUDA generator, Python, NumPy)
 
+Integrity: once every rank has written its files, the ranks share the sha256 of every file of the
+checkpoint (each hashes a slice of the file list it has just written) and rank 0 records them
+with their sizes in metadata.json (``files``). A resume checks that every file is there with its
+size before anything is built (``check_checkpoint``), then the checksums, the ranks again sharing
+the work (``verify_checkpoint``); a missing, truncated or damaged file is one error naming the
+file, the iteration and the newest intact checkpoint. Without a tracker file, the newest complete
+and verified ``iter_*`` is resumed (and the log says so). ``--keep-last-checkpoints N`` deletes
+older checkpoints after each save.
+
 A save writes ``iter_N.tmp`` on every rank, barriers, then rank 0 renames it to ``iter_N`` and
 only then rewrites the tracker file (write + ``os.replace``), so a checkpoint becomes visible
 only once every rank has finished writing it; a save killed half way leaves the previous
@@ -35,13 +44,15 @@ layout-free; so weights *and* optimizer state reshard across (P, D, T) on load.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +60,7 @@ import torch.distributed as dist
 import puzzle
 from puzzle.config import HEADS
 from puzzle.models.param_names import drop_extra_state
+from puzzle.parallel.device import runtime
 
 FORMAT = 1
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -64,6 +76,15 @@ class CheckpointError(RuntimeError):
 
 def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def saved_iterations(root: str) -> List[int]:
+    """Iterations of the published ``iter_*`` directories under ``root``, newest first."""
+    if not os.path.isdir(root):
+        return []
+    its = [int(m.group(1)) for name in os.listdir(root)
+           if (m := re.fullmatch(r"iter_(\d+)", name)) and os.path.isdir(os.path.join(root, name))]
+    return sorted(its, reverse=True)
 
 
 def read_tracker(root: str) -> Optional[int]:
@@ -105,28 +126,104 @@ def run_metadata(cfg) -> dict:
                           "bf16": bool(cfg.bf16), "fp16": bool(cfg.fp16)}}
 
 
-def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optional[int]:
-    """Read ``root``'s latest checkpoint metadata and compare it with ``cfg``; no tensor is touched.
-
-    Returns the iteration to resume from (``iteration``, else the tracker's; None: nothing to
-    resume). Raises CheckpointError naming the metadata file and every mismatching role/field.
-    Runs on every rank before models exist.
-    """
-    it = read_tracker(root) if iteration is None else iteration
-    if it is None:
-        return None
-    if iteration is not None and not os.path.isdir(iter_dir(root, it)):
-        raise CheckpointError(f"--ckpt-step {it}: {iter_dir(root, it)} does not exist")
-    path = os.path.join(iter_dir(root, it), METADATA)
+def _read_metadata(d: str) -> dict:
+    path = os.path.join(d, METADATA)
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing (the tracker {os.path.join(root, TRACKER)} names "
-                              f"iteration {it} but that checkpoint is incomplete)")
+        raise CheckpointError(f"{path}: missing")
     try:
-        meta = json.load(open(path))
-    except ValueError as e:
+        with open(path) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable metadata ({e})") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format')} is not {FORMAT}")
+    return meta
+
+
+def _file_problems(d: str, meta: dict, files: Optional[List[str]] = None, hashes: bool = False) -> List[str]:
+    """'FILE: what is wrong' for each file of the manifest (or of ``files``) that is not intact."""
+    manifest = meta.get("files")
+    if manifest is None:  # written before checksums existed: check what every resume needs
+        needed = [TRAINER_STATE] + [os.path.join(r, f) for r, spec in meta.get("roles", {}).items()
+                                    if spec.get("trainable") for f in (".metadata", "common.pt")]
+        return [f"{os.path.join(d, f)}: missing" for f in needed if not os.path.isfile(os.path.join(d, f))]
+    problems = []
+    for rel in (sorted(manifest) if files is None else files):
+        size, digest = manifest[rel]
+        path = os.path.join(d, rel)
+        if not os.path.isfile(path):
+            problems.append(f"{path}: missing")
+        elif os.path.getsize(path) != size:
+            problems.append(f"{path}: {os.path.getsize(path)} bytes, saved with {size} (truncated or overwritten)")
+        elif hashes and _sha256(path) != digest:
+            problems.append(f"{path}: checksum mismatch (the file is damaged)")
+    return problems
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _complete(root: str, it: int) -> bool:
+    """Metadata readable and every file present with its saved size (no checksums)."""
+    try:
+        return not _file_problems(iter_dir(root, it), _read_metadata(iter_dir(root, it)))
+    except CheckpointError:
+        return False
+
+
+def _newest_other(root: str, bad: int, intact) -> str:
+    for it in saved_iterations(root):
+        if it != bad and intact(it):
+            return f"the newest intact checkpoint is iteration {it}: resume it with --ckpt-step {it}"
+    return f"no other intact checkpoint under {root}"
+
+
+def resume_iteration(root: str, iteration: Optional[int] = None) -> Tuple[Optional[int], str]:
+    """(iteration to resume, how it was chosen): ``iteration`` (--ckpt-step), else the tracker's,
+    else - no tracker but ``iter_*`` directories - the newest complete one ('scan');
+    (None, 'none') when ``root`` holds no checkpoint."""
+    if iteration is not None:
+        return iteration, "ckpt-step"
+    it = read_tracker(root)
+    if it is not None:
+        return it, "tracker"
+    for it in saved_iterations(root):
+        if _complete(root, it):
+            return it, "scan"
+    if saved_iterations(root):
+        raise CheckpointError(f"{root}: no {TRACKER} and no complete iter_* checkpoint "
+                              f"({', '.join(map(str, saved_iterations(root)))} are all incomplete)")
+    return None, "none"
+
+
+def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optional[int]:
+    """Read ``root``'s checkpoint metadata, compare it with ``cfg`` and check that every file is
+    there with its saved size; no tensor is touched, no checksum computed (verify_checkpoint).
+
+    Returns the iteration to resume from (``iteration``, else the tracker's, else the newest
+    complete one; None: nothing to resume). Raises CheckpointError naming the file and every
+    mismatching role/field. Runs on every rank before models exist.
+    """
+    it, how = resume_iteration(root, iteration)
+    if it is None:
+        return None
+    d = iter_dir(root, it)
+    if how == "ckpt-step" and not os.path.isdir(d):
+        raise CheckpointError(f"--ckpt-step {it}: {d} does not exist")
+    path = os.path.join(d, METADATA)
+    try:
+        meta = _read_metadata(d)
+        problems = _file_problems(d, meta)
+    except CheckpointError as e:
+        problems, meta = [str(e)], None
+    if problems:
+        source = {"tracker": f"named by {os.path.join(root, TRACKER)}", "ckpt-step": "given by --ckpt-step",
+                  "scan": "the newest"}[how]
+        raise CheckpointError(f"checkpoint iteration {it} ({source}) is damaged: {problems[0]}"
+                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                              + f"; {_newest_other(root, it, lambda k: _complete(root, k))}")
     problems = []
     saved_roles = meta.get("roles", {})
     for role, spec in cfg.roles.items():
@@ -192,8 +289,6 @@ def _ensure_optimizer_state(optimizer) -> None:
 @torch.no_grad()
 def weight_fingerprint(engine) -> list:
     """[sum, sum of squares] (float64) over the model's unique parameter shards, whole world."""
-    from puzzle.parallel.device import runtime
-
     acc = torch.zeros(2, dtype=torch.float64, device=runtime().device)
     if engine.member:
         lay, arch = engine.layout, engine.arch
@@ -263,8 +358,35 @@ def _log(msg: str) -> None:
         print(f"[checkpoint] {msg}", flush=True)
 
 
-def save_checkpoint(trainer, loader, root: str) -> str:
-    """Collective: write every rank's part of iteration ``trainer.iteration`` under ``root``."""
+def _all_gather_objects(obj) -> list:
+    """Every rank's ``obj`` (rank order), over the gloo object group."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj, group=runtime().object_group)
+    return parts
+
+
+def _checksum_files(d: str) -> Dict[str, list]:
+    """Collective: {relative path: [size, sha256]} of every file under ``d``; each rank hashes
+    every world_size-th file of the sorted list (files it or its peers have just written)."""
+    names = None
+    if dist.get_rank() == 0:
+        names = sorted(os.path.relpath(os.path.join(dp, f), d) for dp, _, fs in os.walk(d) for f in fs)
+    names = runtime().broadcast_object(names)
+    mine = {rel: [os.path.getsize(os.path.join(d, rel)), _sha256(os.path.join(d, rel))]
+            for i, rel in enumerate(names) if i % dist.get_world_size() == dist.get_rank()}
+    parts = _all_gather_objects(mine)
+    return {k: v for part in parts for k, v in sorted(part.items())}
+
+
+def _delete_older(root: str, keep: int) -> None:
+    for it in saved_iterations(root)[keep:]:
+        shutil.rmtree(iter_dir(root, it), ignore_errors=True)
+        print(f"[checkpoint] deleted {iter_dir(root, it)} (--keep-last-checkpoints {keep})", flush=True)
+
+
+def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None) -> str:
+    """Collective: write every rank's part of iteration ``trainer.iteration`` under ``root``;
+    ``keep_last``: then delete all but the newest ``keep_last`` checkpoints."""
     from megatron.core import dist_checkpointing
 
     t0 = time.perf_counter()
@@ -289,10 +411,15 @@ def save_checkpoint(trainer, loader, root: str) -> str:
     if rank == 0:
         state = {"iteration": it, "kl_ctl": trainer.kl_ctl.state_dict(),
                  "schedulers": {r: trainer.engines[r].scheduler.state_dict() for r in trainable},
-                 "loader": loader.state_dict() if loader is not None else None}
+                 "loader": loader.state_dict() if loader is not None else None,
+                 "nonfinite_skipped": int(getattr(trainer, "nonfinite_skipped", 0))}
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
             json.dump(state, f, indent=1)
+    dist.barrier()  # every rank has written its files: checksum them, then the manifest
+    files = _checksum_files(tmp)
+    if rank == 0:
         meta["iteration"] = it
+        meta["files"] = files
         with open(os.path.join(tmp, METADATA), "w") as f:
             json.dump(meta, f, indent=1)
     dist.barrier()  # every rank has written everything: publish
@@ -306,12 +433,75 @@ def save_checkpoint(trainer, loader, root: str) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tracker + ".tmp", tracker)
+        if keep_last:
+            _delete_older(root, keep_last)
     dist.barrier()
     _log(f"saved iteration {it} to {final} in {time.perf_counter() - t0:.2f}s")
     return final
 
 
-# ---- load ------------------------------------------------------------------------------------------
+# ---- verify and load ------------------------------------------------------------------------------
+def _verified(root: str, it: int) -> List[str]:
+    """Collective: the problems of checkpoint ``it`` (checksums included); the ranks share the work."""
+    d = iter_dir(root, it)
+    try:
+        meta = _read_metadata(d)
+    except CheckpointError as e:
+        return [str(e)]
+    names = sorted(meta.get("files") or {})
+    mine = names[dist.get_rank()::dist.get_world_size()]
+    local = _file_problems(d, meta, files=mine, hashes=True) if names else _file_problems(d, meta)
+    parts = _all_gather_objects(local if names or dist.get_rank() == 0 else [])
+    return sorted({p for part in parts for p in part})
+
+
+def verify_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[int]:
+    """Collective, before the models are built: the iteration to resume (as check_checkpoint) with
+    every file's checksum verified. Without a tracker the newest verified ``iter_*`` is taken (and
+    the log says so); a damaged tracker-named or --ckpt-step checkpoint is a CheckpointError naming
+    the file, the iteration and the newest intact checkpoint."""
+    t0 = time.perf_counter()
+    it, how = resume_iteration(root, iteration)
+    if it is None:
+        _log(f"no checkpoint under {root}: starting from scratch")
+        return None
+    candidates = [it] + ([k for k in saved_iterations(root) if k < it] if how == "scan" else [])
+    for k in candidates:
+        problems = _verified(root, k)
+        if not problems:
+            if how == "scan":
+                _log(f"no {TRACKER} under {root}: resuming from the newest complete and verified "
+                     f"checkpoint, iteration {k}")
+            _log(f"verified iteration {k} ({time.perf_counter() - t0:.2f}s)")
+            return k
+        if how == "scan":
+            _log(f"skipping iteration {k}: {problems[0]}")
+            continue
+        other = _newest_other(root, k, lambda j: not _verified(root, j))
+        raise CheckpointError(f"checkpoint iteration {k} is damaged: {problems[0]}"
+                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                              + f"; {other}")
+    raise CheckpointError(f"{root}: no {TRACKER} and no intact iter_* checkpoint")
+
+
+def _summarize(exc: BaseException) -> str:
+    """One line for an exception of torch's dist checkpoint (its CheckpointException lists every
+    rank's traceback; it derives from BaseException)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first  # (exception, stack summary)
+        ranks = ", ".join(map(str, sorted(failures)))
+        return f"{type(inner).__name__}: {_first_line(inner)} (ranks {ranks})"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= limit else line[:limit] + " ..."
+
+
 def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load_rng: bool = True,
                     iteration: Optional[int] = None) -> int:
     """Collective: restore the latest checkpoint under ``root`` into ``trainer`` (and ``loader``).
@@ -333,21 +523,25 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
     for role, eng in trainer.engines.items():
         if not eng.trainable:
             continue
-        sd = _role_sharded_state_dict(eng, is_loading=True, with_optimizer=load_optim)
-        try:
+        try:  # torch's CheckpointException derives from BaseException, not Exception
+            sd = _role_sharded_state_dict(eng, is_loading=True, with_optimizer=load_optim)
             state = dist_checkpointing.load(sd, os.path.join(d, role))
-        except Exception as e:
+            if eng.member:
+                _load_module_state(eng.module, state["model"])
+                if load_optim:
+                    # (megatron_patches.distrib_optimizer_step keeps Adam's "step" right on this path)
+                    eng.optimizer.load_state_dict(state["optimizer"])  # fp32 main params included
+                else:
+                    _refresh_main_params(eng)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
             hint = ("" if same_opt or not load_optim else
                     " (saved with use_distributed_optimizer="
-                    f"{meta['optimizer']['use_distributed_optimizer']}; retry with --no-load-optim)")
-            raise CheckpointError(f"loading {role} from {os.path.join(d, role)} failed{hint}: {e}") from e
-        if eng.member:
-            _load_module_state(eng.module, state["model"])
-            if load_optim:
-                # (megatron_patches.distrib_optimizer_step keeps Adam's "step" right on this path)
-                eng.optimizer.load_state_dict(state["optimizer"])  # fp32 main params included
-            else:
-                _refresh_main_params(eng)
+                    f"{meta['optimizer']['use_distributed_optimizer']}, this run uses "
+                    f"{trainer.cfg.optim.use_distributed_optimizer}: retry with --no-load-optim)")
+            raise CheckpointError(f"iteration {it}: loading {role} from {os.path.join(d, role)} failed"
+                                  f"{hint}: {_summarize(e)}") from None
     for role, eng in trainer.engines.items():  # frozen roles: rebuilt from their source; verify
         if eng.trainable:
             continue
@@ -359,6 +553,7 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
                                   f"saved run's (fingerprint {saved} vs {now})")
     state = json.load(open(os.path.join(d, TRAINER_STATE)))
     trainer.iteration = int(state["iteration"])
+    trainer.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
     trainer.kl_ctl.load_state_dict(state["kl_ctl"])
     for role, sched_state in state["schedulers"].items():
         eng = trainer.engines[role]

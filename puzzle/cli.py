@@ -12,6 +12,8 @@ def run(argv) -> int:
     from puzzle.data.tokenizers import build_tokenizer
 
     rank = int(os.environ.get("RANK", "0"))
+    if rank != 0 and any(a in ("-h", "--help") for a in argv):
+        return 0  # the usage text once, from rank 0
     try:  # everything is checked before torch.distributed starts and before any allocation
         args = _with_plan(parse_args(argv), argv)
         if args.dry_run:
@@ -30,7 +32,7 @@ def run(argv) -> int:
                                       overflow=args.prompt_overflow, split=args.prompt_split,
                                       apply_chat_template=args.apply_chat_template,
                                       skip_bad_records=args.skip_bad_records)
-    except (ArgumentError, ValueError, FileNotFoundError) as e:
+    except (ArgumentError, ValueError, OSError) as e:  # OSError: unreadable tokenizer or data files
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -38,6 +40,11 @@ def run(argv) -> int:
         _print_plan(cfg)
     return _train(cfg, tokenizer, dataset, load_optim=not args.no_load_optim,
                   load_rng=not args.no_load_rng, ckpt_step=args.ckpt_step)
+
+
+def _error_once(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def _with_plan(args, argv):
@@ -100,38 +107,83 @@ def _print_plan(cfg) -> None:
 
 def _train(cfg, tokenizer, dataset, *, load_optim: bool = True, load_rng: bool = True,
            ckpt_step=None) -> int:
+    import time
+
     import torch.distributed as dist
 
-    from puzzle import checkpointing
+    from puzzle import checkpointing, run_control
     from puzzle.data.prompts import PromptLoader
     from puzzle.parallel.groups import init_distributed
     from puzzle.trainer import PPOTrainer
+    from puzzle.training.nonfinite import NonFiniteError
 
-    if cfg.load:  # metadata only: a wrong model shape fails here, before any model is built
+    start = time.time()
+    if cfg.load:  # metadata and file sizes only: a wrong model shape or a missing file fails here
         try:
             checkpointing.check_checkpoint(cfg, cfg.load, ckpt_step)
         except checkpointing.CheckpointError as e:
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"error: {e}", file=sys.stderr, flush=True)
+            _error_once(str(e))
             return 2
-    init_distributed()
-    loader = PromptLoader(dataset.prompts, cfg.ppo.rollout_batch_size, dp_rank=0, dp_size=1,
-                          seed=cfg.seed)
-    trainer = PPOTrainer(cfg, tokenizer, dataset)
+    init_distributed(timeout_minutes=cfg.ops.distributed_timeout_minutes)
+    progress = run_control.Progress()
+    exit_control = run_control.ExitControl(cfg.ops, start)
+    trainer = None
     try:
-        if cfg.load:
+        if cfg.load:  # checksums, the ranks sharing the work; still before any model is built
+            progress(0, "checkpoint verification")
+            ckpt_step = checkpointing.verify_checkpoint(cfg.load, ckpt_step)
+        loader = PromptLoader(dataset.prompts, cfg.ppo.rollout_batch_size, dp_rank=0, dp_size=1,
+                              seed=cfg.seed)
+        progress(0, "model building")
+        trainer = PPOTrainer(cfg, tokenizer, dataset)
+        trainer.progress = progress
+        if cfg.load and ckpt_step is not None:
+            progress(0, "checkpoint loading")
             checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=load_optim,
                                           load_rng=load_rng, iteration=ckpt_step)
         saved = trainer.iteration
         while trainer.iteration < cfg.train_iters:
             trainer.step(next(loader).prompts)
             if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
-                checkpointing.save_checkpoint(trainer, loader, cfg.save)
+                _save(trainer, loader, cfg, progress)
                 saved = trainer.iteration
+            progress(trainer.iteration, "exit check")
+            reason = exit_control.reason_to_exit(trainer.iteration)
+            if reason:
+                if dist.get_rank() == 0:
+                    print(f"exiting after iteration {trainer.iteration}: {reason}"
+                          + ("" if cfg.save else " (no --save: nothing saved)"), flush=True)
+                break
         if cfg.save and saved != trainer.iteration:  # the final state, as Megatron-LM does
-            checkpointing.save_checkpoint(trainer, loader, cfg.save)
+            _save(trainer, loader, cfg, progress)
+    except checkpointing.CheckpointError as e:
+        _error_once(str(e))
+        return _shutdown(trainer, 2)
+    except NonFiniteError as e:
+        _error_once(str(e))
+        return _shutdown(trainer, 3)
+    except RuntimeError as e:
+        if run_control.is_timeout(e):
+            run_control.abort(run_control.describe_timeout(progress, e, cfg.ops.distributed_timeout_minutes))
+        raise
     finally:
+        exit_control.close()
+    return _shutdown(trainer, 0)
+
+
+def _save(trainer, loader, cfg, progress) -> None:
+    from puzzle import checkpointing
+
+    progress(trainer.iteration, "checkpoint saving")
+    checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+
+
+def _shutdown(trainer, code: int) -> int:
+    """Every rank reaches here with the same outcome (errors above are collective decisions)."""
+    import torch.distributed as dist
+
+    if trainer is not None:
         trainer.close()
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return code

@@ -144,6 +144,22 @@ class PPOParams:
 
 
 @dataclass(frozen=True)
+class Operations:
+    """Preemption, time limits, hangs, non-finite steps, checkpoint retention, metric sinks."""
+
+    exit_signal_handler: bool = False           # SIGTERM: finish the iteration, save, exit 0
+    exit_duration_in_mins: Optional[float] = None
+    exit_interval: Optional[int] = None
+    distributed_timeout_minutes: float = 10.0   # every process group's collective timeout
+    skip_nonfinite_iterations: int = 0          # optimizer steps with NaN/inf that may be skipped
+    keep_last_checkpoints: Optional[int] = None  # None: keep all
+    tensorboard_dir: Optional[str] = None
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything PPOTrainer needs; built by puzzle.arguments.validate_args."""
 
@@ -176,3 +192,4 @@ class RunConfig:
     transformer_impl: str = "local"            # resolved: "transformer_engine" only where TE runs
     transformer_impl_note: Optional[str] = None  # why the requested impl was replaced, if it was
     sequence_parallel: bool = False
+    ops: Operations = Operations()

@@ -21,6 +21,7 @@ from puzzle.parallel.groups import layout_for
 from puzzle.pipeline.stage import StageContext, run_stage
 from puzzle.training import steps
 from puzzle.parallel.device import runtime
+from puzzle.training import nonfinite
 from puzzle.training.batch import RolloutBatch, gather_outputs, rollout_from_generation
 from puzzle.training.engine import ModelEngine
 
@@ -65,7 +66,9 @@ class PPOTrainer:
 
             self.reward_fn = load_reward_fn(cfg.reward_fn)
         self.iteration = 0
-        self.logger = MetricsLogger(cfg.log_dir, cfg.log_interval, cfg.train_iters, self.rank)
+        self.nonfinite_skipped = 0  # optimizer steps skipped for NaN/inf (checkpointed)
+        self.progress = lambda iteration, phase: None  # run_control.Progress: where this rank is
+        self.logger = MetricsLogger(cfg.log_dir, cfg.log_interval, cfg.train_iters, self.rank, ops=cfg.ops)
 
     # ---- the iteration ---------------------------------------------------------------------
     def step(self, prompt_ids: List[List[int]]) -> dict:
@@ -74,17 +77,20 @@ class PPOTrainer:
         peaks = []  # accelerator only: peak bytes allocated per stage on this rank
         rt.reset_peak_memory()
         t0 = time.perf_counter()
+        self.progress(self.iteration, "generation stage")
         batch = self.generate(prompt_ids)
         rt.synchronize()
         t1 = time.perf_counter()
         peaks.append(rt.peak_memory_bytes())
         rt.reset_peak_memory()
+        self.progress(self.iteration, "scoring stage")
         self.score(batch)
         rt.synchronize()
         t2 = time.perf_counter()
         peaks.append(rt.peak_memory_bytes())
         rt.reset_peak_memory()
         adv_stats = self.compute_advantages(batch)
+        self.progress(self.iteration, "training stage")
         train_stats = self.train(batch)
         rt.synchronize()
         t3 = time.perf_counter()
@@ -166,6 +172,9 @@ class PPOTrainer:
             f["scores"] = gather_outputs(outs[3], "scores", e["reward"], batch)
         else:
             f["scores"] = self._reward_fn_scores(batch)
+        sources = {"old_logprobs": "actor", "entropy": "actor", "ref_logprobs": "ref", "values": "critic"}
+        nonfinite.check_scores(f, batch.response_mask, self.iteration,
+                               dict(sources, **({"scores": "reward"} if "reward" in self.engines else {})))
 
     def _reward_fn_scores(self, batch: RolloutBatch) -> torch.Tensor:
         scores = None
@@ -222,13 +231,16 @@ class PPOTrainer:
                     if eng.member:
                         eng.zero_grad()
                 outs = run_stage(contexts, forward_only=False, placement=self.cfg.train_placement)
-                if self.switch and step == n_steps:  # last actor step overlapped with the switch
+                skip = self._nonfinite_steps(outs, epoch, s // ppo.mini_batch_size, n_steps)
+                if "actor" in skip:
+                    pass  # no update; the next generation switches the unchanged weights
+                elif self.switch and step == n_steps:  # last actor step overlapped with the switch
                     res = self.switch.optimizer_step_and_switch()
                     if actor.member:
                         grad_norms["actor"].append(res["grad_norm"])
                 elif actor.member:
                     grad_norms["actor"].append(actor.optimizer_step()["grad_norm"])
-                if critic.member:
+                if critic.member and "critic" not in skip:
                     grad_norms["critic"].append(critic.optimizer_step()["grad_norm"])
                 if actor.member and actor.layout.is_last_stage and actor.layout.t == 0:
                     for o in outs[0]:
@@ -242,10 +254,38 @@ class PPOTrainer:
         norms = self.runtime.all_reduce([max(grad_norms["actor"] or [0.0]),
                                          max(grad_norms["critic"] or [0.0])], op="max")
         tok, vtok = max(float(sums[3]), 1.0), max(float(sums[6]), 1.0)
-        return {"policy_loss": float(sums[0]) / tok, "clip_frac": float(sums[1]) / tok,
+        skipped = {"nonfinite_skipped_steps": self.nonfinite_skipped} if self.cfg.ops.skip_nonfinite_iterations else {}
+        return {**skipped, "policy_loss": float(sums[0]) / tok, "clip_frac": float(sums[1]) / tok,
                 "approx_kl": float(sums[2]) / tok, "value_loss": float(sums[4]) / vtok,
                 "value_clip_frac": float(sums[5]) / vtok,
                 "actor_grad_norm": float(norms[0]), "critic_grad_norm": float(norms[1])}
+
+    def _nonfinite_steps(self, outs, epoch: int, mini: int, n_steps: int) -> set:
+        """Collective: the roles whose optimizer step is skipped for a NaN/inf loss or gradient
+        (--skip-nonfinite-iterations); past the allowance, NonFiniteError on every rank."""
+        checks = []
+        for i, (role, keys) in enumerate((("actor", ("policy_loss_sum",)), ("critic", ("value_loss_sum",)))):
+            eng = self.engines[role]
+            nonfinite.inject_for_test(role, eng, self.iteration)
+            last = eng.member and eng.layout.is_last_stage and eng.layout.t == 0
+            checks.append((role, eng, outs[i] if last else [], keys))
+        found = nonfinite.find(checks)
+        where = f"training stage, PPO epoch {epoch + 1}, mini-batch {mini + 1} of {n_steps // self.cfg.ppo.ppo_epochs}"
+        allowed = self.cfg.ops.skip_nonfinite_iterations
+        for role, kinds in found.items():
+            msg = nonfinite.describe(role, kinds, self.iteration, where)
+            if self.nonfinite_skipped >= allowed:
+                raise nonfinite.NonFiniteError(msg + (f"; {self.nonfinite_skipped} step(s) skipped already, "
+                                            f"--skip-nonfinite-iterations {allowed}" if allowed else
+                                            "; --skip-nonfinite-iterations N skips up to N such steps"))
+            self.nonfinite_skipped += 1
+            if self.rank == 0:
+                print(f"warning: {msg}: optimizer step skipped ({self.nonfinite_skipped}/{allowed}, "
+                      f"--skip-nonfinite-iterations)", flush=True)
+            eng = self.engines[role]
+            if eng.member:
+                eng.zero_grad()
+        return set(found)
 
     def close(self) -> None:
         self.logger.close()

@@ -87,14 +87,17 @@ def _check_value(value: Any, chat: bool) -> Optional[str]:
 def _read_jsonl(path: str, key: str, chat: bool, skip: bool, stats: PromptStats
                 ) -> Tuple[List[Any], List[str]]:
     values, origins = [], []
-    with open(path, "r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error of that line
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             stats.records += 1
             err = None
             try:
+                line = raw.decode("utf-8")
                 rec = json.loads(line)
+            except UnicodeDecodeError as e:
+                err = f"not UTF-8 ({e.reason} at byte {e.start} of the line)"
             except json.JSONDecodeError as e:
                 err = f"invalid JSON ({e.msg} at column {e.colno})"
             else:

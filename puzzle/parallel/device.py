@@ -82,15 +82,16 @@ class Runtime:
 _RUNTIME: Optional[Runtime] = None
 
 
-def make_runtime() -> Runtime:
-    """Create this process's Runtime (called once by init_distributed, collectively)."""
+def make_runtime(timeout=None) -> Runtime:
+    """Create this process's Runtime (called once by init_distributed, collectively); ``timeout``
+    (a timedelta, --distributed-timeout-minutes) bounds the object group's collectives."""
     global _RUNTIME
     device = local_device()
     if device.type != "cpu":
         torch.cuda.set_device(device)
     group = None
     if dist.is_initialized() and dist.get_world_size() > 1:
-        group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     _RUNTIME = Runtime(device=device, object_group=group)
     return _RUNTIME
 

@@ -9,6 +9,7 @@ their rank list, so two plans (or two group kinds) with the same ranks share one
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -20,13 +21,21 @@ from puzzle.parallel.plan import ParallelPlan, PlanError
 
 _GROUPS: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
 _LAYOUTS: Dict[ParallelPlan, "Layout"] = {}
+# --distributed-timeout-minutes (Megatron-LM's default 10): every group's collective timeout
+DEFAULT_TIMEOUT_MINUTES = 10.0
+_TIMEOUT = datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The timeout given to every process group of the job (init_distributed's)."""
+    return _TIMEOUT
 
 
 def _group(ranks: List[int]) -> Optional[dist.ProcessGroup]:
     """The group of exactly these ranks (created once, collectively); None if this rank is not in it."""
     key = tuple(ranks)
     if key not in _GROUPS:
-        pg = dist.new_group(ranks=list(key))
+        pg = dist.new_group(ranks=list(key), timeout=_TIMEOUT)
         _GROUPS[key] = pg if dist.get_rank() in key else None
     return _GROUPS[key]
 
@@ -134,13 +143,18 @@ def destroy_layouts() -> None:
     _GROUPS.clear()
 
 
-def init_distributed(backend: Optional[str] = None) -> Tuple[int, int]:
+def init_distributed(backend: Optional[str] = None,
+                     timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> Tuple[int, int]:
     """Initialise torch.distributed from torchrun's environment (gloo on CPU, nccl on GPU).
 
+    ``timeout_minutes`` (--distributed-timeout-minutes) bounds every collective of the world
+    group and of every group built here later, so a stuck rank ends the job instead of hanging it.
     Also performs the per-process megatron set-up that does not depend on a model layout.
     """
     import os
 
+    global _TIMEOUT
+    _TIMEOUT = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if accelerator_available() else "gloo"
@@ -152,8 +166,8 @@ def init_distributed(backend: Optional[str] = None) -> Tuple[int, int]:
             os.environ.setdefault("LOCAL_RANK", "0")
         if backend == "nccl":
             torch.cuda.set_device(local_device())
-        dist.init_process_group(backend=backend)
-    make_runtime()
+        dist.init_process_group(backend=backend, timeout=_TIMEOUT)
+    make_runtime(timeout=_TIMEOUT)
     from megatron.core import parallel_state
 
     # megatron's shared scratch buffer, used by its tensor-parallel layers

@@ -29,7 +29,7 @@ def test_layouts_and_role_overrides():
 def test_later_flags_override_and_no_abbreviations():
     c = cfg("--lr", "1e-3", "--lr", "2e-3")
     assert c.optim.lr == 2e-3
-    with pytest.raises(SystemExit):
+    with pytest.raises(ArgumentError, match="unrecognized arguments: --rollout-batch"):
         parse_args(BASE + ["--rollout-batch", "8"])
 
 
@@ -64,7 +64,7 @@ def test_missing_reward_source():
 
 
 def test_unknown_role_flag_is_rejected():
-    with pytest.raises(SystemExit):
+    with pytest.raises(ArgumentError, match="unrecognized arguments: --policy-num-layers"):
         parse_args(BASE + ["--policy-num-layers", "2"])
 
 
@@ -102,5 +102,5 @@ def test_transformer_impl_and_sequence_parallel_on_cpu():
     assert cfg("--sequence-parallel").sequence_parallel  # T=1 everywhere: accepted, a no-op
     with pytest.raises(ArgumentError, match=r"^--sequence-parallel: needs --transformer-impl transformer_engine"):
         cfg("--sequence-parallel", "--tensor-model-parallel-size", "2")
-    with pytest.raises(SystemExit):
+    with pytest.raises(ArgumentError, match="argument --transformer-impl: invalid choice: 'te'"):
         parse_args(BASE + ["--transformer-impl", "te"])
