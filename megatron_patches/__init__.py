@@ -10,6 +10,8 @@ Patches:
   DDP, optimizer and dist-checkpointing on CPU tensors over gloo when CUDA is unavailable.
 - ``distrib_optimizer_step``: keeps Adam's per-parameter "step" intact when a DistributedOptimizer
   loads a checkpoint (two megatron-core 0.16 bugs on the fully_reshardable path); CPU and GPU.
+- ``tied_embedding_checkpoint``: the last stage's tied embedding copy takes its DP rank from the
+  model's own DP group in sharded state dicts (P > 1 with tied embeddings); CPU and GPU.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def apply(force_cpu: bool | None = None) -> dict:
     """
     global _applied
     check_version()
-    from megatron_patches import cpu_backend, distrib_optimizer_step
+    from megatron_patches import cpu_backend, distrib_optimizer_step, tied_embedding_checkpoint
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
     result = {"cpu_backend": False}
@@ -63,6 +65,8 @@ def apply(force_cpu: bool | None = None) -> dict:
         result["cpu_backend"] = True
     distrib_optimizer_step.apply()
     result["distrib_optimizer_step"] = True
+    tied_embedding_checkpoint.apply()
+    result["tied_embedding_checkpoint"] = True
     _applied = True
     return result
 

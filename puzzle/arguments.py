@@ -51,6 +51,14 @@ def _add_model_args(parser):
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (LLaMA).")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--add-qkv-bias", action="store_true", help="Biases on the q/k/v projections only (Qwen2).")
+    g.add_argument("--qk-layernorm", action="store_true", help="Per-head norm of queries and keys (Qwen3).")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.x RoPE frequency scaling.")
+    g.add_argument("--rope-scaling-factor", type=float, default=None, help="Llama-3.x RoPE scaling factor (default 8).")
+    g.add_argument("--rope-low-freq-factor", type=float, default=None, help="Llama-3.x RoPE low_freq_factor (default 1).")
+    g.add_argument("--rope-high-freq-factor", type=float, default=None, help="Llama-3.x RoPE high_freq_factor (default 4).")
+    g.add_argument("--rope-original-max-position-embeddings", type=int, default=None,
+                   help="Llama-3.x RoPE original_max_position_embeddings (default 8192).")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -211,7 +219,8 @@ def _add_data_args(parser):
     g.add_argument("--tokenizer-type", type=str, default="ByteLevelTokenizer")
     g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--hf-actor-path", type=str, default=None,
-                   help="HF LLaMA checkpoint dir for the actor and the reference (the SFT model).")
+                   help="HF checkpoint dir (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) for the actor and the "
+                        "reference; its config.json sets their shape.")
     g.add_argument("--hf-critic-path", type=str, default=None,
                    help="HF checkpoint dir for the critic backbone (+ score/v_head when present).")
     g.add_argument("--hf-reward-path", type=str, default=None,
@@ -315,7 +324,19 @@ def _fail(flag: str, message: str):
 
 
 def _arch_for(args, role: str, vocab_size: int):
+    """The role's ModelArch: from its HF ``config.json`` when one is at hand (flags may only
+    repeat it; a critic/reward without a checkpoint of its own takes the actor's shape, as its
+    model flags default to the actor's, unless role-prefixed shape flags describe it), else from
+    the model flags."""
     from puzzle.config import ModelArch
+
+    own = _hf_dir_for(args, role)
+    hf, source_flag = (own, f"--hf-{'actor' if role == 'ref' else role}-path") if own else \
+        (args.hf_actor_path, "--hf-actor-path")
+    own_shape_flags = role != "actor" and any(getattr(args, f"{role}_{f.replace('-', '_')}", None) is not None
+                                              for f, *_ in _MODEL_FLAGS)
+    if hf and os.path.isfile(os.path.join(hf, "config.json")) and (own or not own_shape_flags):
+        return _arch_from_hf(args, role, vocab_size, hf, source_flag)
 
     def v(flag):
         return role_value(args, role, flag)
@@ -323,15 +344,20 @@ def _arch_for(args, role: str, vocab_size: int):
     num_layers, hidden, heads = v("num-layers"), v("hidden-size"), v("num-attention-heads")
     for flag, value in (("num-layers", num_layers), ("hidden-size", hidden), ("num-attention-heads", heads)):
         if value is None:
-            _fail(f"--{flag}", "is required")
+            _fail(f"--{flag}", "is required (or --hf-actor-path/--hf-critic-path/--hf-reward-path DIR "
+                               "with a config.json)")
     groups = v("num-query-groups") if args.group_query_attention else None
     if args.group_query_attention and groups is None:
         _fail("--num-query-groups", "is required with --group-query-attention")
     prefix = "" if role in ("actor", "ref") else f"{role}-"
+    if _rope_scaling_kwargs(args) and not args.use_rope_scaling:
+        _fail("--rope-scaling-factor", "the llama3 RoPE parameters need --use-rope-scaling")
     try:
         return ModelArch(
             num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=v("ffn-hidden-size"),
             num_attention_heads=heads, num_query_groups=groups, vocab_size=vocab_size,
+            kv_channels=v("kv-channels"), add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+            use_rope_scaling=args.use_rope_scaling, **_rope_scaling_kwargs(args),
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
             normalization=args.normalization, norm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
@@ -357,6 +383,58 @@ def _check_generation_device(args, transformer_impl: str) -> None:
         raise ArgumentError(str(e)) from None
     if args.cuda_graph_generation and not accelerator_available():
         _fail("--cuda-graph-generation", "needs a CUDA device (this run uses the CPU)")
+
+
+# Megatron-LM's rope-scaling flags and ours for the other three llama3 parameters -> ModelArch fields
+_ROPE_FLAGS = (("rope_scaling_factor", "rope_scaling_factor"), ("rope_low_freq_factor", "rope_low_freq_factor"),
+               ("rope_high_freq_factor", "rope_high_freq_factor"),
+               ("rope_original_max_position_embeddings", "rope_original_max_position_embeddings"))
+# model-shape flag -> (ModelArch field, HF config.json field)
+_SHAPE_FIELDS = {"num-layers": ("num_layers", "num_hidden_layers"), "hidden-size": ("hidden_size", "hidden_size"),
+                 "ffn-hidden-size": ("ffn_hidden_size", "intermediate_size"),
+                 "num-attention-heads": ("num_attention_heads", "num_attention_heads"),
+                 "num-query-groups": ("num_query_groups", "num_key_value_heads"),
+                 "kv-channels": ("kv_channels", "head_dim")}
+
+
+def _rope_scaling_kwargs(args) -> dict:
+    return {field: getattr(args, attr) for attr, field in _ROPE_FLAGS if getattr(args, attr) is not None}
+
+
+def _hf_dir_for(args, role: str) -> Optional[str]:
+    return {"actor": args.hf_actor_path, "ref": args.hf_actor_path, "critic": args.hf_critic_path,
+            "reward": args.hf_reward_path}[role]
+
+
+def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: str):
+    """The checkpoint's architecture; a shape flag that disagrees with it is an error naming both."""
+    from puzzle.models.hf_llama import arch_from_hf_dir
+
+    cfg_path = os.path.join(hf_dir, "config.json")
+    try:
+        arch = arch_from_hf_dir(hf_dir, seq_length=args.seq_length,
+                                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    except (ValueError, OSError) as e:
+        _fail(flag_of_role, str(e))
+    prefix = "" if role in ("actor", "ref") else f"{role}-"
+    for flag, (field, hf_field) in _SHAPE_FIELDS.items():
+        given = role_value(args, role, flag)
+        if given is not None and given != getattr(arch, field):
+            _fail(f"--{prefix}{flag}", f"{given} conflicts with {cfg_path} ({hf_field}={getattr(arch, field)}); "
+                                       f"drop the flag: {flag_of_role} sets the {role} shape")
+    for attr in ("add_qkv_bias", "qk_layernorm", "use_rope_scaling"):
+        if getattr(args, attr) and not getattr(arch, attr):
+            _fail("--" + attr.replace("_", "-"), f"conflicts with {cfg_path}, whose model has no {attr}")
+    for attr, field in _ROPE_FLAGS:
+        given = getattr(args, attr)
+        if given is not None and (not arch.use_rope_scaling or given != getattr(arch, field)):
+            _fail("--" + attr.replace("_", "-"), f"{given} conflicts with {cfg_path} "
+                                                 f"(use_rope_scaling={arch.use_rope_scaling}, {field}="
+                                                 f"{getattr(arch, field)})")
+    if vocab_size > arch.vocab_size:
+        _fail("--tokenizer-model", f"the tokenizer has {vocab_size} tokens, more than the {arch.vocab_size} "
+                                   f"rows of {cfg_path} (vocab_size)")
+    return arch
 
 
 def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str, *,
@@ -595,10 +673,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                 _fail(gflags, str(e))
         trainable = role in ("actor", "critic")
         lr = args.lr if role == "actor" else (args.critic_lr if args.critic_lr is not None else args.lr)
-        hf = {"actor": args.hf_actor_path, "ref": args.hf_actor_path, "critic": args.hf_critic_path,
-              "reward": args.hf_reward_path}[role]
-        if hf and check_paths:
-            _check_hf_shape(arch, hf, role)
+        hf = _hf_dir_for(args, role)
         roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan,
                                trainable=trainable, lr=lr, hf_path=hf)
     N = args.n_samples_per_prompt

@@ -58,6 +58,8 @@ import torch
 import torch.distributed as dist
 
 import puzzle
+from puzzle.config import HEADS
+from puzzle.models.param_names import drop_extra_state
 from puzzle.parallel.device import runtime
 
 FORMAT = 1
@@ -264,7 +266,8 @@ def _role_sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool) 
     if not engine.member:
         return {}  # this rank holds no part of the model; the collective save/load still runs here
     metadata = _sharding_metadata(engine)
-    model_sd = engine.module.sharded_state_dict(prefix="", metadata=metadata)
+    # TE's FP8 metadata is dropped so the local and transformer_engine specs load each other's files
+    model_sd = drop_extra_state(engine.module.sharded_state_dict(prefix="", metadata=metadata))
     sd = {"model": model_sd}
     if with_optimizer and engine.optimizer is not None:
         if is_loading:
@@ -293,7 +296,7 @@ def weight_fingerprint(engine) -> list:
             if lay.d != 0 or (lay.t != 0 and not getattr(p, "tensor_model_parallel", False)):
                 continue  # DP replicas and TP-replicated tensors (norms, scalar heads) count once
             if (name == "output_layer.weight" and not arch.untie_embeddings_and_output_weights
-                    and not lay.is_first_stage):
+                    and HEADS[engine.role] == "lm" and not lay.is_first_stage):
                 continue  # the last stage's tied copy of the word embeddings
             x = p.detach().double()
             acc += torch.stack([x.sum(), (x * x).sum()])
@@ -525,7 +528,7 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
             sd = _role_sharded_state_dict(eng, is_loading=True, with_optimizer=load_optim)
             state = dist_checkpointing.load(sd, os.path.join(d, role))
             if eng.member:
-                eng.module.load_state_dict(state["model"], strict=True)
+                _load_module_state(eng.module, state["model"])
                 if load_optim:
                     # (megatron_patches.distrib_optimizer_step keeps Adam's "step" right on this path)
                     eng.optimizer.load_state_dict(state["optimizer"])  # fp32 main params included
@@ -585,3 +588,38 @@ def _refresh_main_params(engine) -> None:
     opt = engine.optimizer
     if hasattr(opt, "reload_model_params"):
         opt.reload_model_params()
+
+
+# ---- one model's weights (tools, tests) ------------------------------------------------------------
+def save_role_weights(engine, role_dir: str) -> None:
+    """Collective: write the weights of one role model (no optimizer) as a dist checkpoint, in the
+    same format as a role directory of save_checkpoint (any layout loads it)."""
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        os.makedirs(role_dir, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_role_sharded_state_dict(engine, is_loading=False, with_optimizer=False), role_dir)
+
+
+def load_role_weights(engine, role_dir: str) -> None:
+    """Collective: fill one role model's weights from a role directory of a checkpoint (e.g.
+    ``iter_0000010/actor``) saved at any layout, with either transformer implementation."""
+    from megatron.core import dist_checkpointing
+
+    sd = _role_sharded_state_dict(engine, is_loading=True, with_optimizer=False)
+    try:
+        state = dist_checkpointing.load(sd, role_dir)
+    except Exception as e:
+        raise CheckpointError(f"loading {engine.role} weights from {role_dir} failed: {e}") from e
+    if engine.member:
+        _load_module_state(engine.module, state["model"])
+
+
+def _load_module_state(module, state: dict) -> None:
+    """``load_state_dict`` that tolerates only TE's absent ``_extra_state`` (see param_names)."""
+    res = module.load_state_dict(state, strict=False)
+    missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
+    if missing or res.unexpected_keys:
+        raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, "
+                              f"unexpected {list(res.unexpected_keys)[:5]}")

@@ -37,6 +37,17 @@ class ModelArch:
     hidden_dropout: float = 0.0
     init_method_std: float = 0.02
     params_dtype: str = "float32"  # float32 | bfloat16 | float16
+    kv_channels: Optional[int] = None  # projection size per head; None = hidden / heads
+    add_qkv_bias: bool = False         # q/k/v biases only (Qwen2); add_bias_linear adds them all
+    qk_layernorm: bool = False         # per-head norm of queries and keys (Qwen3)
+    # Llama-3.x RoPE frequency scaling (HF rope_type "llama3"); defaults are Megatron-LM's
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    sliding_window: Optional[int] = None  # attention window of the checkpoint (None = full)
+    hf_model_type: str = "llama"       # the HF family an export writes (llama, qwen2, qwen3, mistral)
     attention_backend: str = "auto"  # auto | flash | fused | unfused | local (--attention-backend)
 
     def __post_init__(self):
@@ -46,12 +57,15 @@ class ModelArch:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.max_position_embeddings is None:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
+        explicit_kv_channels = self.kv_channels is not None
+        if not explicit_kv_channels:
+            object.__setattr__(self, "kv_channels", self.hidden_size // max(self.num_attention_heads, 1))
         errors = []
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "vocab_size", "seq_length"):
             if getattr(self, name) < 1:
                 errors.append(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if self.hidden_size % self.num_attention_heads:
+        if not explicit_kv_channels and self.hidden_size % self.num_attention_heads:
             errors.append(f"hidden_size={self.hidden_size} is not divisible by "
                           f"num_attention_heads={self.num_attention_heads}")
         if self.num_attention_heads % self.num_query_groups:
@@ -67,12 +81,21 @@ class ModelArch:
         if self.attention_backend not in ATTENTION_BACKENDS:
             errors.append(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} "
                           f"(got {self.attention_backend!r})")
+        if self.kv_channels < 1:
+            errors.append(f"kv_channels must be >= 1 (got {self.kv_channels})")
+        if self.use_rope_scaling and (self.rope_scaling_factor <= 0 or self.rope_original_max_position_embeddings < 1
+                                      or self.rope_high_freq_factor <= self.rope_low_freq_factor):
+            errors.append("rope scaling needs factor > 0, original_max_position_embeddings >= 1 and "
+                          f"high_freq_factor > low_freq_factor (got {self.rope_scaling_factor}, "
+                          f"{self.rope_original_max_position_embeddings}, {self.rope_high_freq_factor}, "
+                          f"{self.rope_low_freq_factor})")
+        if self.use_rope_scaling and self.position_embedding_type != "rope":
+            errors.append("use_rope_scaling needs position_embedding_type rope")
+        if self.sliding_window is not None and self.sliding_window < self.seq_length:
+            errors.append(f"sliding_window={self.sliding_window} is shorter than seq_length={self.seq_length}: "
+                          "sliding-window attention is not implemented (use a seq_length <= the window)")
         if errors:
             raise ValueError("invalid model architecture: " + "; ".join(errors))
-
-    @property
-    def kv_channels(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     @property
     def padded_vocab_size(self) -> int:

@@ -165,7 +165,8 @@ class PPOTrainer:
             mine = prompt_ids[layout.d * share:(layout.d + 1) * share]
             params = SamplingParams(max_new_tokens=R, temperature=ppo.temperature, top_k=ppo.top_k,
                                     top_p=ppo.top_p, greedy=ppo.greedy or greedy,
-                                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+                                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+                                    eos_ids=tuple(self.tokenizer.eos_ids))
             out = generate(engine, mine, params, seed=self.cfg.seed * 100003 + self.iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation,

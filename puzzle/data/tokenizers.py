@@ -1,5 +1,5 @@
 """Tokenizers with one small interface: ``encode``, ``decode``, ``vocab_size``, ``eos_id``,
-``pad_id``, ``bos_id`` and ``apply_chat_template``.
+``eos_ids`` (every id that ends a response), ``pad_id``, ``bos_id`` and ``apply_chat_template``.
 
 Names follow Megatron-LM's ``--tokenizer-type`` / ``--tokenizer-model`` flags:
 
@@ -9,7 +9,10 @@ Names follow Megatron-LM's ``--tokenizer-type`` / ``--tokenizer-model`` flags:
                           whitespace-separated integers, a different thing — so the name differs.)
                           ``ByteTokenizer`` is accepted as an alias.
 ``HuggingFaceTokenizer``  ``transformers.AutoTokenizer`` from a LOCAL directory
-                          (``--tokenizer-model DIR``); nothing is downloaded.
+                          (``--tokenizer-model DIR``); nothing is downloaded. The family's chat
+                          template comes with it; the stop ids from the directory's
+                          ``generation_config.json`` ``eos_token_id`` (an id or a list: Llama-3
+                          Instruct stops at <|eot_id|> or <|end_of_text|>), else the tokenizer's eos.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ class ByteTokenizer:
     @property
     def eos_id(self) -> int:
         return self.EOS
+
+    @property
+    def eos_ids(self) -> tuple:
+        return (self.EOS,)
 
     def encode(self, text: str, add_bos: bool = False) -> List[int]:
         ids = list(text.encode("utf-8"))
@@ -91,8 +98,12 @@ class HFTokenizer:
         except Exception as e:
             raise ValueError(f"--tokenizer-model {directory!r}: could not load a tokenizer: {e}") from e
         self.directory = directory
-        if self.tok.eos_token_id is None:
-            raise ValueError(f"tokenizer in {directory!r} has no eos token")
+        self._eos_ids = generation_eos_ids(directory)
+        if self.tok.eos_token_id is None and not self._eos_ids:
+            raise ValueError(f"tokenizer in {directory!r} has no eos token (and no generation_config.json "
+                             f"eos_token_id)")
+        if not self._eos_ids:
+            self._eos_ids = (int(self.tok.eos_token_id),)
 
     @property
     def vocab_size(self) -> int:
@@ -100,7 +111,13 @@ class HFTokenizer:
 
     @property
     def eos_id(self) -> int:
-        return int(self.tok.eos_token_id)
+        """The tokenizer's eos when it is a stop id, else the first stop id."""
+        eos = self.tok.eos_token_id
+        return int(eos) if eos is not None and int(eos) in self._eos_ids else self._eos_ids[0]
+
+    @property
+    def eos_ids(self) -> tuple:
+        return self._eos_ids
 
     @property
     def pad_id(self) -> int:
@@ -132,6 +149,24 @@ class HFTokenizer:
         if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 may return a BatchEncoding
             out = out["input_ids"]
         return [int(i) for i in out]
+
+
+def generation_eos_ids(directory: str) -> tuple:
+    """The ``eos_token_id`` (an int or a list) of ``directory/generation_config.json`` as a tuple;
+    () when the file or the field is absent."""
+    import json
+
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be an id or a list of ids (got {eos!r})")
+    return tuple(dict.fromkeys(ids))
 
 
 BYTE_NAMES = ("ByteLevelTokenizer", "ByteTokenizer")

@@ -72,6 +72,8 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
         gated_linear_unit=arch.swiglu,
         activation_func=torch.nn.functional.silu if arch.swiglu else torch.nn.functional.gelu,
         add_bias_linear=arch.add_bias_linear,
+        add_qkv_bias=arch.add_qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         attention_dropout=arch.attention_dropout,
         hidden_dropout=arch.hidden_dropout,
         init_method_std=arch.init_method_std,
@@ -152,6 +154,8 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
         return None
     from megatron.core.models.gpt import GPTModel
 
+    from puzzle.models.rope import apply_rope_scaling
+
     config = transformer_config(arch, layout, bf16=bf16, fp16=fp16, recompute=recompute,
                                 sequence_parallel=sequence_parallel, transformer_impl=transformer_impl)
     seed_model_rng(head_seed, layout)
@@ -163,11 +167,13 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
         pre_process=layout.is_first_stage,
         post_process=layout.is_last_stage,
         parallel_output=True,
-        share_embeddings_and_output_weights=not arch.untie_embeddings_and_output_weights,
+        # critic/reward replace the LM head with a scalar head: nothing to tie
+        share_embeddings_and_output_weights=HEADS[role] == "lm" and not arch.untie_embeddings_and_output_weights,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=arch.rotary_base,
         pg_collection=layout.pg_collection,
     )
+    apply_rope_scaling(model, arch)
     if HEADS[role] != "lm" and layout.is_last_stage:
         model.output_layer = ScalarHead(arch.hidden_size, config.params_dtype, layout.tp_group,
                                         config.sequence_parallel)

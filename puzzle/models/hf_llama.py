@@ -1,4 +1,5 @@
-"""HF LLaMA import/export for role models at any (P, D, T) layout.
+"""HF import/export of the LLaMA-family decoders (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) for role
+models at any (P, D, T) layout.
 
 Import (``load_hf_into_model``): every rank opens the safetensors files lazily (``safe_open``,
 through ``model.safetensors.index.json`` when sharded) and reads ONLY the rows/columns of its own
@@ -24,13 +25,13 @@ import torch
 from puzzle.config import HEADS, ModelArch
 from puzzle.models.hf_mapping import (HEAD_NAMES, HFEntry, UnsupportedHFModel, arch_from_hf_config,
                                       assemble, hf_config_from_arch, hf_entries, ours_to_hf)
-from puzzle.switch.param_layout import global_name, resolve_layers_per_stage, shard_slices
+from puzzle.models.init import param_specs, spec_name_of
+from puzzle.switch.param_layout import resolve_layers_per_stage, shard_slices
 
 __all__ = ["HFCheckpoint", "arch_from_hf_dir", "arch_from_hf_config", "load_hf_into_model", "export_hf",
            "UnsupportedHFModel", "hf_config_from_arch"]
 
 _EMBED = "embedding.word_embeddings.weight"
-_HEAD_LOCAL = "output_layer.weight"
 
 
 def _config_path(hf_dir: str) -> str:
@@ -111,19 +112,10 @@ def _head_name(ckpt: HFCheckpoint) -> Optional[str]:
     return None
 
 
-def _spec_name_of(local: str, role: str, arch: ModelArch, p: int, lps) -> str:
-    """Our global spec name of a local parameter (same rules as puzzle.models.init)."""
-    if local == _HEAD_LOCAL and HEADS[role] != "lm":
-        return "value_head.weight"
-    if local == _HEAD_LOCAL and not arch.untie_embeddings_and_output_weights:
-        return _EMBED  # the last stage's copy of tied word embeddings
-    return global_name(local, p, lps)
-
-
 @torch.no_grad()
 def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_dir: str, *,
                        allow_missing_head: bool = False) -> Dict[str, int]:
-    """Fill this rank's shards of ``module`` (built by build_role_model) from an HF LLaMA directory.
+    """Fill this rank's shards of ``module`` (built by build_role_model) from an HF directory.
 
     Not collective: each rank reads only the HF rows/columns of its own shards. Critic/reward
     heads come from ``score.weight`` or ``v_head.weight``; with ``allow_missing_head`` a
@@ -144,8 +136,6 @@ def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_d
         raise KeyError(f"{hf_dir}: untied model needs lm_head.weight (tie_word_embeddings false?)")
     entries = {e.ours: e for e in hf_entries(arch, role, prefix=_prefix(ckpt),
                                              head_name=head or HEAD_NAMES[0])}
-    from puzzle.models.init import param_specs
-
     specs = {s.name: s for s in param_specs(arch, role)}
     emb_hf = entries[_EMBED].hf[0]
     if emb_hf in ckpt and ckpt.shape(emb_hf) != (arch.vocab_size, arch.hidden_size):
@@ -154,7 +144,7 @@ def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_d
     lps = resolve_layers_per_stage(arch.num_layers, plan.P)
     filled = 0
     for local, param in module.named_parameters():
-        name = _spec_name_of(local, role, arch, layout.p, lps)
+        name = spec_name_of(local, role, arch, layout.p, lps)
         if name not in specs:
             raise KeyError(f"{role}: parameter {local} (global {name}) has no layout description")
         if name == "value_head.weight" and head is None:
@@ -184,7 +174,7 @@ def _local_shards(module, arch: ModelArch, role: str) -> Optional[dict]:
     lps = resolve_layers_per_stage(arch.num_layers, layout.plan.P)
     out = {}
     for local, param in module.named_parameters():
-        name = _spec_name_of(local, role, arch, layout.p, lps)
+        name = spec_name_of(local, role, arch, layout.p, lps)
         if name == _EMBED and not layout.is_first_stage:
             continue  # the tied copy on the last stage; the first stage's is the original
         out[name] = param.detach().cpu().clone()
@@ -195,7 +185,6 @@ def gather_full_state(module, arch: ModelArch, role: str, dst: int = 0) -> Optio
     """Whole tensors {global spec name: tensor} on rank ``dst`` (None elsewhere). Collective over
     the default group; ranks outside the model's layout pass ``module=None``."""
     import torch.distributed as dist
-    from puzzle.models.init import param_specs
 
     mine = _local_shards(module, arch, role)
     if dist.is_initialized() and dist.get_world_size() > 1:

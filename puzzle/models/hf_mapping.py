@@ -1,4 +1,5 @@
-"""The ONE mapping between HF LlamaForCausalLM tensors and our global ParamSpec names (pure).
+"""The ONE mapping between HF LLaMA-family tensors (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) and
+our global ParamSpec names (pure).
 
 ==========================================================  =============================================
 ours (global ParamSpec name)                                HF LLaMA
@@ -7,6 +8,9 @@ embedding.word_embeddings.weight  [Vpad, h]                 model.embed_tokens.w
 decoder.layers.i.input_layernorm.weight                     model.layers.i.input_layernorm.weight
 decoder.layers.i.self_attention.linear_qkv.weight           model.layers.i.self_attn.{q,k,v}_proj.weight
     group-major: for group g: q heads g*r..(g+1)*r-1, k_g, v_g   (r = heads / kv_heads)
+decoder.layers.i.self_attention.linear_qkv.bias             model.layers.i.self_attn.{q,k,v}_proj.bias (Qwen2)
+decoder.layers.i.self_attention.q_layernorm.weight          model.layers.i.self_attn.q_norm.weight (Qwen3)
+decoder.layers.i.self_attention.k_layernorm.weight          model.layers.i.self_attn.k_norm.weight (Qwen3)
 decoder.layers.i.self_attention.linear_proj.weight          model.layers.i.self_attn.o_proj.weight
 decoder.layers.i.pre_mlp_layernorm.weight                   model.layers.i.post_attention_layernorm.weight
 decoder.layers.i.mlp.linear_fc1.weight  [gate; up]          model.layers.i.mlp.{gate,up}_proj.weight
@@ -71,7 +75,7 @@ def hf_entries(arch, role: str = "actor", *, prefix: str = "model.", head_name: 
 
     if arch.normalization != "RMSNorm" or not arch.swiglu or arch.add_bias_linear \
             or arch.position_embedding_type != "rope":
-        raise ValueError("HF LLaMA mapping needs RMSNorm, SwiGLU, no linear biases and RoPE "
+        raise ValueError("HF LLaMA-family mapping needs RMSNorm, SwiGLU, no linear biases but q/k/v and RoPE "
                          f"(arch: {arch})")
     if head_name not in HEAD_NAMES:
         raise ValueError(f"head_name must be one of {HEAD_NAMES}, got {head_name!r}")
@@ -80,6 +84,10 @@ def hf_entries(arch, role: str = "actor", *, prefix: str = "model.", head_name: 
         "input_layernorm.weight": ("copy", ("input_layernorm.weight",)),
         "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                      "self_attn.v_proj.weight")),
+        "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                   "self_attn.v_proj.bias")),
+        "self_attention.q_layernorm.weight": ("copy", ("self_attn.q_norm.weight",)),
+        "self_attention.k_layernorm.weight": ("copy", ("self_attn.k_norm.weight",)),
         "self_attention.linear_proj.weight": ("copy", ("self_attn.o_proj.weight",)),
         "pre_mlp_layernorm.weight": ("copy", ("post_attention_layernorm.weight",)),
         "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
@@ -208,69 +216,126 @@ def ours_to_hf(entry: HFEntry, full: torch.Tensor, arch) -> Dict[str, torch.Tens
 
 # ---- HF config -> ModelArch ----------------------------------------------------------------------
 class UnsupportedHFModel(ValueError):
-    """An HF config this importer cannot represent (the message names the file)."""
+    """An HF config this importer cannot represent (the message names the file and the field)."""
+
+
+# model_type -> (causal-LM class, sequence-classification class); every family is a LLaMA
+# decoder (RMSNorm, SwiGLU, rotate_half RoPE) plus its own attention details.
+FAMILIES = {
+    "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+    "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+}
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def _rope_fields(config: dict, problems: list):
+    """(rope_theta, llama3 scaling dict or None) of an HF config (transformers 5 ``rope_parameters``
+    or the older ``rope_theta`` + ``rope_scaling``)."""
+    rope = dict(config.get("rope_parameters") or {})
+    rope.update(config.get("rope_scaling") or {})  # the older field, when given, names the scaling
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        problems.append(f"rope_parameters.rope_type={rope_type!r} (supported: 'default', 'llama3')")
+        return theta, None
+    need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in need if rope.get(k) is None]
+    if missing:
+        problems.append(f"rope_parameters (llama3) lacks {', '.join(missing)}")
+        return theta, None
+    return theta, {k: rope[k] for k in need}
 
 
 def arch_from_hf_config(config: dict, source: str = "config.json", **overrides):
-    """ModelArch of an HF LLaMA ``config.json`` dict; ``overrides`` (ModelArch fields) win.
+    """ModelArch of an HF ``config.json`` dict (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3);
+    ``overrides`` (ModelArch fields) win.
 
     Defaults: ``seq_length`` = ``max_position_embeddings``, ``make_vocab_size_divisible_by``
     = 128 (Megatron's), ``params_dtype`` = float32 (master weights; pass bf16 to the engine).
+    Anything else (another model_type, MoE, other RoPE scalings, biases beyond q/k/v) raises
+    UnsupportedHFModel naming ``source`` and the field, before anything is allocated.
     """
     from puzzle.config import ModelArch
 
     problems = []
     mt = config.get("model_type")
-    if mt != "llama":
-        problems.append(f"model_type={mt!r} (only 'llama' is supported)")
-    rope_scaling = config.get("rope_scaling")
-    if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) not in (None, "default"):
-        problems.append(f"rope_scaling={rope_scaling} (only plain RoPE is supported)")
-    rope_params = config.get("rope_parameters") or {}
-    if rope_params.get("rope_type", "default") != "default":
-        problems.append(f"rope_parameters.rope_type={rope_params.get('rope_type')!r} (only 'default' RoPE)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if config.get(flag):
-            problems.append(f"{flag}=true (megatron layers here have no biases)")
+    if mt not in FAMILIES:
+        problems.append(f"model_type={mt!r} (supported: {', '.join(sorted(FAMILIES))})")
+    for f in _MOE_FIELDS:
+        if config.get(f):
+            problems.append(f"{f}={config[f]} (mixture-of-experts models are not supported)")
+    theta, llama3 = _rope_fields(config, problems)
+    if config.get("mlp_bias"):
+        problems.append("mlp_bias=true (MLP biases are not supported)")
+    if mt in ("llama", "qwen3") and config.get("attention_bias"):
+        problems.append("attention_bias=true (an o_proj bias is not supported)")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         problems.append(f"hidden_act={act!r} (SwiGLU needs silu)")
+    for f in ("partial_rotary_factor",):
+        if config.get(f) not in (None, 1, 1.0):
+            problems.append(f"{f}={config[f]} (only full rotary)")
+    window = None
+    if mt == "mistral" and config.get("sliding_window"):
+        window = int(config["sliding_window"])
+    if mt in ("qwen2", "qwen3") and config.get("use_sliding_window") and config.get("sliding_window"):
+        window = int(config["sliding_window"])
     h, nh = config.get("hidden_size"), config.get("num_attention_heads")
-    hd = config.get("head_dim")
-    if h and nh and hd is not None and hd != h // nh:
-        problems.append(f"head_dim={hd} != hidden_size / num_attention_heads = {h // nh}")
+    hd = config.get("head_dim") if mt != "qwen2" else None  # Qwen2 always uses hidden / heads
     if problems:
         raise UnsupportedHFModel(f"{source}: unsupported HF model: " + "; ".join(problems))
     missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                            "vocab_size") if k not in config]
     if missing:
         raise UnsupportedHFModel(f"{source}: missing {', '.join(missing)}")
-    theta = rope_params.get("rope_theta", config.get("rope_theta", 10000.0))
     theta = int(theta) if float(theta).is_integer() else float(theta)
     maxpos = int(config.get("max_position_embeddings", 2048))
     kw = dict(
         num_layers=config["num_hidden_layers"], hidden_size=h, ffn_hidden_size=config["intermediate_size"],
         num_attention_heads=nh, num_query_groups=config.get("num_key_value_heads") or nh,
+        kv_channels=int(hd) if hd else None,
         vocab_size=config["vocab_size"], make_vocab_size_divisible_by=128, seq_length=maxpos,
         max_position_embeddings=maxpos, normalization="RMSNorm",
         norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), swiglu=True, position_embedding_type="rope",
         rotary_base=theta, untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
-        add_bias_linear=False, attention_dropout=0.0, hidden_dropout=0.0,
+        add_bias_linear=False, add_qkv_bias=mt == "qwen2" or bool(mt == "mistral" and config.get("attention_bias")),
+        qk_layernorm=mt == "qwen3", sliding_window=window, hf_model_type=mt,
+        attention_dropout=0.0, hidden_dropout=0.0,
         init_method_std=float(config.get("initializer_range", 0.02)), params_dtype="float32",
     )
+    if llama3:
+        kw.update(use_rope_scaling=True, rope_scaling_factor=float(llama3["factor"]),
+                  rope_low_freq_factor=float(llama3["low_freq_factor"]),
+                  rope_high_freq_factor=float(llama3["high_freq_factor"]),
+                  rope_original_max_position_embeddings=int(llama3["original_max_position_embeddings"]))
     kw.update(overrides)
-    return ModelArch(**kw)
+    try:
+        return ModelArch(**kw)
+    except ValueError as e:
+        raise UnsupportedHFModel(f"{source}: {e}") from e
 
 
 def hf_config_from_arch(arch, role: str = "actor", dtype: str = "float32", **extra) -> dict:
-    """An HF ``config.json`` dict for ``arch`` (LlamaForCausalLM, or LlamaForSequenceClassification
-    with num_labels=1 for critic/reward)."""
+    """An HF ``config.json`` dict for ``arch`` in its family (``arch.hf_model_type``): the
+    causal-LM class, or the sequence-classification class with num_labels=1 for critic/reward."""
     from puzzle.config import HEADS
 
+    mt = arch.hf_model_type
+    if mt not in FAMILIES:
+        raise ValueError(f"cannot export model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
     lm = HEADS[role] == "lm"
+    rope = {"rope_theta": float(arch.rotary_base), "rope_type": "default"}
+    if arch.use_rope_scaling:
+        rope.update(rope_type="llama3", factor=arch.rope_scaling_factor,
+                    low_freq_factor=arch.rope_low_freq_factor, high_freq_factor=arch.rope_high_freq_factor,
+                    original_max_position_embeddings=arch.rope_original_max_position_embeddings)
     cfg = {
-        "architectures": ["LlamaForCausalLM" if lm else "LlamaForSequenceClassification"],
-        "model_type": "llama",
+        "architectures": [FAMILIES[mt][0 if lm else 1]],
+        "model_type": mt,
         "hidden_size": arch.hidden_size,
         "intermediate_size": arch.ffn_hidden_size,
         "num_hidden_layers": arch.num_layers,
@@ -281,19 +346,27 @@ def hf_config_from_arch(arch, role: str = "actor", dtype: str = "float32", **ext
         "max_position_embeddings": arch.max_position_embeddings,
         "rms_norm_eps": arch.norm_epsilon,
         "rope_theta": float(arch.rotary_base),
-        "rope_parameters": {"rope_theta": float(arch.rotary_base), "rope_type": "default"},
-        "rope_scaling": None,
+        "rope_parameters": rope,
         "tie_word_embeddings": bool(lm and not arch.untie_embeddings_and_output_weights),
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": 0.0,
         "initializer_range": arch.init_method_std,
-        "pretraining_tp": 1,
         "use_cache": True,
         "dtype": dtype,
-        "torch_dtype": dtype,
     }
+    if mt == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif mt == "mistral":
+        cfg.update(sliding_window=arch.sliding_window)
+    else:  # qwen2 / qwen3
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=arch.num_layers,
+                   layer_types=["full_attention"] * arch.num_layers)
+        if mt == "qwen2":
+            if arch.kv_channels * arch.num_attention_heads != arch.hidden_size:
+                raise ValueError(f"qwen2 cannot express kv_channels={arch.kv_channels} != hidden / heads")
+            del cfg["head_dim"]  # Qwen2 derives it from hidden / heads
+        else:
+            cfg.update(attention_bias=False)
     if not lm:
         cfg.update({"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}})
     cfg.update(extra)

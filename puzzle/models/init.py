@@ -39,7 +39,21 @@ def param_specs(arch: ModelArch, role: str):
         normalization=arch.normalization, head=HEADS[role], kv_channels=arch.kv_channels,
         position_embedding_type=arch.position_embedding_type,
         max_sequence_length=arch.max_position_embeddings,
+        add_qkv_bias=arch.add_qkv_bias, qk_layernorm=arch.qk_layernorm,
     )
+
+
+def spec_name_of(local: str, role: str, arch: ModelArch, p: int, layers_per_stage) -> str:
+    """The global canonical spec name of a module parameter on stage ``p``, whichever layer
+    spec (local or transformer_engine) built it."""
+    from puzzle.models.param_names import canonical_param_name
+    from puzzle.switch.param_layout import global_name
+
+    if local == HEAD_LOCAL_NAME and HEADS[role] != "lm":
+        return HEAD_SPEC_NAME
+    if local == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"  # the last stage's copy of tied word embeddings
+    return global_name(canonical_param_name(local), p, layers_per_stage)
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -71,20 +85,14 @@ def local_shard(spec, full: torch.Tensor, T: int, t: int) -> torch.Tensor:
 @torch.no_grad()
 def init_layout_independent(module: torch.nn.Module, arch: ModelArch, role: str, seed: int) -> None:
     """Overwrite every parameter of ``module`` (one rank's shard) with its layout-independent value."""
-    from puzzle.switch.param_layout import global_name, resolve_layers_per_stage
+    from puzzle.switch.param_layout import resolve_layers_per_stage
 
     layout = module.puzzle_layout
     plan = layout.plan
     specs = {s.name: s for s in param_specs(arch, role)}
     lps = resolve_layers_per_stage(arch.num_layers, plan.P)
-    embedding = "embedding.word_embeddings.weight"
     for local, param in module.named_parameters():
-        if local == HEAD_LOCAL_NAME and HEADS[role] != "lm":
-            name = HEAD_SPEC_NAME
-        elif local == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights:
-            name = embedding  # the last stage's copy of tied word embeddings
-        else:
-            name = global_name(local, layout.p, lps)
+        name = spec_name_of(local, role, arch, layout.p, lps)
         if name not in specs:
             raise KeyError(f"{role}: parameter {local} (global {name}) has no layout description")
         spec = specs[name]

@@ -95,7 +95,8 @@ class SlotBatch:
         from puzzle.models.sdpa_attention import StaticKVCache
 
         self.prompts, self.queue = prompts, deque(order)
-        self.max_new, self.eos_id = params.max_new_tokens, params.eos_id
+        self.max_new = params.max_new_tokens
+        self.stop_ids = torch.tensor(list(params.stop_ids), dtype=torch.long, device=device)
         self.slots, self.results, self.device = slots, results, device
         width = max(len(prompts[r]) for r in order) + self.max_new
         self.cache = cache if cache is not None else StaticKVCache(slots, width)
@@ -160,9 +161,7 @@ class SlotBatch:
         self.count[sl] = step + 1
         self.results.resp_len[rows] = step + 1
         self.last[sl] = tok
-        fin = step + 1 >= self.max_new
-        if self.eos_id is not None:
-            fin = fin | (tok == self.eos_id)
+        fin = (step + 1 >= self.max_new) | torch.isin(tok, self.stop_ids)
         if bool(fin.any()):
             gone = sl[fin]
             self.active[gone] = False
@@ -323,8 +322,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
                          f"{engine.layout.plan}; only its ranks call generate")
     arch = engine.arch
     _check_prompts(prompts, arch.vocab_size)
-    if params.eos_id is not None and params.eos_id >= arch.vocab_size:
-        raise ValueError(f"eos_id={params.eos_id} is outside the vocabulary ({arch.vocab_size})")
+    if any(i >= arch.vocab_size for i in params.stop_ids):
+        raise ValueError(f"eos_id/eos_ids {params.stop_ids} are outside the vocabulary ({arch.vocab_size})")
     if not isinstance(sample_offset, int) or sample_offset < 0:
         raise ValueError(f"sample_offset must be an int >= 0 (got {sample_offset!r})")
     b = len(prompts)

@@ -24,7 +24,7 @@ Ids >= ``true_vocab`` (the padding of the vocabulary) are never selected.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,12 @@ class SamplingParams:
     greedy: bool = False
     eos_id: Optional[int] = None
     pad_id: int = 0
+    eos_ids: Tuple[int, ...] = ()  # further stop ids (Llama-3: <|eot_id|> and <|end_of_text|>)
+
+    @property
+    def stop_ids(self) -> Tuple[int, ...]:
+        """Every id that ends a response: ``eos_id`` and ``eos_ids``."""
+        return tuple(dict.fromkeys(((self.eos_id,) if self.eos_id is not None else ()) + tuple(self.eos_ids)))
 
     def __post_init__(self):
         errors = []
@@ -69,6 +75,8 @@ class SamplingParams:
             errors.append(f"greedy must be a bool (got {self.greedy!r})")
         if self.eos_id is not None and (not isinstance(self.eos_id, int) or self.eos_id < 0):
             errors.append(f"eos_id must be None or an int >= 0 (got {self.eos_id!r})")
+        if not isinstance(self.eos_ids, tuple) or any(not isinstance(i, int) or i < 0 for i in self.eos_ids):
+            errors.append(f"eos_ids must be a tuple of ints >= 0 (got {self.eos_ids!r})")
         if not isinstance(self.pad_id, int) or isinstance(self.pad_id, bool):
             errors.append(f"pad_id must be an int (got {self.pad_id!r})")
         if errors:

@@ -148,9 +148,13 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
                     add_bias_linear: bool = False, add_qkv_bias: bool = False, untie_embeddings: bool = True,
                     normalization: str = "RMSNorm", head: str = "lm", kv_channels: Optional[int] = None,
                     position_embedding_type: str = "rope",
-                    max_sequence_length: Optional[int] = None) -> List[ParamSpec]:
-    """Parameters of a GPTModel built with ``get_gpt_layer_local_spec`` (no MoE, no qk-norm),
-    in ``named_parameters()`` order, with global names.
+                    max_sequence_length: Optional[int] = None, qk_layernorm: bool = False) -> List[ParamSpec]:
+    """Parameters of a GPTModel built with ``get_gpt_layer_local_spec`` (no MoE), in
+    ``named_parameters()`` order, with global (canonical) names. The transformer_engine spec's
+    names and order follow from these (puzzle.models.param_names).
+
+    qk_layernorm: per-head q and k norms ``self_attention.{q,k}_layernorm.weight`` [head dim]
+    (+ ``.bias`` for LayerNorm), replicated on every TP rank.
 
     head: 'lm' (output_layer.weight, or tied to the embedding), 'value' / 'score' (a
     ``value_head.weight`` [1, hidden], replicated, instead of the output layer).
@@ -180,10 +184,10 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
         specs.append(ParamSpec("embedding.position_embeddings.weight", (max_sequence_length, h), "replicated",
                                stage_hint="first"))
 
-    def norm(prefix, **kw):
-        specs.append(ParamSpec(f"{prefix}.weight", (h,), "replicated", **kw))
+    def norm(prefix, size=h, **kw):
+        specs.append(ParamSpec(f"{prefix}.weight", (size,), "replicated", **kw))
         if ln_bias:
-            specs.append(ParamSpec(f"{prefix}.bias", (h,), "replicated", **kw))
+            specs.append(ParamSpec(f"{prefix}.bias", (size,), "replicated", **kw))
 
     qkv_rows = (nq + 2 * ng) * hd
     fc1_rows = 2 * ffn if swiglu else ffn
@@ -201,6 +205,9 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
         specs.append(ParamSpec(f"{pre}.self_attention.linear_qkv.weight", (qkv_rows, h), "qkv", layer=i, **groups))
         if add_bias_linear or add_qkv_bias:
             specs.append(ParamSpec(f"{pre}.self_attention.linear_qkv.bias", (qkv_rows,), "qkv", layer=i, **groups))
+        if qk_layernorm:
+            norm(f"{pre}.self_attention.q_layernorm", hd, layer=i)
+            norm(f"{pre}.self_attention.k_layernorm", hd, layer=i)
         norm(f"{pre}.pre_mlp_layernorm", layer=i)
         specs.append(ParamSpec(f"{pre}.mlp.linear_fc1.weight", (fc1_rows, h), fc1_kind, layer=i, **ffns))
         if add_bias_linear:

@@ -20,6 +20,7 @@ import torch
 
 from puzzle.config import HEADS, ModelArch
 from puzzle.models.init import HEAD_LOCAL_NAME, HEAD_SPEC_NAME, param_specs
+from puzzle.models.param_names import canonical_param_name
 from puzzle.parallel.plan import ParallelPlan, PlanError
 from puzzle.switch.routing import RoutingTable, build_routing_table
 
@@ -41,7 +42,8 @@ def param_bytes(module: Optional[torch.nn.Module]) -> int:
 
 def table_params(module: Optional[torch.nn.Module], role: str) -> Dict[str, torch.Tensor]:
     """A model's parameters under the routing table's local names (the scalar head
-    ``output_layer.weight`` of critic/reward is the spec ``value_head.weight``). Tensors are the
+    ``output_layer.weight`` of critic/reward is the spec ``value_head.weight``; transformer_engine
+    names are mapped to the canonical local-spec names, puzzle.models.param_names). Tensors are the
     parameters' data (writes land in the model)."""
     if module is None:
         return {}
@@ -49,7 +51,7 @@ def table_params(module: Optional[torch.nn.Module], role: str) -> Dict[str, torc
     for name, p in module.named_parameters():
         if name == HEAD_LOCAL_NAME and HEADS[role] != "lm":
             name = HEAD_SPEC_NAME
-        out[name] = p.data
+        out[canonical_param_name(name)] = p.data
     return out
 
 

@@ -43,7 +43,7 @@ class ModelEngine:
     def __init__(self, role: str, arch: ModelArch, layout: Layout, *, trainable: bool,
                  optim: Optional[OptimConfig] = None, seed: int = 1234, recompute: bool = False,
                  bf16: bool = False, fp16: bool = False, transformer_impl: str = "local",
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, layout_independent_init: bool = True):
         self.role, self.arch, self.layout, self.trainable = role, arch, layout, trainable
         self.optimizer = None
         self.scheduler = None
@@ -51,7 +51,8 @@ class ModelEngine:
         self.module = build_role_model(role, arch, layout, bf16=bf16, fp16=fp16,
                                        recompute=recompute, head_seed=seed,
                                        transformer_impl=transformer_impl,
-                                       sequence_parallel=sequence_parallel)
+                                       sequence_parallel=sequence_parallel,
+                                       layout_independent_init=layout_independent_init)
         self.model = self.module
         if self.module is None:
             self.config = None

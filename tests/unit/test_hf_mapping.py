@@ -47,12 +47,17 @@ def test_arch_from_hf_config():
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"model_type": "mistral"}, "model_type='mistral'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "yarn"),
+    ({"model_type": "mixtral"}, "model_type='mixtral'"),
+    ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe'"),
+    ({"num_experts": 8}, "num_experts=8"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_parameters \(llama3\) lacks low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type='yarn'"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"head_dim": 16}, "head_dim"),
+    ({"model_type": "mistral", "sliding_window": 32}, "sliding_window=32 is shorter than seq_length=64"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16}, "sliding_window=16"),
 ])
 def test_unsupported_hf_config_names_the_file(change, needle):
     with pytest.raises(UnsupportedHFModel, match=needle) as e:

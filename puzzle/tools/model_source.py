@@ -1,0 +1,113 @@
+"""Where a tool's model comes from: an HF directory or a puzzle checkpoint, at any layout.
+
+``SOURCE`` is either an HF model directory (``config.json`` + safetensors: Llama-2/3.x, Mistral,
+Qwen2/2.5, Qwen3) or a puzzle checkpoint root written by ``train_ppo.py --save`` (its
+``latest_checkpointed_iteration.txt``, or ``--ckpt-step``), whose ``metadata.json`` holds every
+role's architecture. Either loads into a model built at the caller's (P, D, T), whatever layout
+wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Tuple
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def checkpoint_role_dir(root: str, role: str, step: Optional[int] = None) -> Tuple[str, dict]:
+    """(the role's weights directory, that role's ModelArch fields) of a puzzle checkpoint."""
+    from puzzle.checkpointing import METADATA, iter_dir, read_tracker
+
+    it = step if step is not None else read_tracker(root)
+    if it is None:
+        raise FileNotFoundError(f"{root}: neither an HF directory (config.json) nor a puzzle checkpoint "
+                                f"(latest_checkpointed_iteration.txt)")
+    d = iter_dir(root, it)
+    with open(os.path.join(d, METADATA)) as f:
+        meta = json.load(f)
+    if role not in meta["roles"]:
+        raise KeyError(f"{d}: no role {role!r} in the checkpoint (has {', '.join(meta['roles'])})")
+    if not os.path.isdir(os.path.join(d, role)):
+        raise FileNotFoundError(f"{d}/{role}: the checkpoint holds no weights of {role} (only trainable "
+                                f"roles are saved; a frozen one comes from its source "
+                                f"{meta['roles'][role].get('source')})")
+    return os.path.join(d, role), meta["roles"][role]["arch"]
+
+
+def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq_length: Optional[int] = None,
+                make_vocab_size_divisible_by: int = 128, bf16: bool = False,
+                transformer_impl: str = "transformer_engine"):
+    """A frozen ModelEngine of ``role`` at ``plan`` with the weights of ``source`` (collective).
+    ``transformer_impl`` falls back to the local spec where TE cannot run (as train_ppo.py)."""
+    from puzzle.config import ModelArch
+    from puzzle.models.builders import resolve_transformer_impl
+    from puzzle.parallel.groups import layout_for
+    from puzzle.training.engine import ModelEngine
+
+    impl, _ = resolve_transformer_impl(transformer_impl)
+    layout = layout_for(plan)
+    if is_hf_dir(source):
+        from puzzle.models.hf_llama import arch_from_hf_dir, load_hf_into_model
+
+        overrides = {"make_vocab_size_divisible_by": make_vocab_size_divisible_by}
+        if seq_length:
+            overrides["seq_length"] = seq_length
+        arch = arch_from_hf_dir(source, **overrides)
+        engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False,
+                             transformer_impl=impl)
+        load_hf_into_model(engine.module, arch, role, source)
+        return engine
+    from puzzle.checkpointing import load_role_weights
+
+    role_dir, fields = checkpoint_role_dir(source, role, step)
+    arch = ModelArch(**fields)
+    engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False,
+                             transformer_impl=impl)
+    load_role_weights(engine, role_dir)
+    return engine
+
+
+def add_source_args(parser) -> None:
+    """--load / --role / --ckpt-step and the layout flags shared by the tools."""
+    g = parser.add_argument_group("model source and layout")
+    g.add_argument("--load", required=True, help="HF model directory or puzzle checkpoint root")
+    g.add_argument("--role", default="actor", choices=("actor", "ref", "critic", "reward"),
+                   help="the model of a puzzle checkpoint (and of its export)")
+    g.add_argument("--ckpt-step", type=int, default=None, help="checkpoint iteration (default: the latest)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
+                   help="layer implementation (transformer_engine falls back to local without CUDA + TE)")
+
+
+def start_world(args):
+    """Patches, process group (joined when already initialised), and the (P, D, T) plan over the
+    whole world from the layout flags. Returns (rank, plan, owns_world)."""
+    import megatron_patches
+
+    megatron_patches.apply()
+    import torch.distributed as dist
+
+    from puzzle.parallel.groups import init_distributed
+    from puzzle.parallel.plan import ParallelPlan
+
+    owns_world = not dist.is_initialized()
+    rank, world = init_distributed()
+    T, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if T < 1 or P < 1 or world % (T * P):
+        raise SystemExit(f"--tensor-model-parallel-size/--pipeline-model-parallel-size: T*P = {T * P} "
+                         f"does not divide the world size {world}")
+    return rank, ParallelPlan(P, world // (T * P), T), owns_world
+
+
+def end_world(owns_world: bool) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    if owns_world:
+        dist.destroy_process_group()
