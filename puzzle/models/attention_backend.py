@@ -55,17 +55,21 @@ def te_attention_config(backend: str, transformer_impl: str) -> dict:
     return {"attention_backend": AttnBackend[te]}
 
 
-def attention_layer_spec(normalization: str, backend: str, transformer_impl: str):
-    """megatron-core GPT layer spec whose core attention is the one ``backend`` names."""
+def attention_layer_spec(normalization: str, backend: str, transformer_impl: str,
+                         qk_layernorm: bool = False):
+    """megatron-core GPT layer spec whose core attention is the one ``backend`` names.
+
+    (megatron-core 0.16's TE spec has no ``normalization`` argument: TE's fused layernorm-linear
+    modules take the norm type from the TransformerConfig.)"""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     from puzzle.models import sdpa_attention as sa
 
     spec = attention_choice(backend, transformer_impl)[0]
     if spec == "te":
-        layer = specs.get_gpt_layer_with_transformer_engine_spec(normalization=normalization)
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
-        layer = specs.get_gpt_layer_local_spec(normalization=normalization)
+        layer = specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     attn = layer.submodules.self_attention
     core = attn.submodules.core_attention
     if spec == "te":

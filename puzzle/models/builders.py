@@ -135,7 +135,8 @@ def layer_spec(arch: ModelArch, transformer_impl: str = "local"):
     if transformer_impl == "transformer_engine" and not te_available():
         raise RuntimeError("transformer_impl='transformer_engine' needs CUDA and transformer_engine; "
                            "resolve it with resolve_transformer_impl first")
-    return attention_layer_spec(arch.normalization, arch.attention_backend, transformer_impl)
+    return attention_layer_spec(arch.normalization, arch.attention_backend, transformer_impl,
+                                qk_layernorm=arch.qk_layernorm)
 
 
 def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool = False,
