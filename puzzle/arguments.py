@@ -14,6 +14,9 @@ import argparse
 import os
 from typing import List, Optional
 
+from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
+from puzzle.flag_checks import fail as _fail
+
 ROLE_PREFIXED = ("critic", "reward", "ref")
 
 # (flag, type, default, help) of model-shape flags that roles may override with a prefix
@@ -25,10 +28,6 @@ _MODEL_FLAGS = [
     ("num-query-groups", int, None, "Query groups for grouped-query attention."),
     ("kv-channels", int, None, "Projection size per head (default hidden / heads)."),
 ]
-
-
-class ArgumentError(ValueError):
-    """A flag value (or combination) that cannot run. The message names the flag."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -319,10 +318,6 @@ def role_value(args, role: str, flag: str):
     return getattr(args, attr)
 
 
-def _fail(flag: str, message: str):
-    raise ArgumentError(f"{flag}: {message}")
-
-
 def _arch_for(args, role: str, vocab_size: int):
     """The role's ModelArch: from its HF ``config.json`` when one is at hand (flags may only
     repeat it; a critic/reward without a checkpoint of its own takes the actor's shape, as its
@@ -517,54 +512,6 @@ def role_set(args) -> List[str]:
     return roles
 
 
-def _check_algorithm_args(args) -> None:
-    """The GRPO-family / DAPO / reward-function flags and their combinations."""
-    from puzzle.algorithms.advantage_estimators import ESTIMATORS
-
-    est, N = args.advantage_estimator, args.n_samples_per_prompt
-    spec = ESTIMATORS[est]
-    if N < 1:
-        _fail("--n-samples-per-prompt", f"must be >= 1 (got {N})")
-    if spec.needs_groups and N < 2:
-        _fail("--n-samples-per-prompt", f"--advantage-estimator {est} compares the samples of a prompt: "
-                                        f"it needs at least 2 samples per prompt (got {N})")
-    if args.filter_groups:
-        if est == "gae":
-            _fail("--filter-groups", "dynamic sampling filters groups of samples; it needs a group "
-                                     "estimator (--advantage-estimator grpo, rloo, ...), not gae")
-        if N < 2:
-            _fail("--filter-groups", f"needs --n-samples-per-prompt >= 2 (got {N})")
-        if not args.reward_fn:
-            _fail("--filter-groups", "needs --reward-fn (groups are filtered in the generation stage)")
-        if spec.needs_greedy_baseline:
-            _fail("--filter-groups", "not with --advantage-estimator remax (its greedy baseline is generated "
-                                     "for the iteration's first prompts)")
-    if spec.needs_greedy_baseline and not args.reward_fn:
-        _fail("--advantage-estimator", "remax scores its greedy baseline in the generation stage: it needs "
-                                       "--reward-fn, not a reward model")
-    if args.max_num_gen_batches < 1:
-        _fail("--max-num-gen-batches", f"must be >= 1 (got {args.max_num_gen_batches})")
-    for flag in ("clip_eps", "clip_eps_low", "clip_eps_high"):
-        v = getattr(args, flag)
-        if v is not None and not v > 0:
-            _fail("--" + flag.replace("_", "-"), f"must be > 0 (got {v})")
-    if args.kl_loss_coef < 0:
-        _fail("--kl-loss-coef", f"must be >= 0 (got {args.kl_loss_coef})")
-    if args.overlong_buffer_len < 0 or args.overlong_buffer_len > args.max_new_tokens:
-        _fail("--overlong-buffer-len", f"must be in [0, --max-new-tokens {args.max_new_tokens}] "
-                                       f"(got {args.overlong_buffer_len})")
-    if args.overlong_penalty_factor < 0:
-        _fail("--overlong-penalty-factor", f"must be >= 0 (got {args.overlong_penalty_factor})")
-    if args.reward_workers < 0:
-        _fail("--reward-workers", f"must be >= 0 (got {args.reward_workers})")
-    if args.reward_timeout < 0:
-        _fail("--reward-timeout", f"must be >= 0 (got {args.reward_timeout})")
-    import math
-
-    if not math.isfinite(args.bad_reward_value):
-        _fail("--bad-reward-value", f"must be a finite number (got {args.bad_reward_value})")
-
-
 def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = True):
     """Derive and check every flag; returns a RunConfig. Raises ArgumentError naming the flag.
 
@@ -606,7 +553,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                              f"({args.reward_model})")
     if args.reward_fn and ":" not in args.reward_fn:
         _fail("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
-    _check_algorithm_args(args)
+    flag_checks.check_algorithm_args(args)
     if not 0.0 < args.top_p <= 1.0:
         _fail("--top-p", f"must be in (0, 1] (got {args.top_p})")
     if args.top_k < 0:

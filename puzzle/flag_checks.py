@@ -11,10 +11,14 @@ import os
 import uuid
 
 
-def _fail(flag: str, message: str):
-    from puzzle.arguments import ArgumentError
+class ArgumentError(ValueError):
+    """A flag value (or combination) that cannot run. The message names the flag."""
 
+
+def fail(flag: str, message: str):
     raise ArgumentError(f"{flag}: {message}")
+
+
 
 
 def _at_least(args, flag: str, low, *, strict: bool = False, optional: bool = False):
@@ -22,13 +26,13 @@ def _at_least(args, flag: str, low, *, strict: bool = False, optional: bool = Fa
     if value is None and optional:
         return
     if value < low or (strict and value == low):
-        _fail(flag, f"must be {'>' if strict else '>='} {low} (got {value})")
+        fail(flag, f"must be {'>' if strict else '>='} {low} (got {value})")
 
 
 def _in_unit_interval(args, flag: str):
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     if not 0.0 <= value < 1.0:
-        _fail(flag, f"must lie in [0, 1) (got {value})")
+        fail(flag, f"must lie in [0, 1) (got {value})")
 
 
 def check_values(args) -> None:
@@ -51,15 +55,15 @@ def check_values(args) -> None:
         _at_least(args, flag, 1, optional=True)
     for flag, lr in (("--lr", args.lr), ("--critic-lr", args.critic_lr)):
         if lr is not None and args.min_lr > lr:
-            _fail("--min-lr", f"{args.min_lr} exceeds {flag} {lr}")
+            fail("--min-lr", f"{args.min_lr} exceeds {flag} {lr}")
     if args.max_position_embeddings is not None and args.seq_length > args.max_position_embeddings:
-        _fail("--seq-length", f"{args.seq_length} exceeds --max-position-embeddings "
+        fail("--seq-length", f"{args.seq_length} exceeds --max-position-embeddings "
                               f"{args.max_position_embeddings}")
     if args.keep_last_checkpoints is not None and not args.save:
-        _fail("--keep-last-checkpoints", "needs --save DIR")
+        fail("--keep-last-checkpoints", "needs --save DIR")
     for flag in ("wandb_exp_name", "wandb_save_dir"):
         if getattr(args, flag) and not args.wandb_project:
-            _fail("--" + flag.replace("_", "-"), "needs --wandb-project")
+            fail("--" + flag.replace("_", "-"), "needs --wandb-project")
 
 
 def _check_writable(flag: str, path: str) -> None:
@@ -71,7 +75,7 @@ def _check_writable(flag: str, path: str) -> None:
             pass
         os.remove(probe)
     except OSError as e:
-        _fail(flag, f"{path!r} is not a writable directory ({e.strerror or e})")
+        fail(flag, f"{path!r} is not a writable directory ({e.strerror or e})")
 
 
 def check_environment(args) -> None:
@@ -84,16 +88,64 @@ def check_environment(args) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            _fail("--fp16", "fp16 training needs a GPU (its loss scaling and kernels are CUDA-only); "
+            fail("--fp16", "fp16 training needs a GPU (its loss scaling and kernels are CUDA-only); "
                             "on CPU train in fp32 (the default) or --bf16")
     if args.tensorboard_dir:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError:
-            _fail("--tensorboard-dir", "the tensorboard package is not installed "
+            fail("--tensorboard-dir", "the tensorboard package is not installed "
                                        "(pip install -e '.[tb]')")
     if args.wandb_project:
         try:
             import wandb  # noqa: F401
         except ImportError:
-            _fail("--wandb-project", "the wandb package is not installed (pip install -e '.[wandb]')")
+            fail("--wandb-project", "the wandb package is not installed (pip install -e '.[wandb]')")
+
+
+def check_algorithm_args(args) -> None:
+    """The GRPO-family / DAPO / reward-function flags and their combinations."""
+    from puzzle.algorithms.advantage_estimators import ESTIMATORS
+
+    est, N = args.advantage_estimator, args.n_samples_per_prompt
+    spec = ESTIMATORS[est]
+    if N < 1:
+        fail("--n-samples-per-prompt", f"must be >= 1 (got {N})")
+    if spec.needs_groups and N < 2:
+        fail("--n-samples-per-prompt", f"--advantage-estimator {est} compares the samples of a prompt: "
+                                        f"it needs at least 2 samples per prompt (got {N})")
+    if args.filter_groups:
+        if est == "gae":
+            fail("--filter-groups", "dynamic sampling filters groups of samples; it needs a group "
+                                     "estimator (--advantage-estimator grpo, rloo, ...), not gae")
+        if N < 2:
+            fail("--filter-groups", f"needs --n-samples-per-prompt >= 2 (got {N})")
+        if not args.reward_fn:
+            fail("--filter-groups", "needs --reward-fn (groups are filtered in the generation stage)")
+        if spec.needs_greedy_baseline:
+            fail("--filter-groups", "not with --advantage-estimator remax (its greedy baseline is generated "
+                                     "for the iteration's first prompts)")
+    if spec.needs_greedy_baseline and not args.reward_fn:
+        fail("--advantage-estimator", "remax scores its greedy baseline in the generation stage: it needs "
+                                       "--reward-fn, not a reward model")
+    if args.max_num_gen_batches < 1:
+        fail("--max-num-gen-batches", f"must be >= 1 (got {args.max_num_gen_batches})")
+    for flag in ("clip_eps", "clip_eps_low", "clip_eps_high"):
+        v = getattr(args, flag)
+        if v is not None and not v > 0:
+            fail("--" + flag.replace("_", "-"), f"must be > 0 (got {v})")
+    if args.kl_loss_coef < 0:
+        fail("--kl-loss-coef", f"must be >= 0 (got {args.kl_loss_coef})")
+    if args.overlong_buffer_len < 0 or args.overlong_buffer_len > args.max_new_tokens:
+        fail("--overlong-buffer-len", f"must be in [0, --max-new-tokens {args.max_new_tokens}] "
+                                       f"(got {args.overlong_buffer_len})")
+    if args.overlong_penalty_factor < 0:
+        fail("--overlong-penalty-factor", f"must be >= 0 (got {args.overlong_penalty_factor})")
+    if args.reward_workers < 0:
+        fail("--reward-workers", f"must be >= 0 (got {args.reward_workers})")
+    if args.reward_timeout < 0:
+        fail("--reward-timeout", f"must be >= 0 (got {args.reward_timeout})")
+    import math
+
+    if not math.isfinite(args.bad_reward_value):
+        fail("--bad-reward-value", f"must be a finite number (got {args.bad_reward_value})")
