@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from puzzle.config import HEADS, ModelArch
-from puzzle.models.hf_mapping import (HEAD_NAMES, HFEntry, UnsupportedHFModel, arch_from_hf_config,
+from puzzle.models.hf_mapping import (HEAD_NAMES, UnsupportedHFModel, arch_from_hf_config,
                                       assemble, hf_config_from_arch, hf_entries, ours_to_hf)
 from puzzle.models.init import param_specs, spec_name_of
 from puzzle.switch.param_layout import resolve_layers_per_stage, shard_slices
