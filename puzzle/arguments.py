@@ -14,6 +14,7 @@ import argparse
 import os
 from typing import List, Optional
 
+from puzzle.config import ROLES
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
 
@@ -326,7 +327,7 @@ def _arch_for(args, role: str, vocab_size: int):
     from puzzle.config import ModelArch
 
     own = _hf_dir_for(args, role)
-    hf, source_flag = (own, f"--hf-{'actor' if role == 'ref' else role}-path") if own else \
+    hf, source_flag = (own, ROLES[role].hf_path_flag) if own else \
         (args.hf_actor_path, "--hf-actor-path")
     own_shape_flags = role != "actor" and any(getattr(args, f"{role}_{f.replace('-', '_')}", None) is not None
                                               for f, *_ in _MODEL_FLAGS)
@@ -344,7 +345,7 @@ def _arch_for(args, role: str, vocab_size: int):
     groups = v("num-query-groups") if args.group_query_attention else None
     if args.group_query_attention and groups is None:
         _fail("--num-query-groups", "is required with --group-query-attention")
-    prefix = "" if role in ("actor", "ref") else f"{role}-"
+    prefix = ROLES[role].flag_prefix
     if _rope_scaling_kwargs(args) and not args.use_rope_scaling:
         _fail("--rope-scaling-factor", "the llama3 RoPE parameters need --use-rope-scaling")
     try:
@@ -397,8 +398,7 @@ def _rope_scaling_kwargs(args) -> dict:
 
 
 def _hf_dir_for(args, role: str) -> Optional[str]:
-    return {"actor": args.hf_actor_path, "ref": args.hf_actor_path, "critic": args.hf_critic_path,
-            "reward": args.hf_reward_path}[role]
+    return getattr(args, f"hf_{ROLES[role].weights_from}_path")
 
 
 def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: str):
@@ -411,7 +411,7 @@ def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: s
                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     except (ValueError, OSError) as e:
         _fail(flag_of_role, str(e))
-    prefix = "" if role in ("actor", "ref") else f"{role}-"
+    prefix = ROLES[role].flag_prefix
     for flag, (field, hf_field) in _SHAPE_FIELDS.items():
         given = role_value(args, role, flag)
         if given is not None and given != getattr(arch, field):
@@ -477,24 +477,6 @@ def _check_placement(flag: str, placement: str, plans) -> None:
     if placement == "disjoint" and len({frozenset(v) for v in ranges.values()}) < 2:
         _fail(flag, "disjoint placement needs models on disjoint rank ranges (e.g. --critic-rank-offset "
                     f"with --critic-data-parallel-size); got {_describe_plans(plans)}")
-
-
-def _check_hf_shape(arch, hf_dir: str, role: str) -> None:
-    """The flags' model shape must be the checkpoint's (Megatron style: flags describe the model)."""
-    from puzzle.models.hf_llama import arch_from_hf_dir
-
-    try:
-        ckpt = arch_from_hf_dir(hf_dir)
-    except (ValueError, OSError) as e:
-        _fail(f"--hf-{'actor' if role == 'ref' else role}-path", str(e))
-    fields = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
-    diff = [f"{f}: flags {getattr(arch, f)} vs checkpoint {getattr(ckpt, f)}" for f in fields
-            if getattr(arch, f) != getattr(ckpt, f)]
-    if arch.vocab_size < ckpt.vocab_size:
-        diff.append(f"vocab: tokenizer {arch.vocab_size} < checkpoint {ckpt.vocab_size}")
-    if diff:
-        _fail(f"--hf-{'actor' if role == 'ref' else role}-path",
-              f"{hf_dir}/config.json does not match the {role} model flags: " + "; ".join(diff))
 
 
 def role_set(args) -> List[str]:
@@ -618,7 +600,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                 check_layout(arch, gen_plan, "actor (generation layout)")
             except PlanError as e:
                 _fail(gflags, str(e))
-        trainable = role in ("actor", "critic")
+        trainable = ROLES[role].trainable
         lr = args.lr if role == "actor" else (args.critic_lr if args.critic_lr is not None else args.lr)
         hf = _hf_dir_for(args, role)
         roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan,

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 import puzzle
-from puzzle.config import HEADS
+from puzzle.config import ROLES
 from puzzle.models.param_names import drop_extra_state
 from puzzle.parallel.device import runtime
 
@@ -106,11 +106,10 @@ def _plan_dict(plan) -> Optional[dict]:
 
 
 def _role_source(cfg, role: str) -> dict:
-    """Where a model's initial weights come from (trainer.py: seed offsets per role)."""
+    """Where a model's initial weights come from (its Role: seed offset, HF checkpoint)."""
     spec = cfg.roles[role]
-    offset = 0 if role in ("actor", "ref") else {"critic": 1, "reward": 2}[role]
     return {"hf_path": os.path.abspath(spec.hf_path) if spec.hf_path else None,
-            "seed": cfg.seed + offset}
+            "seed": cfg.seed + spec.description.seed_offset}
 
 
 def run_metadata(cfg) -> dict:
@@ -296,7 +295,7 @@ def weight_fingerprint(engine) -> list:
             if lay.d != 0 or (lay.t != 0 and not getattr(p, "tensor_model_parallel", False)):
                 continue  # DP replicas and TP-replicated tensors (norms, scalar heads) count once
             if (name == "output_layer.weight" and not arch.untie_embeddings_and_output_weights
-                    and HEADS[engine.role] == "lm" and not lay.is_first_stage):
+                    and ROLES[engine.role].head == "lm" and not lay.is_first_stage):
                 continue  # the last stage's tied copy of the word embeddings
             x = p.detach().double()
             acc += torch.stack([x.sum(), (x * x).sum()])

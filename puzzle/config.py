@@ -8,7 +8,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "score"}
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a role model is, written once: its head, its seed offset, whether it trains and where
+    its weights come from. Every rule that depends on the role name reads it from here."""
+
+    name: str
+    head: str              # "lm" (vocabulary logits), "value" (critic) or "score" (reward model)
+    seed_offset: int       # weights initialise from --seed + this (the reference equals the actor)
+    trainable: bool
+    weights_from: str      # whose HF checkpoint flag gives its weights: --hf-<weights_from>-path
+    allow_missing_head: bool = False  # an HF checkpoint without a value/score head keeps a fresh one
+
+    @property
+    def hf_path_flag(self) -> str:
+        return f"--hf-{self.weights_from}-path"
+
+    @property
+    def flag_prefix(self) -> str:
+        """Prefix of the model-shape flags that name this role in messages ('' = the actor's)."""
+        return "" if self.weights_from == "actor" else f"{self.name}-"
+
+
+#: the four roles (in the order the scoring stage runs them)
+ROLES = {r.name: r for r in (
+    Role("actor", head="lm", seed_offset=0, trainable=True, weights_from="actor"),
+    Role("ref", head="lm", seed_offset=0, trainable=False, weights_from="actor"),
+    Role("critic", head="value", seed_offset=1, trainable=True, weights_from="critic",
+         allow_missing_head=True),
+    Role("reward", head="score", seed_offset=2, trainable=False, weights_from="reward"),
+)}
+#: role -> head (kept for the model builders that only need the head)
+HEADS = {name: r.head for name, r in ROLES.items()}
 #: --attention-backend values (Megatron-LM's names; see puzzle/models/attention_backend.py)
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
@@ -121,6 +154,11 @@ class RoleSpec:
     trainable: bool = False
     lr: float = 0.0
     hf_path: Optional[str] = None  # HF checkpoint to load the weights from
+
+    @property
+    def description(self) -> Role:
+        """The role's fixed properties (head, seed offset, weight source)."""
+        return ROLES[self.role]
 
 
 @dataclass(frozen=True)

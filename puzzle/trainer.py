@@ -22,7 +22,7 @@ import torch.distributed as dist
 from puzzle import generation_stage
 from puzzle.algorithms import RunningMoments, build_kl_controller, compute_token_rewards, masked_mean
 from puzzle.algorithms.advantage_estimators import ESTIMATORS, compute_advantages
-from puzzle.config import RunConfig
+from puzzle.config import ROLES, RunConfig
 from puzzle.metrics import MetricsLogger
 from puzzle.parallel.groups import layout_for
 from puzzle.pipeline.stage import StageContext, run_stage
@@ -44,7 +44,7 @@ class PPOTrainer:
         for role, spec in cfg.roles.items():
             optim = replace(cfg.optim, lr=spec.lr) if spec.trainable else None
             # the reference starts as the actor: same shape and seed -> the same weights
-            seed = cfg.seed + (0 if role in ("actor", "ref") else {"critic": 1, "reward": 2}[role])
+            seed = cfg.seed + spec.description.seed_offset
             self.engines[role] = ModelEngine(role, spec.arch, layout_for(spec.plan),
                                              trainable=spec.trainable, optim=optim, seed=seed,
                                              recompute=cfg.recompute, bf16=cfg.bf16, fp16=cfg.fp16,
@@ -55,7 +55,7 @@ class PPOTrainer:
 
                 # each rank reads only its own shards; a critic from an LM keeps its fresh head
                 load_hf_into_model(self.engines[role].module, spec.arch, role, spec.hf_path,
-                                   allow_missing_head=role == "critic")
+                                   allow_missing_head=spec.description.allow_missing_head)
         gen_plan = cfg.roles["actor"].gen_plan
         self.switch = None
         if gen_plan != cfg.roles["actor"].plan:
@@ -217,7 +217,7 @@ class PPOTrainer:
         jobs = {"actor": steps.logprob_score_step(self.vocab, temp, R, with_entropy=True),
                 "ref": steps.logprob_score_step(self.vocab, temp, R),
                 "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
-        jobs = [(role, jobs[role]) for role in ("actor", "ref", "critic", "reward") if role in self.engines]
+        jobs = [(role, jobs[role]) for role in ROLES if role in self.engines]
         outs = run_stage(self._contexts(batch, jobs), forward_only=True,
                          placement=self.cfg.score_placement)
         f = batch.fields

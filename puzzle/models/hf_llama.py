@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from puzzle.config import HEADS, ModelArch
+from puzzle.config import ROLES, ModelArch
 from puzzle.models.hf_mapping import (HEAD_NAMES, UnsupportedHFModel, arch_from_hf_config,
                                       assemble, hf_config_from_arch, hf_entries, ours_to_hf)
 from puzzle.models.init import param_specs, spec_name_of
@@ -128,7 +128,7 @@ def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_d
     plan = layout.plan
     ckpt = HFCheckpoint(hf_dir)
     head = _head_name(ckpt)
-    lm = HEADS[role] == "lm"
+    lm = ROLES[role].head == "lm"
     if not lm and head is None and not allow_missing_head:
         raise KeyError(f"{hf_dir}: {role} needs a value/score head ({' or '.join(HEAD_NAMES)}) in the "
                        f"checkpoint; pass allow_missing_head=True to keep the initialised head")
