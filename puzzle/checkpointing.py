@@ -408,11 +408,7 @@ def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None)
     meta["fingerprints"] = {r: weight_fingerprint(e) for r, e in trainer.engines.items()
                             if not e.trainable}
     if rank == 0:
-        state = {"iteration": it, "kl_ctl": trainer.kl_ctl.state_dict(),
-                 "reward_norm": trainer.reward_norm.state_dict(),
-                 "schedulers": {r: trainer.engines[r].scheduler.state_dict() for r in trainable},
-                 "loader": loader.state_dict() if loader is not None else None,
-                 "nonfinite_skipped": int(getattr(trainer, "nonfinite_skipped", 0))}
+        state = {**trainer.state_dict(), "loader": loader.state_dict() if loader is not None else None}
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
             json.dump(state, f, indent=1)
     dist.barrier()  # every rank has written its files: checksum them, then the manifest
@@ -552,19 +548,10 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
                                   f"{meta['roles'][role]['source']} but its weights differ from the "
                                   f"saved run's (fingerprint {saved} vs {now})")
     state = json.load(open(os.path.join(d, TRAINER_STATE)))
-    trainer.iteration = int(state["iteration"])
-    trainer.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
-    trainer.kl_ctl.load_state_dict(state["kl_ctl"])
-    trainer.reward_norm.load_state_dict(state.get("reward_norm", trainer.reward_norm.state_dict()))
-    for role, sched_state in state["schedulers"].items():
-        eng = trainer.engines[role]
-        if eng.scheduler is not None:
-            try:
-                eng.scheduler.load_state_dict(sched_state)
-            except AssertionError as e:  # megatron checks the schedule's shape against the checkpoint
-                raise CheckpointError(f"{os.path.join(d, TRAINER_STATE)}: {role} LR schedule differs from "
-                                      f"the checkpoint's ({e}); the decay length follows --train-iters, "
-                                      f"--global-batch-size and --ppo-epochs") from e
+    try:
+        trainer.load_state_dict(state)  # also drops the actor's generation copy: it follows the new weights
+    except ValueError as e:
+        raise CheckpointError(f"{os.path.join(d, TRAINER_STATE)}: {e}") from e
     if loader is not None and state.get("loader") is not None:
         loader.load_state_dict(state["loader"])
     if load_rng:
@@ -574,8 +561,6 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
                  f"(sampling and shuffling are keyed by (seed, iteration), so numbers are unaffected)")
         else:
             _set_rng_state(torch.load(path, weights_only=False))
-    if trainer.switch is not None:
-        trainer.switch.release()  # the next generation switches from the loaded weights
     dist.barrier()
     _log(f"resumed iteration {it} from {d} in {time.perf_counter() - t0:.2f}s"
          + ("" if load_optim else " (weights only: --no-load-optim)"))

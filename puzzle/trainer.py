@@ -359,6 +359,34 @@ class PPOTrainer:
                 eng.zero_grad()
         return set(found)
 
+    # ---- checkpointed state (torchtitan's Stateful) -------------------------------------------
+    def state_dict(self) -> dict:
+        """The trainer's own state, JSON-serialisable: counters, the KL controller, the reward
+        normaliser and the trainable roles' LR schedulers (weights and optimizer states are the
+        role models' sharded state dicts, saved by puzzle.checkpointing)."""
+        return {"iteration": self.iteration, "kl_ctl": self.kl_ctl.state_dict(),
+                "reward_norm": self.reward_norm.state_dict(),
+                "schedulers": {r: e.scheduler.state_dict() for r, e in self.engines.items() if e.trainable},
+                "nonfinite_skipped": int(self.nonfinite_skipped)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``'s output (after the role models' weights are loaded). Raises
+        ValueError when a scheduler's shape differs from this run's."""
+        self.iteration = int(state["iteration"])
+        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
+        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        self.reward_norm.load_state_dict(state.get("reward_norm", self.reward_norm.state_dict()))
+        for role, sched_state in state["schedulers"].items():
+            eng = self.engines[role]
+            if eng.scheduler is not None:
+                try:
+                    eng.scheduler.load_state_dict(sched_state)
+                except AssertionError as e:  # megatron checks the schedule's shape against the state
+                    raise ValueError(f"{role} LR schedule differs from the checkpoint's ({e}); the decay "
+                                     "length follows --train-iters, --global-batch-size and --ppo-epochs") from e
+        if self.switch is not None:
+            self.switch.release()  # the next generation switches from the loaded weights
+
     def close(self) -> None:
         if self.rewarder is not None:
             self.rewarder.close()
