@@ -17,6 +17,7 @@ from typing import List, Optional
 from puzzle.config import ROLES
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
+from puzzle.plan_layouts import PlanLayouts, layouts_as_flags, read_plan_document
 
 ROLE_PREFIXED = ("critic", "reward", "ref")
 
@@ -494,12 +495,17 @@ def role_set(args) -> List[str]:
     return roles
 
 
-def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = True):
+def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = True,
+                  layouts: Optional[PlanLayouts] = None):
     """Derive and check every flag; returns a RunConfig. Raises ArgumentError naming the flag.
 
-    Runs before any model is allocated. ``check_paths=False`` (dry runs, planning on a laptop)
-    skips the checks that need checkpoint files to be present.
+    Runs before any model is allocated; ``args`` is left as parsed. ``check_paths=False`` (dry
+    runs, planning on a laptop) skips the checks that need checkpoint files to be present.
+    ``layouts`` (a plan: --plan-file / --plan auto) replace the layout and placement flags of the
+    roles and stages they describe.
     """
+    args = argparse.Namespace(**vars(args))
+    layouts = layouts or PlanLayouts()
     from puzzle import flag_checks
     from puzzle.config import Operations, PPOParams, RoleSpec, RunConfig
     from puzzle.models.builders import check_layout
@@ -582,6 +588,9 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                  if role != "actor" else "--tensor-model-parallel-size/--pipeline-model-parallel-size")
         offset = getattr(args, f"{role}_rank_offset")
         D = getattr(args, f"{role}_data_parallel_size")
+        home = layouts.homes.get(role)
+        if home is not None:
+            P, T, offset, D = home.P, home.T, home.offset, home.D
         if offset or D:
             flags += f"/--{role}-rank-offset/--{role}-data-parallel-size"
         plan = _plan_for(args, role, world_size, P, T, flags, offset=offset, D=D)
@@ -593,6 +602,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         if role == "actor":
             gP = args.actor_gen_pipeline_model_parallel_size or P
             gT = args.actor_gen_tensor_model_parallel_size or T
+            if home is not None and layouts.actor_generation is not None:
+                gP, gT = layouts.actor_generation.P, layouts.actor_generation.T
             gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
             gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags,
                                  offset=plan.offset, size=plan.size)
@@ -634,6 +645,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--cuda-graph-generation", f"needs an actor generation layout with P=1 "
                                          f"(got P={roles['actor'].gen_plan.P})")
 
+    args.score_placement = layouts.placements.get("scoring", args.score_placement)
+    args.train_placement = layouts.placements.get("training", args.train_placement)
     for flag, placement, members in (("--score-placement", args.score_placement, list(roles)),
                                      ("--train-placement", args.train_placement,
                                       [r for r in ("actor", "critic") if r in roles])):
@@ -677,11 +690,15 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     return RunConfig(
         world_size=world_size, roles=roles, ppo=ppo, optim=optim, train_iters=args.train_iters,
         seed=args.seed, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-        prompt_data=args.prompt_data, prompt_key=args.prompt_key, reward_fn=args.reward_fn,
+        prompt_data=args.prompt_data, prompt_key=args.prompt_key, prompt_split=args.prompt_split,
+        prompt_overflow=args.prompt_overflow, apply_chat_template=args.apply_chat_template,
+        skip_bad_records=args.skip_bad_records, reward_fn=args.reward_fn,
         reward_model=args.reward_model, reward_workers=args.reward_workers,
         reward_timeout=args.reward_timeout or None, on_bad_reward=args.on_bad_reward,
         bad_reward_value=args.bad_reward_value, log_interval=args.log_interval, log_dir=args.log_dir,
-        save=args.save, load=args.load, save_interval=args.save_interval, bf16=args.bf16,
+        save=args.save, load=args.load, save_interval=args.save_interval,
+        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, ckpt_step=args.ckpt_step,
+        bf16=args.bf16,
         fp16=args.fp16, recompute=args.recompute_activations, switch_segments=args.switch_segments,
         ranks_per_node=args.ranks_per_node,
         score_placement=args.score_placement, train_placement=args.train_placement,
@@ -718,54 +735,15 @@ def resolve_vocab_size(args) -> int:
         _fail("--tokenizer-model", f"{e} (for a dry run or plan search, --vocab-size N stands in)")
 
 
-def config_for_planning(args):
+def config_for_planning(args, layouts: Optional[PlanLayouts] = None):
     """A RunConfig for planning and dry runs: no files needed, a reward model assumed if none given."""
+    args = argparse.Namespace(**vars(args))
     if not args.reward_fn and not args.reward_model and not args.hf_reward_path:
         args.reward_model = "random"
-    return validate_args(args, resolve_world_size(args), resolve_vocab_size(args), check_paths=False)
+    return validate_args(args, resolve_world_size(args), resolve_vocab_size(args), check_paths=False,
+                         layouts=layouts)
 
 
 def plan_flags(doc: dict, strict: bool = False) -> List[str]:
-    """Layout and placement flags of a plan document (search_plan.py --save-plan / SearchResult.to_dict).
-
-    The trainer time-shares only models with identical layouts on the same ranks (the search's
-    Eq. (1) needs equal P only): a 'time-sharing' stage whose co-located plans differ becomes
-    'sequential' (``strict``: an ArgumentError instead)."""
-    from puzzle.parallel.plan import ParallelPlan, PlanError
-
-    flags: List[str] = []
-    try:
-        plans = {m: {s: ParallelPlan.parse(p) for s, p in st.items()} for m, st in doc["plans"].items()}
-    except (KeyError, AttributeError, PlanError) as e:
-        _fail("--plan-file", f"not a plan document ({e})")
-    for role, stages in plans.items():
-        home = stages.get("training") or stages.get("scoring")
-        if home is None:
-            continue
-        flags += [f"--{role}-tensor-model-parallel-size", str(home.T),
-                  f"--{role}-pipeline-model-parallel-size", str(home.P),
-                  f"--{role}-data-parallel-size", str(home.D), f"--{role}-rank-offset", str(home.offset)]
-        if role == "actor" and "generation" in stages:
-            gen = stages["generation"]
-            if (gen.offset, gen.size) != (home.offset, home.size):
-                _fail("--plan-file", f"the actor generates on {gen} but trains on {home}: the switch moves "
-                                     "weights between layouts of the same ranks only")
-            flags += ["--actor-gen-tensor-model-parallel-size", str(gen.T),
-                      "--actor-gen-pipeline-model-parallel-size", str(gen.P)]
-    placements = doc.get("placements", {})
-    for stage, flag in (("scoring", "--score-placement"), ("training", "--train-placement")):
-        placement = placements.get(stage)
-        if placement not in ("sequential", "disjoint", "time-sharing"):
-            continue
-        members = {r: st[stage] for r, st in plans.items() if stage in st}
-        if placement == "time-sharing":
-            items = list(members.items())
-            clash = [(a, pa, b, pb) for i, (a, pa) in enumerate(items) for b, pb in items[i + 1:]
-                     if set(pa.ranks) & set(pb.ranks) and pa != pb]
-            if clash and strict:
-                a, pa, b, pb = clash[0]
-                _fail("--plan-file", f"{stage}: time-sharing needs equal layouts on shared ranks; {a} {pa} vs {b} {pb}")
-            if clash:
-                placement = "sequential"
-        flags += [flag, placement]
-    return flags
+    """The layout and placement flags of a plan document (see puzzle.plan_layouts)."""
+    return layouts_as_flags(read_plan_document(doc, strict=strict))

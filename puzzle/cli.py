@@ -15,31 +15,31 @@ def run(argv) -> int:
     if rank != 0 and any(a in ("-h", "--help") for a in argv):
         return 0  # the usage text once, from rank 0
     try:  # everything is checked before torch.distributed starts and before any allocation
-        args = _with_plan(parse_args(argv), argv)
+        args = parse_args(argv)
+        layouts = _plan_layouts(args)
         if args.dry_run:
-            return _dry_run(args, rank)
+            return _dry_run(args, layouts, rank)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         if args.world_size is not None and args.world_size != world_size:
             raise ArgumentError(f"--world-size: {args.world_size} but the job has {world_size} ranks")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-        cfg = validate_args(args, world_size, tokenizer.vocab_size)
+        cfg = validate_args(args, world_size, tokenizer.vocab_size, layouts=layouts)
         if cfg.reward_fn:
             from puzzle.reward_functions import load_reward_fn
 
             load_reward_fn(cfg.reward_fn)
         dataset = load_prompt_dataset(cfg.prompt_data or bundled_prompts_path(), tokenizer,
                                       cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,
-                                      overflow=args.prompt_overflow, split=args.prompt_split,
-                                      apply_chat_template=args.apply_chat_template,
-                                      skip_bad_records=args.skip_bad_records)
+                                      overflow=cfg.prompt_overflow, split=cfg.prompt_split,
+                                      apply_chat_template=cfg.apply_chat_template,
+                                      skip_bad_records=cfg.skip_bad_records)
     except (ArgumentError, ValueError, OSError) as e:  # OSError: unreadable tokenizer or data files
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     if rank == 0:
         _print_plan(cfg)
-    return _train(cfg, tokenizer, dataset, load_optim=not args.no_load_optim,
-                  load_rng=not args.no_load_rng, ckpt_step=args.ckpt_step)
+    return _train(cfg, tokenizer, dataset)
 
 
 def _error_once(message: str) -> None:
@@ -47,10 +47,11 @@ def _error_once(message: str) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
-def _with_plan(args, argv):
-    """--plan-file / --plan auto: the plan's layout and placement flags are appended, so they win
-    over layout flags given on the command line (or by a launch script); other flags are kept."""
-    from puzzle.arguments import ArgumentError, config_for_planning, parse_args, plan_flags
+def _plan_layouts(args):
+    """--plan-file / --plan auto: the plan's layouts and placements (PlanLayouts), which replace the
+    layout flags given on the command line (or by a launch script); None without a plan."""
+    from puzzle.arguments import ArgumentError, config_for_planning
+    from puzzle.plan_layouts import layouts_as_flags, read_plan_document
 
     if args.plan_file and args.plan == "auto":
         raise ArgumentError("--plan-file: give either --plan-file or --plan auto")
@@ -73,19 +74,19 @@ def _with_plan(args, argv):
             raise ArgumentError(f"--plan: no plan fits: {e}") from None
         doc = result.to_dict()
     else:
-        return args
-    extra = plan_flags(doc)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print("plan: " + " ".join(extra), flush=True)
-    return parse_args(list(argv) + extra)
+        return None
+    layouts = read_plan_document(doc)
+    if int(os.environ.get("RANK", "0")) == 0:  # the flags that give the same layouts
+        print("plan: " + " ".join(layouts_as_flags(layouts)), flush=True)
+    return layouts
 
 
-def _dry_run(args, rank: int) -> int:
+def _dry_run(args, layouts, rank: int) -> int:
     from puzzle.arguments import config_for_planning
     from puzzle.plan.command import print_dry_run
     from puzzle.plan.profile_data import load_profile
 
-    cfg = config_for_planning(args)
+    cfg = config_for_planning(args, layouts)
     fits = True
     if rank == 0:
         _print_plan(cfg)
@@ -105,8 +106,7 @@ def _print_plan(cfg) -> None:
               flush=True)
 
 
-def _train(cfg, tokenizer, dataset, *, load_optim: bool = True, load_rng: bool = True,
-           ckpt_step=None) -> int:
+def _train(cfg, tokenizer, dataset) -> int:
     import time
 
     import torch.distributed as dist
@@ -119,6 +119,7 @@ def _train(cfg, tokenizer, dataset, *, load_optim: bool = True, load_rng: bool =
     from puzzle.training.nonfinite import NonFiniteError
 
     start = time.time()
+    ckpt_step = cfg.ckpt_step
     if cfg.load:  # metadata and file sizes only: a wrong model shape or a missing file fails here
         try:
             checkpointing.check_checkpoint(cfg, cfg.load, ckpt_step)
@@ -140,8 +141,8 @@ def _train(cfg, tokenizer, dataset, *, load_optim: bool = True, load_rng: bool =
         trainer.progress = progress
         if cfg.load and ckpt_step is not None:
             progress(0, "checkpoint loading")
-            checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=load_optim,
-                                          load_rng=load_rng, iteration=ckpt_step)
+            checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
+                                          load_rng=cfg.load_rng, iteration=ckpt_step)
         saved = trainer.iteration
 
         def next_prompts():  # token ids and the records' other fields (ground truth for rewards)

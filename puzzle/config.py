@@ -225,7 +225,8 @@ class Operations:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything PPOTrainer needs; built by puzzle.arguments.validate_args."""
+    """Everything a run needs below the command line (the trainer, checkpointing, the data
+    loading of the CLI); built by puzzle.arguments.validate_args."""
 
     world_size: int
     roles: dict                    # role -> RoleSpec
@@ -237,6 +238,10 @@ class RunConfig:
     tokenizer_model: Optional[str] = None
     prompt_data: Optional[str] = None
     prompt_key: str = "prompt"
+    prompt_split: str = "train"
+    prompt_overflow: str = "truncate_left"
+    apply_chat_template: bool = False
+    skip_bad_records: bool = False
     reward_fn: Optional[str] = None
     reward_model: Optional[str] = None
     reward_workers: int = 0
@@ -248,6 +253,9 @@ class RunConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
+    load_optim: bool = True                    # --no-load-optim: weights, schedulers and counters only
+    load_rng: bool = True                      # --no-load-rng
+    ckpt_step: Optional[int] = None            # resume this iteration of load (default: its latest)
     bf16: bool = False
     fp16: bool = False
     recompute: bool = False
@@ -255,8 +263,6 @@ class RunConfig:
     ranks_per_node: Optional[int] = None
     score_placement: str = "sequential"
     train_placement: str = "sequential"
-    pad_id: int = 0
-    eos_id: Optional[int] = None
     transformer_impl: str = "local"            # resolved: "transformer_engine" only where TE runs
     transformer_impl_note: Optional[str] = None  # why the requested impl was replaced, if it was
     sequence_parallel: bool = False

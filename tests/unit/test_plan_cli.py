@@ -9,6 +9,7 @@ import pytest
 
 from puzzle.arguments import ArgumentError, parse_args, plan_flags, validate_args
 from puzzle.plan.command import search_main
+from puzzle.plan_layouts import read_plan_document
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
@@ -40,6 +41,13 @@ def test_search_plan_json_and_plan_file(tmp_path, capsys):
     assert f"({train.P},{train.D},{train.T})" == doc["plans"]["actor"]["training"].split("@")[0]
     gen = cfg.roles["actor"].gen_plan
     assert f"({gen.P},{gen.D},{gen.T})" == doc["plans"]["actor"]["generation"].split("@")[0]
+    # the plan applied to the configuration directly (what train_ppo.py --plan-file does) gives the
+    # same configuration as its flags, and leaves the parsed flags as they were
+    args = parse_args(SEVEN_B + CRITIC_350M + BATCH + ["--reward-model", "random"])
+    before = dict(vars(args))
+    direct = validate_args(args, 8, 32000, check_paths=False, layouts=read_plan_document(doc))
+    assert vars(args) == before
+    assert direct == cfg
 
 
 def test_infeasible_request_explains(capsys):

@@ -1,0 +1,80 @@
+"""A plan document (search_plan.py --save-plan, ``SearchResult.to_dict``, ``--plan auto``) read into
+layouts that ``validate_args`` applies to the run configuration directly.
+
+The trainer time-shares only models with identical layouts on the same ranks (the search's
+Eq. (1) needs equal P only): a 'time-sharing' stage whose co-located plans differ becomes
+'sequential' (``strict``: an ArgumentError instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from puzzle.flag_checks import fail
+from puzzle.parallel.plan import ParallelPlan, PlanError
+
+PLACEMENTS = ("sequential", "disjoint", "time-sharing")
+#: stage of a plan document -> the flag its placement replaces
+PLACEMENT_FLAGS = {"scoring": "--score-placement", "training": "--train-placement"}
+
+
+@dataclass(frozen=True)
+class PlanLayouts:
+    """Per role the scoring/training layout, the actor's generation layout, per stage the placement."""
+
+    homes: Dict[str, ParallelPlan] = field(default_factory=dict)
+    actor_generation: Optional[ParallelPlan] = None
+    placements: Dict[str, str] = field(default_factory=dict)  # "scoring"/"training" -> placement
+
+
+def read_plan_document(doc: dict, strict: bool = False) -> PlanLayouts:
+    """The layouts of ``doc``; errors name --plan-file."""
+    try:
+        plans = {m: {s: ParallelPlan.parse(p) for s, p in st.items()} for m, st in doc["plans"].items()}
+    except (KeyError, AttributeError, PlanError) as e:
+        fail("--plan-file", f"not a plan document ({e})")
+    homes, gen = {}, None
+    for role, stages in plans.items():
+        home = stages.get("training") or stages.get("scoring")
+        if home is None:
+            continue
+        homes[role] = home
+        if role == "actor" and "generation" in stages:
+            gen = stages["generation"]
+            if (gen.offset, gen.size) != (home.offset, home.size):
+                fail("--plan-file", f"the actor generates on {gen} but trains on {home}: the switch moves "
+                                    "weights between layouts of the same ranks only")
+    placements = {}
+    for stage in PLACEMENT_FLAGS:
+        placement = doc.get("placements", {}).get(stage)
+        if placement not in PLACEMENTS:
+            continue
+        if placement == "time-sharing":
+            items = [(r, st[stage]) for r, st in plans.items() if stage in st]
+            clash = [(a, pa, b, pb) for i, (a, pa) in enumerate(items) for b, pb in items[i + 1:]
+                     if set(pa.ranks) & set(pb.ranks) and pa != pb]
+            if clash and strict:
+                a, pa, b, pb = clash[0]
+                fail("--plan-file", f"{stage}: time-sharing needs equal layouts on shared ranks; {a} {pa} vs {b} {pb}")
+            if clash:
+                placement = "sequential"
+        placements[stage] = placement
+    return PlanLayouts(homes=homes, actor_generation=gen, placements=placements)
+
+
+def layouts_as_flags(layouts: PlanLayouts) -> List[str]:
+    """The train_ppo.py flags that give the same layouts (printed at start; launching another run)."""
+    flags: List[str] = []
+    for role, home in layouts.homes.items():
+        flags += [f"--{role}-tensor-model-parallel-size", str(home.T),
+                  f"--{role}-pipeline-model-parallel-size", str(home.P),
+                  f"--{role}-data-parallel-size", str(home.D), f"--{role}-rank-offset", str(home.offset)]
+        if role == "actor" and layouts.actor_generation is not None:
+            gen = layouts.actor_generation
+            flags += ["--actor-gen-tensor-model-parallel-size", str(gen.T),
+                      "--actor-gen-pipeline-model-parallel-size", str(gen.P)]
+    for stage, flag in PLACEMENT_FLAGS.items():
+        if stage in layouts.placements:
+            flags += [flag, layouts.placements[stage]]
+    return flags
