@@ -685,7 +685,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini),
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16, fp16=args.fp16,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
     return RunConfig(
         world_size=world_size, roles=roles, ppo=ppo, optim=optim, train_iters=args.train_iters,
@@ -698,8 +698,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         bad_reward_value=args.bad_reward_value, log_interval=args.log_interval, log_dir=args.log_dir,
         save=args.save, load=args.load, save_interval=args.save_interval,
         load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, ckpt_step=args.ckpt_step,
-        bf16=args.bf16,
-        fp16=args.fp16, recompute=args.recompute_activations, switch_segments=args.switch_segments,
+        precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        recompute=args.recompute_activations, switch_segments=args.switch_segments,
         ranks_per_node=args.ranks_per_node,
         score_placement=args.score_placement, train_placement=args.train_placement,
         transformer_impl=impl, transformer_impl_note=impl_note,

@@ -44,6 +44,9 @@ ROLES = {r.name: r for r in (
 HEADS = {name: r.head for name, r in ROLES.items()}
 #: --attention-backend values (Megatron-LM's names; see puzzle/models/attention_backend.py)
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+#: RunConfig.precision: fp32 (default), bf16 or fp16 parameters and activations, as Megatron-LM's
+#: --bf16/--fp16 (the optimizer keeps fp32 main parameters and gradients for bf16/fp16)
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,6 @@ class ModelArch:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     init_method_std: float = 0.02
-    params_dtype: str = "float32"  # float32 | bfloat16 | float16
     kv_channels: Optional[int] = None  # projection size per head; None = hidden / heads
     add_qkv_bias: bool = False         # q/k/v biases only (Qwen2); add_bias_linear adds them all
     qk_layernorm: bool = False         # per-head norm of queries and keys (Qwen3)
@@ -109,8 +111,6 @@ class ModelArch:
         if self.position_embedding_type not in ("rope", "learned_absolute"):
             errors.append("position_embedding_type must be rope or learned_absolute "
                           f"(got {self.position_embedding_type!r})")
-        if self.params_dtype not in ("float32", "bfloat16", "float16"):
-            errors.append(f"params_dtype must be float32, bfloat16 or float16 (got {self.params_dtype!r})")
         if self.attention_backend not in ATTENTION_BACKENDS:
             errors.append(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} "
                           f"(got {self.attention_backend!r})")
@@ -256,8 +256,7 @@ class RunConfig:
     load_optim: bool = True                    # --no-load-optim: weights, schedulers and counters only
     load_rng: bool = True                      # --no-load-rng
     ckpt_step: Optional[int] = None            # resume this iteration of load (default: its latest)
-    bf16: bool = False
-    fp16: bool = False
+    precision: str = "fp32"      # the one precision setting (--bf16 / --fp16): parameters, activations, optimizer
     recompute: bool = False
     switch_segments: int = 1
     ranks_per_node: Optional[int] = None
@@ -267,3 +266,16 @@ class RunConfig:
     transformer_impl_note: Optional[str] = None  # why the requested impl was replaced, if it was
     sequence_parallel: bool = False
     ops: Operations = Operations()
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--bf16/--fp16: precision must be one of {', '.join(PRECISIONS)} "
+                             f"(got {self.precision!r})")
+
+    @property
+    def bf16(self) -> bool:
+        return self.precision == "bf16"
+
+    @property
+    def fp16(self) -> bool:
+        return self.precision == "fp16"

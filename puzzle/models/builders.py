@@ -16,7 +16,6 @@ from puzzle.models.attention_backend import attention_layer_spec, te_attention_c
 from puzzle.parallel.device import accelerator_available, runtime
 from puzzle.parallel.groups import Layout
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ScalarHead(torch.nn.Module):
@@ -58,7 +57,7 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
     plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
                      num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
                      hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size)
-    params_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else _DTYPES[arch.params_dtype]
+    params_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     on_gpu = accelerator_available()
     return TransformerConfig(**te_attention_config(arch.attention_backend, transformer_impl),
         num_layers=arch.num_layers,

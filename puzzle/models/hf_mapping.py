@@ -255,7 +255,7 @@ def arch_from_hf_config(config: dict, source: str = "config.json", **overrides):
     ``overrides`` (ModelArch fields) win.
 
     Defaults: ``seq_length`` = ``max_position_embeddings``, ``make_vocab_size_divisible_by``
-    = 128 (Megatron's), ``params_dtype`` = float32 (master weights; pass bf16 to the engine).
+    = 128 (Megatron's); the precision is the run's (RunConfig.precision), not the checkpoint's.
     Anything else (another model_type, MoE, other RoPE scalings, biases beyond q/k/v) raises
     UnsupportedHFModel naming ``source`` and the field, before anything is allocated.
     """
@@ -305,7 +305,7 @@ def arch_from_hf_config(config: dict, source: str = "config.json", **overrides):
         add_bias_linear=False, add_qkv_bias=mt == "qwen2" or bool(mt == "mistral" and config.get("attention_bias")),
         qk_layernorm=mt == "qwen3", sliding_window=window, hf_model_type=mt,
         attention_dropout=0.0, hidden_dropout=0.0,
-        init_method_std=float(config.get("initializer_range", 0.02)), params_dtype="float32",
+        init_method_std=float(config.get("initializer_range", 0.02)),
     )
     if llama3:
         kw.update(use_rope_scaling=True, rope_scaling_factor=float(llama3["factor"]),

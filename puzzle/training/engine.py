@@ -33,8 +33,6 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
-    bf16: bool = False
-    fp16: bool = False
 
 
 class ModelEngine:
@@ -60,7 +58,7 @@ class ModelEngine:
         self.config = self.module.config
         self.p2p = layout.p2p_communicator(self.config)
         if trainable:
-            self._wrap_for_training(optim or OptimConfig(bf16=bf16, fp16=fp16))
+            self._wrap_for_training(optim or OptimConfig(), bf16=bf16, fp16=fp16)
         else:
             for p in self.module.parameters():
                 p.requires_grad_(False)
@@ -70,7 +68,7 @@ class ModelEngine:
     def member(self) -> bool:
         return self.module is not None
 
-    def _wrap_for_training(self, optim: OptimConfig) -> None:
+    def _wrap_for_training(self, optim: OptimConfig, *, bf16: bool, fp16: bool) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -90,7 +88,7 @@ class ModelEngine:
         opt_config = OptimizerConfig(
             optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
             adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-            clip_grad=optim.clip_grad, bf16=optim.bf16, fp16=optim.fp16,
+            clip_grad=optim.clip_grad, bf16=bf16, fp16=fp16,  # the model's precision
             params_dtype=self.config.params_dtype,
             use_distributed_optimizer=optim.use_distributed_optimizer,
         )
