@@ -14,7 +14,8 @@ import argparse
 import os
 from typing import List, Optional
 
-from puzzle.config import ROLES
+from puzzle.config import ROLES, Operations
+from puzzle.config_flags import add_dataclass_args, from_args
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
 from puzzle.plan_layouts import PlanLayouts, layouts_as_flags, read_plan_document
@@ -243,34 +244,6 @@ def _add_logging_args(parser):
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore the per-rank RNG states.")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="Resume this iteration of --load instead of its latest one.")
-    g.add_argument("--keep-last-checkpoints", type=int, default=None,
-                   help="Delete all but the newest N checkpoints under --save after each save "
-                        "(default: keep all).")
-    g.add_argument("--tensorboard-dir", type=str, default=None,
-                   help="Write the metrics of metrics.jsonl as TensorBoard scalars (extra 'tb').")
-    g.add_argument("--wandb-project", type=str, default=None,
-                   help="Log the metrics of metrics.jsonl to this Weights & Biases project (extra "
-                        "'wandb'; WANDB_MODE=offline works without network).")
-    g.add_argument("--wandb-exp-name", type=str, default=None, help="The W&B run name.")
-    g.add_argument("--wandb-save-dir", type=str, default=None,
-                   help="Local W&B directory (default: --log-dir, else wandb's own).")
-
-
-def _add_operations_args(parser):
-    g = parser.add_argument_group("preemption, time limits, hangs and non-finite steps")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="On SIGTERM: finish the current iteration, save (--save), exit 0. All ranks "
-                        "agree on the iteration to stop at.")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="Save (--save) and exit 0 after the iteration that ends past this many minutes.")
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="Save (--save) and exit 0 at the first iteration divisible by N.")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="Timeout of every process group's collectives (minutes; fractions allowed): "
-                        "a stuck rank ends the job instead of hanging it.")
-    g.add_argument("--skip-nonfinite-iterations", type=int, default=0,
-                   help="Skip up to N optimizer steps whose loss or gradient norm is NaN/inf "
-                        "(counted in the metrics); past N, or with 0, such a step stops the run.")
 
 
 def _add_plan_args(parser):
@@ -298,8 +271,10 @@ def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argp
     parser = cls(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_ppo_args,
                 _add_algorithm_args, _add_reward_fn_args, _add_data_args, _add_logging_args,
-                _add_operations_args, _add_plan_args):
+                _add_plan_args):
         add(parser)
+    for cls in (Operations,):  # flags defined next to their config field (puzzle/config_flags.py)
+        add_dataclass_args(parser, cls)
     return parser
 
 
@@ -507,7 +482,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     args = argparse.Namespace(**vars(args))
     layouts = layouts or PlanLayouts()
     from puzzle import flag_checks
-    from puzzle.config import Operations, PPOParams, RoleSpec, RunConfig
+    from puzzle.config import PPOParams, RoleSpec, RunConfig
     from puzzle.models.builders import check_layout
     from puzzle.parallel.plan import PlanError
     from puzzle.training.engine import OptimConfig
@@ -515,6 +490,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     if args.seq_length is None:
         _fail("--seq-length", "is required")
     flag_checks.check_values(args)
+    ops = from_args(Operations, args)
     if args.bf16 and args.fp16:
         _fail("--bf16/--fp16", "choose one")
     if check_paths:  # this machine: writable outputs, a GPU for --fp16, optional logging packages
@@ -704,14 +680,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         score_placement=args.score_placement, train_placement=args.train_placement,
         transformer_impl=impl, transformer_impl_note=impl_note,
         sequence_parallel=args.sequence_parallel,
-        ops=Operations(
-            exit_signal_handler=args.exit_signal_handler,
-            exit_duration_in_mins=args.exit_duration_in_mins, exit_interval=args.exit_interval,
-            distributed_timeout_minutes=args.distributed_timeout_minutes,
-            skip_nonfinite_iterations=args.skip_nonfinite_iterations,
-            keep_last_checkpoints=args.keep_last_checkpoints, tensorboard_dir=args.tensorboard_dir,
-            wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
-            wandb_save_dir=args.wandb_save_dir),
+        ops=ops,
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from puzzle.config_flags import check, check_at_least, flag
+
 
 
 @dataclass(frozen=True)
@@ -207,20 +209,47 @@ class PPOParams:
         return self.rollout_batch_size * self.n_samples_per_prompt
 
 
+_OPS = "preemption, time limits, hangs and non-finite steps"
+_LOGGING = "logging and checkpoints"
+
+
 @dataclass(frozen=True)
 class Operations:
     """Preemption, time limits, hangs, non-finite steps, checkpoint retention, metric sinks."""
 
-    exit_signal_handler: bool = False           # SIGTERM: finish the iteration, save, exit 0
-    exit_duration_in_mins: Optional[float] = None
-    exit_interval: Optional[int] = None
-    distributed_timeout_minutes: float = 10.0   # every process group's collective timeout
-    skip_nonfinite_iterations: int = 0          # optimizer steps with NaN/inf that may be skipped
-    keep_last_checkpoints: Optional[int] = None  # None: keep all
-    tensorboard_dir: Optional[str] = None
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
-    wandb_save_dir: Optional[str] = None
+    exit_signal_handler: bool = flag(
+        False, _OPS, "On SIGTERM: finish the current iteration, save (--save), exit 0. All ranks agree on "
+        "the iteration to stop at.")
+    exit_duration_in_mins: Optional[float] = flag(
+        None, _OPS, "Save (--save) and exit 0 after the iteration that ends past this many minutes.", type=float)
+    exit_interval: Optional[int] = flag(
+        None, _OPS, "Save (--save) and exit 0 at the first iteration divisible by N.", type=int)
+    distributed_timeout_minutes: float = flag(
+        10.0, _OPS, "Timeout of every process group's collectives (minutes; fractions allowed): a stuck "
+        "rank ends the job instead of hanging it.")
+    skip_nonfinite_iterations: int = flag(
+        0, _OPS, "Skip up to N optimizer steps whose loss or gradient norm is NaN/inf (counted in the "
+        "metrics); past N, or with 0, such a step stops the run.")
+    keep_last_checkpoints: Optional[int] = flag(
+        None, _LOGGING, "Delete all but the newest N checkpoints under --save after each save (default: "
+        "keep all).", type=int)
+    tensorboard_dir: Optional[str] = flag(
+        None, _LOGGING, "Write the metrics of metrics.jsonl as TensorBoard scalars (extra 'tb').", type=str)
+    wandb_project: Optional[str] = flag(
+        None, _LOGGING, "Log the metrics of metrics.jsonl to this Weights & Biases project (extra 'wandb'; "
+        "WANDB_MODE=offline works without network).", type=str)
+    wandb_exp_name: Optional[str] = flag(None, _LOGGING, "The W&B run name.", type=str)
+    wandb_save_dir: Optional[str] = flag(
+        None, _LOGGING, "Local W&B directory (default: --log-dir, else wandb's own).", type=str)
+
+    def __post_init__(self):
+        cls = Operations
+        check_at_least(cls, self, 0, "skip_nonfinite_iterations")
+        check_at_least(cls, self, 0, "distributed_timeout_minutes", strict=True)
+        check_at_least(cls, self, 0, "exit_duration_in_mins", strict=True, optional=True)
+        check_at_least(cls, self, 1, "exit_interval", "keep_last_checkpoints", optional=True)
+        for name in ("wandb_exp_name", "wandb_save_dir"):
+            check(cls, self, name, not getattr(self, name) or bool(self.wandb_project), "needs --wandb-project")
 
 
 @dataclass(frozen=True)

@@ -38,20 +38,18 @@ def _in_unit_interval(args, flag: str):
 def check_values(args) -> None:
     """Ranges and combinations of the flags (pure: no files, no devices)."""
     for flag in ("--lr", "--min-lr", "--weight-decay", "--clip-grad", "--lr-warmup-iters",
-                 "--init-method-std", "--skip-nonfinite-iterations"):
+                 "--init-method-std"):
         _at_least(args, flag, 0)
     _at_least(args, "--critic-lr", 0, optional=True)
     for flag in ("--adam-beta1", "--adam-beta2", "--attention-dropout", "--hidden-dropout"):
         _in_unit_interval(args, flag)
-    for flag in ("--adam-eps", "--norm-epsilon", "--clip-eps", "--value-clip-eps",
-                 "--distributed-timeout-minutes"):
+    for flag in ("--adam-eps", "--norm-epsilon", "--clip-eps", "--value-clip-eps"):
         _at_least(args, flag, 0, strict=True)
-    for flag in ("--reward-clip", "--exit-duration-in-mins"):
-        _at_least(args, flag, 0, strict=True, optional=True)
+    _at_least(args, "--reward-clip", 0, strict=True, optional=True)
     for flag in ("--kl-horizon", "--make-vocab-size-divisible-by", "--seq-length", "--rotary-base"):
         _at_least(args, flag, 1)
     for flag in ("--global-batch-size", "--ppo-mini-batch-size", "--max-prompt-length",
-                 "--exit-interval", "--keep-last-checkpoints", "--max-position-embeddings"):
+                 "--max-position-embeddings"):
         _at_least(args, flag, 1, optional=True)
     for flag, lr in (("--lr", args.lr), ("--critic-lr", args.critic_lr)):
         if lr is not None and args.min_lr > lr:
@@ -61,9 +59,6 @@ def check_values(args) -> None:
                               f"{args.max_position_embeddings}")
     if args.keep_last_checkpoints is not None and not args.save:
         fail("--keep-last-checkpoints", "needs --save DIR")
-    for flag in ("wandb_exp_name", "wandb_save_dir"):
-        if getattr(args, flag) and not args.wandb_project:
-            fail("--" + flag.replace("_", "-"), "needs --wandb-project")
 
 
 def _check_writable(flag: str, path: str) -> None:
