@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from typing import List, Optional
 
-from puzzle.config import ROLES, Operations
+from puzzle.config import ROLES, Operations, OptimConfig
 from puzzle.config_flags import add_dataclass_args, from_args
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
@@ -95,7 +96,6 @@ def _add_parallel_args(parser):
     g.add_argument("--switch-segments", type=int, default=1,
                    help="Segments of the actor's training->generation weight switch overlapped with the optimizer step.")
     g.add_argument("--ranks-per-node", type=int, default=None, help="Ranks per node (switch prefers same-node sources).")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--score-placement", choices=["sequential", "disjoint", "time-sharing"],
                    default="sequential", help="How the scoring stage's models share the devices.")
     g.add_argument("--train-placement", choices=["sequential", "disjoint", "time-sharing"],
@@ -108,16 +108,7 @@ def _add_training_args(parser):
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (= the PPO mini-batch; default: the rollout batch).")
     g.add_argument("--train-iters", type=int, default=10, help="PPO iterations.")
-    g.add_argument("--lr", type=float, default=1e-5, help="Actor learning rate.")
     g.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--bf16", action="store_true",
                    help="bf16 parameters and activations; fp32 main parameters and gradients in the optimizer.")
     g.add_argument("--fp16", action="store_true")
@@ -273,7 +264,7 @@ def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argp
                 _add_algorithm_args, _add_reward_fn_args, _add_data_args, _add_logging_args,
                 _add_plan_args):
         add(parser)
-    for cls in (Operations,):  # flags defined next to their config field (puzzle/config_flags.py)
+    for cls in (OptimConfig, Operations):  # flags defined next to their config field (puzzle/config_flags.py)
         add_dataclass_args(parser, cls)
     return parser
 
@@ -485,12 +476,12 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     from puzzle.config import PPOParams, RoleSpec, RunConfig
     from puzzle.models.builders import check_layout
     from puzzle.parallel.plan import PlanError
-    from puzzle.training.engine import OptimConfig
 
     if args.seq_length is None:
         _fail("--seq-length", "is required")
-    flag_checks.check_values(args)
+    optim = from_args(OptimConfig, args)  # the configs that check themselves
     ops = from_args(Operations, args)
+    flag_checks.check_values(args)
     if args.bf16 and args.fp16:
         _fail("--bf16/--fp16", "choose one")
     if check_paths:  # this machine: writable outputs, a GPU for --fp16, optional logging packages
@@ -655,14 +646,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         max_num_gen_batches=args.max_num_gen_batches, overlong_buffer_len=args.overlong_buffer_len,
         overlong_penalty_factor=args.overlong_penalty_factor, reward_normalization=args.reward_normalization,
     )
-    optim = OptimConfig(
-        lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini),
-        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-    )
+    optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return RunConfig(
         world_size=world_size, roles=roles, ppo=ppo, optim=optim, train_iters=args.train_iters,
         seed=args.seed, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,

@@ -209,6 +209,35 @@ class PPOParams:
         return self.rollout_batch_size * self.n_samples_per_prompt
 
 
+_TRAINING = "training"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam, its learning-rate schedule and gradient clipping (Megatron-LM's flags and defaults,
+    but --adam-beta2 0.95); the actor's, and the critic's with its own --critic-lr."""
+
+    lr: float = flag(1e-5, _TRAINING, "Actor learning rate.")
+    min_lr: float = flag(0.0, _TRAINING)
+    lr_decay_style: str = flag("constant", _TRAINING, choices=("constant", "linear", "cosine"))
+    lr_warmup_iters: int = flag(0, _TRAINING)
+    lr_decay_iters: int = 1  # derived: every optimizer step of the run (train iters x epochs x mini-batches)
+    weight_decay: float = flag(0.0, _TRAINING)
+    adam_beta1: float = flag(0.9, _TRAINING)
+    adam_beta2: float = flag(0.95, _TRAINING)
+    adam_eps: float = flag(1e-8, _TRAINING)
+    clip_grad: float = flag(1.0, _TRAINING)
+    use_distributed_optimizer: bool = flag(False, "parallelism (per role; D = world / (P * T))")
+
+    def __post_init__(self):
+        cls = OptimConfig
+        check_at_least(cls, self, 0, "lr", "min_lr", "weight_decay", "clip_grad", "lr_warmup_iters")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            check(cls, self, name, 0.0 <= value < 1.0, f"must lie in [0, 1) (got {value})")
+        check_at_least(cls, self, 0, "adam_eps", strict=True)
+
+
 _OPS = "preemption, time limits, hangs and non-finite steps"
 _LOGGING = "logging and checkpoints"
 

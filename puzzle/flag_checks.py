@@ -36,14 +36,12 @@ def _in_unit_interval(args, flag: str):
 
 
 def check_values(args) -> None:
-    """Ranges and combinations of the flags (pure: no files, no devices)."""
-    for flag in ("--lr", "--min-lr", "--weight-decay", "--clip-grad", "--lr-warmup-iters",
-                 "--init-method-std"):
-        _at_least(args, flag, 0)
+    """Ranges and combinations of the flags that no config checks itself (pure: no files, no devices)."""
+    _at_least(args, "--init-method-std", 0)
     _at_least(args, "--critic-lr", 0, optional=True)
-    for flag in ("--adam-beta1", "--adam-beta2", "--attention-dropout", "--hidden-dropout"):
+    for flag in ("--attention-dropout", "--hidden-dropout"):
         _in_unit_interval(args, flag)
-    for flag in ("--adam-eps", "--norm-epsilon", "--clip-eps", "--value-clip-eps"):
+    for flag in ("--norm-epsilon", "--clip-eps", "--value-clip-eps"):
         _at_least(args, flag, 0, strict=True)
     _at_least(args, "--reward-clip", 0, strict=True, optional=True)
     for flag in ("--kl-horizon", "--make-vocab-size-divisible-by", "--seq-length", "--rotary-base"):

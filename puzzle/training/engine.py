@@ -9,30 +9,14 @@ global batch, so a token-mean loss is the same at every (P, D, T).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
-from puzzle.config import ModelArch
+from puzzle.config import ModelArch, OptimConfig  # noqa: F401  (OptimConfig: imported from here too)
 from puzzle.models.builders import build_role_model
 from puzzle.parallel.groups import Layout
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    lr_decay_style: str = "constant"
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int = 1
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False
 
 
 class ModelEngine:
