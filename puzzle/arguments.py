@@ -15,7 +15,7 @@ import os
 from dataclasses import replace
 from typing import List, Optional
 
-from puzzle.config import ROLES, Operations, OptimConfig
+from puzzle.config import ROLES, Operations, OptimConfig, PPOParams
 from puzzle.config_flags import add_dataclass_args, from_args
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
@@ -104,7 +104,6 @@ def _add_parallel_args(parser):
 
 def _add_training_args(parser):
     g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=1, help="Samples per micro-batch (scoring and training).")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (= the PPO mini-batch; default: the rollout batch).")
     g.add_argument("--train-iters", type=int, default=10, help="PPO iterations.")
@@ -123,31 +122,9 @@ def _add_training_args(parser):
 
 def _add_ppo_args(parser):
     g = parser.add_argument_group("PPO")
-    g.add_argument("--rollout-batch-size", type=int, default=8, help="Prompts per PPO iteration.")
     g.add_argument("--ppo-mini-batch-size", type=int, default=None, help="Alias of --global-batch-size.")
-    g.add_argument("--ppo-epochs", type=int, default=1, help="Passes over each rollout batch.")
-    g.add_argument("--max-new-tokens", type=int, default=16)
     g.add_argument("--max-prompt-length", type=int, default=None, help="Prompt budget (default: seq length - max new tokens).")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--greedy", action="store_true", help="Greedy decoding (deterministic rollouts).")
-    g.add_argument("--generation-micro-batch-size", type=int, default=None,
-                   help="Prompts per generation micro-batch (default: all of a DP rank's prompts). "
-                   "Smaller than a rank's prompts at P=1: finished rows take waiting prompts.")
-    g.add_argument("--cuda-graph-generation", action="store_true",
-                   help="Replay each decode step from a CUDA graph captured per batch-size bucket (GPU only).")
-    g.add_argument("--kl-coef", type=float, default=0.05)
-    g.add_argument("--kl-target", type=float, default=None, help="Adaptive KL controller target (Ziegler et al.).")
-    g.add_argument("--kl-horizon", type=int, default=10000)
-    g.add_argument("--kl-estimator", choices=["k1", "abs", "mse", "low_var_kl"], default="k1")
-    g.add_argument("--gamma", type=float, default=1.0)
-    g.add_argument("--lam", type=float, default=0.95)
     g.add_argument("--clip-eps", type=float, default=0.2)
-    g.add_argument("--value-clip-eps", type=float, default=0.2)
-    g.add_argument("--entropy-coef", type=float, default=0.0)
-    g.add_argument("--reward-clip", type=float, default=None)
-    g.add_argument("--no-whiten-advantages", action="store_true")
     g.add_argument("--reward-fn", type=str, default=None, help="Reward function module:function.")
     g.add_argument("--reward-model", type=str, default=None,
                    help="Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.")
@@ -160,27 +137,12 @@ def _add_algorithm_args(parser):
     g = parser.add_argument_group("advantage estimators, GRPO family and DAPO (docs/grpo.md)")
     g.add_argument("--advantage-estimator", choices=list(ESTIMATORS), default="gae",
                    help="gae (PPO, with a critic) or a critic-free estimator.")
-    g.add_argument("--n-samples-per-prompt", type=int, default=1,
-                   help="Responses generated per prompt (the group of grpo/rloo); samples per iteration = "
-                        "rollout batch x N.")
-    g.add_argument("--grpo-std-normalization", action=argparse.BooleanOptionalAction, default=True,
-                   help="grpo: divide by the group's std (--no-grpo-std-normalization: Dr. GRPO).")
-    g.add_argument("--use-kl-loss", action="store_true", help="KL to the reference as a loss term of the actor.")
-    g.add_argument("--kl-loss-coef", type=float, default=0.001)
     g.add_argument("--kl-loss-type", choices=list(KL_KINDS), default="low_var_kl")
     g.add_argument("--clip-eps-low", type=float, default=None, help="Lower ratio clip (default --clip-eps).")
     g.add_argument("--clip-eps-high", type=float, default=None,
                    help="Upper ratio clip (DAPO clip-higher; default --clip-eps-low).")
     g.add_argument("--loss-agg-mode", choices=list(LOSS_AGG_MODES), default="token-mean",
                    help="How the actor's per-token losses are aggregated over the mini-batch.")
-    g.add_argument("--filter-groups", action="store_true",
-                   help="DAPO dynamic sampling: drop groups whose rewards are all equal and generate more "
-                        "until the batch is full.")
-    g.add_argument("--max-num-gen-batches", type=int, default=10,
-                   help="--filter-groups: at most this many generation rounds per iteration.")
-    g.add_argument("--overlong-buffer-len", type=int, default=0,
-                   help="DAPO overlong shaping: the last N tokens of --max-new-tokens are penalised (0: off).")
-    g.add_argument("--overlong-penalty-factor", type=float, default=1.0)
 
 
 def _add_reward_fn_args(parser):
@@ -193,8 +155,6 @@ def _add_reward_fn_args(parser):
                    help="A reward that is not a number, NaN/inf, raises or times out: substitute "
                         "--bad-reward-value (counted as bad_rewards) or stop the run.")
     g.add_argument("--bad-reward-value", type=float, default=0.0)
-    g.add_argument("--reward-normalization", choices=["none", "running"], default="none",
-                   help="running: scores normalised by their running mean/std (checkpointed).")
 
 
 def _add_data_args(parser):
@@ -264,7 +224,7 @@ def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argp
                 _add_algorithm_args, _add_reward_fn_args, _add_data_args, _add_logging_args,
                 _add_plan_args):
         add(parser)
-    for cls in (OptimConfig, Operations):  # flags defined next to their config field (puzzle/config_flags.py)
+    for cls in (PPOParams, OptimConfig, Operations):  # flags defined next to their config field (puzzle/config_flags.py)
         add_dataclass_args(parser, cls)
     return parser
 
@@ -473,7 +433,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     args = argparse.Namespace(**vars(args))
     layouts = layouts or PlanLayouts()
     from puzzle import flag_checks
-    from puzzle.config import PPOParams, RoleSpec, RunConfig
+    from puzzle.config import RoleSpec, RunConfig
     from puzzle.models.builders import check_layout
     from puzzle.parallel.plan import PlanError
 
@@ -509,23 +469,20 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     if args.reward_fn and ":" not in args.reward_fn:
         _fail("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
     flag_checks.check_algorithm_args(args)
-    if not 0.0 < args.top_p <= 1.0:
-        _fail("--top-p", f"must be in (0, 1] (got {args.top_p})")
-    if args.top_k < 0:
-        _fail("--top-k", f"must be >= 0 (got {args.top_k})")
-    if args.temperature <= 0 and not args.greedy:
-        _fail("--temperature", f"must be > 0 (got {args.temperature}); use --greedy for argmax decoding")
-    for flag in ("ppo_epochs", "train_iters", "micro_batch_size", "rollout_batch_size", "log_interval"):
+    N = args.n_samples_per_prompt
+    samples = args.rollout_batch_size * N
+    mini = args.ppo_mini_batch_size or args.global_batch_size or samples
+    ppo = from_args(
+        PPOParams, args, mini_batch_size=mini, max_prompt_length=max_prompt,
+        clip_eps=args.clip_eps_low if args.clip_eps_low is not None else args.clip_eps,
+        clip_eps_high=args.clip_eps_high if args.clip_eps_high is not None else args.clip_eps_low,
+        advantage_estimator=args.advantage_estimator, kl_loss_type=args.kl_loss_type,
+        loss_agg_mode=args.loss_agg_mode)
+    for flag in ("train_iters", "log_interval"):
         if getattr(args, flag) < 1:
             _fail("--" + flag.replace("_", "-"), f"must be >= 1 (got {getattr(args, flag)})")
     if args.switch_segments < 1:
         _fail("--switch-segments", f"must be >= 1 (got {args.switch_segments})")
-    if not 0.0 <= args.gamma <= 1.0 or not 0.0 <= args.lam <= 1.0:
-        _fail("--gamma/--lam", "must lie in [0, 1]")
-    if args.kl_coef < 0:
-        _fail("--kl-coef", f"must be >= 0 (got {args.kl_coef})")
-    if args.kl_target is not None and args.kl_target <= 0:
-        _fail("--kl-target", f"must be > 0 (got {args.kl_target})")
     if args.save_interval is not None and (args.save_interval < 1 or not args.save):
         _fail("--save-interval", f"needs --save DIR and must be >= 1 (got {args.save_interval})")
     for flag in ("save", "load"):
@@ -583,11 +540,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         hf = _hf_dir_for(args, role)
         roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan,
                                trainable=trainable, lr=lr, hf_path=hf)
-    N = args.n_samples_per_prompt
-    samples = args.rollout_batch_size * N
     what = (f"rollout batch {args.rollout_batch_size}" if N == 1 else
             f"rollout batch {args.rollout_batch_size} prompts x {N} samples = {samples}")
-    mini = args.ppo_mini_batch_size or args.global_batch_size or samples
     if samples % mini:
         _fail("--global-batch-size", f"the {what} is not divisible by the PPO mini-batch (global batch) {mini}")
     for role, spec in roles.items():
@@ -627,25 +581,6 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--sequence-parallel", "needs --transformer-impl transformer_engine (TE on a CUDA machine): "
                                      "megatron-core's local layer spec normalises with torch norms, which "
                                      "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
-    ppo = PPOParams(
-        rollout_batch_size=args.rollout_batch_size, mini_batch_size=mini,
-        micro_batch_size=args.micro_batch_size, generation_micro_batch_size=gmb,
-        cuda_graph_generation=args.cuda_graph_generation,
-        ppo_epochs=args.ppo_epochs, max_new_tokens=args.max_new_tokens, max_prompt_length=max_prompt,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
-        kl_coef=args.kl_coef, kl_target=args.kl_target, kl_horizon=args.kl_horizon,
-        kl_estimator=args.kl_estimator, gamma=args.gamma, lam=args.lam,
-        clip_eps=args.clip_eps_low if args.clip_eps_low is not None else args.clip_eps,
-        value_clip_eps=args.value_clip_eps, entropy_coef=args.entropy_coef,
-        reward_clip=args.reward_clip, whiten_advantages=not args.no_whiten_advantages,
-        advantage_estimator=args.advantage_estimator, n_samples_per_prompt=N,
-        grpo_std_normalization=args.grpo_std_normalization, use_kl_loss=args.use_kl_loss,
-        kl_loss_coef=args.kl_loss_coef, kl_loss_type=args.kl_loss_type,
-        clip_eps_high=args.clip_eps_high if args.clip_eps_high is not None else args.clip_eps_low,
-        loss_agg_mode=args.loss_agg_mode, filter_groups=args.filter_groups,
-        max_num_gen_batches=args.max_num_gen_batches, overlong_buffer_len=args.overlong_buffer_len,
-        overlong_penalty_factor=args.overlong_penalty_factor, reward_normalization=args.reward_normalization,
-    )
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return RunConfig(
         world_size=world_size, roles=roles, ppo=ppo, optim=optim, train_iters=args.train_iters,

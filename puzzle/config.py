@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from puzzle.config_flags import check, check_at_least, flag
+from puzzle.flag_checks import fail
 
 
 
@@ -163,45 +164,79 @@ class RoleSpec:
         return ROLES[self.role]
 
 
+_PPO = "PPO"
+_ALGO = "advantage estimators, GRPO family and DAPO (docs/grpo.md)"
+
+
 @dataclass(frozen=True)
 class PPOParams:
-    rollout_batch_size: int = 8
-    mini_batch_size: int = 8
-    micro_batch_size: int = 1
-    generation_micro_batch_size: Optional[int] = None
-    cuda_graph_generation: bool = False  # decode steps replayed from CUDA graphs (GPU only)
-    ppo_epochs: int = 1
-    max_new_tokens: int = 16
-    max_prompt_length: int = 32
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    greedy: bool = False
-    kl_coef: float = 0.05
-    kl_target: Optional[float] = None
-    kl_horizon: int = 10000
-    kl_estimator: str = "k1"
-    gamma: float = 1.0
-    lam: float = 0.95
-    clip_eps: float = 0.2
-    value_clip_eps: Optional[float] = 0.2
-    entropy_coef: float = 0.0
-    reward_clip: Optional[float] = None
-    whiten_advantages: bool = True
+    """The algorithm: batch sizes, sampling, KL, clipping, advantages (PPO's defaults; the GRPO
+    family and DAPO in docs/grpo.md). Fields without a flag are derived by validate_args."""
+
+    rollout_batch_size: int = flag(8, _PPO, "Prompts per PPO iteration.")
+    mini_batch_size: int = 8  # --global-batch-size / --ppo-mini-batch-size (default: the samples)
+    micro_batch_size: int = flag(1, "training", "Samples per micro-batch (scoring and training).")
+    generation_micro_batch_size: Optional[int] = flag(
+        None, _PPO, "Prompts per generation micro-batch (default: all of a DP rank's prompts). Smaller than "
+        "a rank's prompts at P=1: finished rows take waiting prompts.", type=int)
+    cuda_graph_generation: bool = flag(
+        False, _PPO, "Replay each decode step from a CUDA graph captured per batch-size bucket (GPU only).")
+    ppo_epochs: int = flag(1, _PPO, "Passes over each rollout batch.")
+    max_new_tokens: int = flag(16, _PPO)
+    max_prompt_length: int = 32  # --max-prompt-length (default: seq length - max new tokens)
+    temperature: float = flag(1.0, _PPO)
+    top_k: int = flag(0, _PPO)
+    top_p: float = flag(1.0, _PPO)
+    greedy: bool = flag(False, _PPO, "Greedy decoding (deterministic rollouts).")
+    kl_coef: float = flag(0.05, _PPO)
+    kl_target: Optional[float] = flag(None, _PPO, "Adaptive KL controller target (Ziegler et al.).", type=float)
+    kl_horizon: int = flag(10000, _PPO)
+    kl_estimator: str = flag("k1", _PPO, choices=("k1", "abs", "mse", "low_var_kl"))
+    gamma: float = flag(1.0, _PPO)
+    lam: float = flag(0.95, _PPO)
+    clip_eps: float = 0.2  # --clip-eps-low, else --clip-eps
+    value_clip_eps: Optional[float] = flag(0.2, _PPO)
+    entropy_coef: float = flag(0.0, _PPO)
+    reward_clip: Optional[float] = flag(None, _PPO, type=float)
+    whiten_advantages: bool = flag(True, _PPO, name="--no-whiten-advantages", kind="negated")
     # the GRPO family (docs/grpo.md); defaults are PPO's
-    advantage_estimator: str = "gae"
-    n_samples_per_prompt: int = 1
-    grpo_std_normalization: bool = True
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    clip_eps_high: Optional[float] = None  # None: clip_eps (symmetric)
-    loss_agg_mode: str = "token-mean"
-    filter_groups: bool = False
-    max_num_gen_batches: int = 10
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    reward_normalization: str = "none"
+    advantage_estimator: str = "gae"  # --advantage-estimator (its choices are puzzle.algorithms')
+    n_samples_per_prompt: int = flag(
+        1, _ALGO, "Responses generated per prompt (the group of grpo/rloo); samples per iteration = "
+        "rollout batch x N.")
+    grpo_std_normalization: bool = flag(
+        True, _ALGO, "grpo: divide by the group's std (--no-grpo-std-normalization: Dr. GRPO).",
+        kind="boolean_optional")
+    use_kl_loss: bool = flag(False, _ALGO, "KL to the reference as a loss term of the actor.")
+    kl_loss_coef: float = flag(0.001, _ALGO)
+    kl_loss_type: str = "low_var_kl"  # --kl-loss-type
+    clip_eps_high: Optional[float] = None  # None: clip_eps (symmetric); --clip-eps-high
+    loss_agg_mode: str = "token-mean"  # --loss-agg-mode
+    filter_groups: bool = flag(
+        False, _ALGO, "DAPO dynamic sampling: drop groups whose rewards are all equal and generate more "
+        "until the batch is full.")
+    max_num_gen_batches: int = flag(10, _ALGO, "--filter-groups: at most this many generation rounds per iteration.")
+    overlong_buffer_len: int = flag(
+        0, _ALGO, "DAPO overlong shaping: the last N tokens of --max-new-tokens are penalised (0: off).")
+    overlong_penalty_factor: float = flag(1.0, _ALGO)
+    reward_normalization: str = flag(
+        "none", "reward functions (--reward-fn; docs/grpo.md)",
+        "running: scores normalised by their running mean/std (checkpointed).", choices=("none", "running"))
+
+    def __post_init__(self):
+        cls = PPOParams
+        check_at_least(cls, self, 1, "max_new_tokens", "ppo_epochs", "micro_batch_size", "rollout_batch_size",
+                       "kl_horizon", "n_samples_per_prompt", "max_num_gen_batches")
+        check(cls, self, "top_p", 0.0 < self.top_p <= 1.0, f"must be in (0, 1] (got {self.top_p})")
+        check_at_least(cls, self, 0, "top_k", "kl_coef", "kl_loss_coef", "overlong_penalty_factor")
+        check(cls, self, "temperature", self.temperature > 0 or self.greedy,
+              f"must be > 0 (got {self.temperature}); use --greedy for argmax decoding")
+        if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
+            fail("--gamma/--lam", "must lie in [0, 1]")
+        check_at_least(cls, self, 0, "kl_target", "reward_clip", strict=True, optional=True)
+        check_at_least(cls, self, 0, "value_clip_eps", strict=True)
+        check(cls, self, "overlong_buffer_len", 0 <= self.overlong_buffer_len <= self.max_new_tokens,
+              f"must be in [0, --max-new-tokens {self.max_new_tokens}] (got {self.overlong_buffer_len})")
 
     @property
     def num_samples(self) -> int:

@@ -78,7 +78,7 @@ def add_dataclass_args(parser, cls) -> None:
         elif spec.kind == "boolean_optional":
             g.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=spec.help)
         else:
-            typ = spec.type or type(f.default)
+            typ = spec.type or (None if spec.choices else type(f.default))
             g.add_argument(name, type=typ, default=f.default, choices=spec.choices, help=spec.help)
 
 

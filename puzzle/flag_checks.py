@@ -41,10 +41,9 @@ def check_values(args) -> None:
     _at_least(args, "--critic-lr", 0, optional=True)
     for flag in ("--attention-dropout", "--hidden-dropout"):
         _in_unit_interval(args, flag)
-    for flag in ("--norm-epsilon", "--clip-eps", "--value-clip-eps"):
+    for flag in ("--norm-epsilon", "--clip-eps"):
         _at_least(args, flag, 0, strict=True)
-    _at_least(args, "--reward-clip", 0, strict=True, optional=True)
-    for flag in ("--kl-horizon", "--make-vocab-size-divisible-by", "--seq-length", "--rotary-base"):
+    for flag in ("--make-vocab-size-divisible-by", "--seq-length", "--rotary-base"):
         _at_least(args, flag, 1)
     for flag in ("--global-batch-size", "--ppo-mini-batch-size", "--max-prompt-length",
                  "--max-position-embeddings"):
@@ -102,8 +101,6 @@ def check_algorithm_args(args) -> None:
 
     est, N = args.advantage_estimator, args.n_samples_per_prompt
     spec = ESTIMATORS[est]
-    if N < 1:
-        fail("--n-samples-per-prompt", f"must be >= 1 (got {N})")
     if spec.needs_groups and N < 2:
         fail("--n-samples-per-prompt", f"--advantage-estimator {est} compares the samples of a prompt: "
                                         f"it needs at least 2 samples per prompt (got {N})")
@@ -121,19 +118,10 @@ def check_algorithm_args(args) -> None:
     if spec.needs_greedy_baseline and not args.reward_fn:
         fail("--advantage-estimator", "remax scores its greedy baseline in the generation stage: it needs "
                                        "--reward-fn, not a reward model")
-    if args.max_num_gen_batches < 1:
-        fail("--max-num-gen-batches", f"must be >= 1 (got {args.max_num_gen_batches})")
     for flag in ("clip_eps", "clip_eps_low", "clip_eps_high"):
         v = getattr(args, flag)
         if v is not None and not v > 0:
             fail("--" + flag.replace("_", "-"), f"must be > 0 (got {v})")
-    if args.kl_loss_coef < 0:
-        fail("--kl-loss-coef", f"must be >= 0 (got {args.kl_loss_coef})")
-    if args.overlong_buffer_len < 0 or args.overlong_buffer_len > args.max_new_tokens:
-        fail("--overlong-buffer-len", f"must be in [0, --max-new-tokens {args.max_new_tokens}] "
-                                       f"(got {args.overlong_buffer_len})")
-    if args.overlong_penalty_factor < 0:
-        fail("--overlong-penalty-factor", f"must be >= 0 (got {args.overlong_penalty_factor})")
     if args.reward_workers < 0:
         fail("--reward-workers", f"must be >= 0 (got {args.reward_workers})")
     if args.reward_timeout < 0:
