@@ -15,7 +15,7 @@ import os
 from dataclasses import replace
 from typing import List, Optional
 
-from puzzle.config import ROLES, Operations, OptimConfig, PPOParams
+from puzzle.config import ROLES, Operations, OptimConfig, PPOParams, RunConfig
 from puzzle.config_flags import add_dataclass_args, from_args
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
@@ -93,20 +93,12 @@ def _add_parallel_args(parser):
                    help="Actor generation-layout T (default: its training layout).")
     g.add_argument("--actor-gen-pipeline-model-parallel-size", type=int, default=None,
                    help="Actor generation-layout P (default: its training layout).")
-    g.add_argument("--switch-segments", type=int, default=1,
-                   help="Segments of the actor's training->generation weight switch overlapped with the optimizer step.")
-    g.add_argument("--ranks-per-node", type=int, default=None, help="Ranks per node (switch prefers same-node sources).")
-    g.add_argument("--score-placement", choices=["sequential", "disjoint", "time-sharing"],
-                   default="sequential", help="How the scoring stage's models share the devices.")
-    g.add_argument("--train-placement", choices=["sequential", "disjoint", "time-sharing"],
-                   default="sequential", help="How the training stage's models (actor, critic) share the devices.")
 
 
 def _add_training_args(parser):
     g = parser.add_argument_group("training")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="Samples per optimizer step (= the PPO mini-batch; default: the rollout batch).")
-    g.add_argument("--train-iters", type=int, default=10, help="PPO iterations.")
     g.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
     g.add_argument("--bf16", action="store_true",
                    help="bf16 parameters and activations; fp32 main parameters and gradients in the optimizer.")
@@ -114,10 +106,6 @@ def _add_training_args(parser):
     g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
                    help="Transformer layer implementation (Megatron-LM's flag): transformer_engine where TE "
                         "imports on a CUDA machine, else local (said once at start).")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism within each model's tensor-parallel group (T > 1).")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--recompute-activations", action="store_true")
 
 
 def _add_ppo_args(parser):
@@ -125,9 +113,6 @@ def _add_ppo_args(parser):
     g.add_argument("--ppo-mini-batch-size", type=int, default=None, help="Alias of --global-batch-size.")
     g.add_argument("--max-prompt-length", type=int, default=None, help="Prompt budget (default: seq length - max new tokens).")
     g.add_argument("--clip-eps", type=float, default=0.2)
-    g.add_argument("--reward-fn", type=str, default=None, help="Reward function module:function.")
-    g.add_argument("--reward-model", type=str, default=None,
-                   help="Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.")
 
 
 def _add_algorithm_args(parser):
@@ -147,30 +132,10 @@ def _add_algorithm_args(parser):
 
 def _add_reward_fn_args(parser):
     g = parser.add_argument_group("reward functions (--reward-fn; docs/grpo.md)")
-    g.add_argument("--reward-workers", type=int, default=0,
-                   help="Processes per rank that run the reward function (0: in the rank's process).")
-    g.add_argument("--reward-timeout", type=float, default=60.0,
-                   help="Seconds per sample before a reward counts as bad (0: no timeout).")
-    g.add_argument("--on-bad-reward", choices=["default", "error"], default="default",
-                   help="A reward that is not a number, NaN/inf, raises or times out: substitute "
-                        "--bad-reward-value (counted as bad_rewards) or stop the run.")
-    g.add_argument("--bad-reward-value", type=float, default=0.0)
 
 
 def _add_data_args(parser):
     g = parser.add_argument_group("data")
-    g.add_argument("--prompt-data", type=str, default=None, help="Prompt file (JSONL/Parquet/Arrow); default: bundled tiny set.")
-    g.add_argument("--prompt-key", type=str, default="prompt")
-    g.add_argument("--prompt-split", type=str, default="train", help="Split of a hub dataset (--prompt-data NAME).")
-    g.add_argument("--apply-chat-template", action="store_true",
-                   help="Format prompts (strings or message lists) with the tokenizer's chat template.")
-    g.add_argument("--skip-bad-records", action="store_true",
-                   help="Skip (and count) malformed prompt records instead of stopping at the first.")
-    g.add_argument("--prompt-overflow", choices=["truncate_left", "truncate_right", "drop"],
-                   default="truncate_left", help="Prompts longer than the prompt budget: keep the end, "
-                                                 "keep the start, or drop them (counted in the metrics).")
-    g.add_argument("--tokenizer-type", type=str, default="ByteLevelTokenizer")
-    g.add_argument("--tokenizer-model", type=str, default=None)
     g.add_argument("--hf-actor-path", type=str, default=None,
                    help="HF checkpoint dir (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) for the actor and the "
                         "reference; its config.json sets their shape.")
@@ -181,20 +146,7 @@ def _add_data_args(parser):
 
 
 def _add_logging_args(parser):
-    g = parser.add_argument_group("logging and checkpoints")
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--log-dir", type=str, default=None, help="Writes DIR/metrics.jsonl (and TensorBoard events).")
-    g.add_argument("--save", type=str, default=None,
-                   help="Checkpoint directory to save to (dist-checkpoint of every role; see docs/ppo.md).")
-    g.add_argument("--load", type=str, default=None,
-                   help="Checkpoint directory to resume from (its latest iteration; may be --save's).")
-    g.add_argument("--save-interval", type=int, default=None,
-                   help="Save every N iterations (and at the end); default: only at the end.")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="Resume weights, schedulers and counters but not the optimizer states.")
-    g.add_argument("--no-load-rng", action="store_true", help="Do not restore the per-rank RNG states.")
-    g.add_argument("--ckpt-step", type=int, default=None,
-                   help="Resume this iteration of --load instead of its latest one.")
+    parser.add_argument_group("logging and checkpoints")  # its flags: RunConfig's and Operations' fields
 
 
 def _add_plan_args(parser):
@@ -224,7 +176,7 @@ def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argp
                 _add_algorithm_args, _add_reward_fn_args, _add_data_args, _add_logging_args,
                 _add_plan_args):
         add(parser)
-    for cls in (PPOParams, OptimConfig, Operations):  # flags defined next to their config field (puzzle/config_flags.py)
+    for cls in (RunConfig, PPOParams, OptimConfig, Operations):  # flags defined next to their config field (puzzle/config_flags.py)
         add_dataclass_args(parser, cls)
     return parser
 
@@ -433,7 +385,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     args = argparse.Namespace(**vars(args))
     layouts = layouts or PlanLayouts()
     from puzzle import flag_checks
-    from puzzle.config import RoleSpec, RunConfig
+    from puzzle.config import RoleSpec
     from puzzle.models.builders import check_layout
     from puzzle.parallel.plan import PlanError
 
@@ -466,8 +418,6 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     if args.reward_fn and args.reward_model:
         _fail("--reward-fn", f"give one reward source, not both --reward-fn and a reward model "
                              f"({args.reward_model})")
-    if args.reward_fn and ":" not in args.reward_fn:
-        _fail("--reward-fn", f"expected module:function, got {args.reward_fn!r}")
     flag_checks.check_algorithm_args(args)
     N = args.n_samples_per_prompt
     samples = args.rollout_batch_size * N
@@ -478,24 +428,10 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         clip_eps_high=args.clip_eps_high if args.clip_eps_high is not None else args.clip_eps_low,
         advantage_estimator=args.advantage_estimator, kl_loss_type=args.kl_loss_type,
         loss_agg_mode=args.loss_agg_mode)
-    for flag in ("train_iters", "log_interval"):
-        if getattr(args, flag) < 1:
-            _fail("--" + flag.replace("_", "-"), f"must be >= 1 (got {getattr(args, flag)})")
-    if args.switch_segments < 1:
-        _fail("--switch-segments", f"must be >= 1 (got {args.switch_segments})")
-    if args.save_interval is not None and (args.save_interval < 1 or not args.save):
-        _fail("--save-interval", f"needs --save DIR and must be >= 1 (got {args.save_interval})")
     for flag in ("save", "load"):
         path = getattr(args, flag)
         if path is not None and (not path or os.path.exists(path) and not os.path.isdir(path)):
             _fail(f"--{flag}", f"{path!r} is not a directory")
-    for flag in ("no_load_optim", "no_load_rng", "ckpt_step"):
-        if getattr(args, flag) not in (None, False) and not args.load:
-            _fail("--" + flag.replace("_", "-"), "needs --load DIR")
-    if args.ckpt_step is not None and args.ckpt_step < 1:
-        _fail("--ckpt-step", f"must be >= 1 (got {args.ckpt_step})")
-    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world_size % args.ranks_per_node):
-        _fail("--ranks-per-node", f"{args.ranks_per_node} must be >= 1 and divide the world size {world_size}")
 
     roles = {}
     present = role_set(args)
@@ -582,26 +518,10 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                                      "megatron-core's local layer spec normalises with torch norms, which "
                                      "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
-    return RunConfig(
-        world_size=world_size, roles=roles, ppo=ppo, optim=optim, train_iters=args.train_iters,
-        seed=args.seed, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-        prompt_data=args.prompt_data, prompt_key=args.prompt_key, prompt_split=args.prompt_split,
-        prompt_overflow=args.prompt_overflow, apply_chat_template=args.apply_chat_template,
-        skip_bad_records=args.skip_bad_records, reward_fn=args.reward_fn,
-        reward_model=args.reward_model, reward_workers=args.reward_workers,
-        reward_timeout=args.reward_timeout or None, on_bad_reward=args.on_bad_reward,
-        bad_reward_value=args.bad_reward_value, log_interval=args.log_interval, log_dir=args.log_dir,
-        save=args.save, load=args.load, save_interval=args.save_interval,
-        load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, ckpt_step=args.ckpt_step,
-        precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        recompute=args.recompute_activations, switch_segments=args.switch_segments,
-        ranks_per_node=args.ranks_per_node,
-        score_placement=args.score_placement, train_placement=args.train_placement,
-        transformer_impl=impl, transformer_impl_note=impl_note,
-        sequence_parallel=args.sequence_parallel,
-        ops=ops,
-    )
-
+    return from_args(
+        RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops,
+        reward_timeout=args.reward_timeout or None, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        transformer_impl=impl, transformer_impl_note=impl_note)
 
 def resolve_world_size(args) -> int:
     if args.world_size is not None:

@@ -5,6 +5,7 @@ Nothing below this layer reads argparse namespaces or globals: builders take the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -245,6 +246,7 @@ class PPOParams:
 
 
 _TRAINING = "training"
+_PARALLEL = "parallelism (per role; D = world / (P * T))"
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,7 @@ class OptimConfig:
     adam_beta2: float = flag(0.95, _TRAINING)
     adam_eps: float = flag(1e-8, _TRAINING)
     clip_grad: float = flag(1.0, _TRAINING)
-    use_distributed_optimizer: bool = flag(False, "parallelism (per role; D = world / (P * T))")
+    use_distributed_optimizer: bool = flag(False, _PARALLEL)
 
     def __post_init__(self):
         cls = OptimConfig
@@ -275,6 +277,10 @@ class OptimConfig:
 
 _OPS = "preemption, time limits, hangs and non-finite steps"
 _LOGGING = "logging and checkpoints"
+_DATA = "data"
+_REWARD_FN = "reward functions (--reward-fn; docs/grpo.md)"
+#: --score-placement / --train-placement: how the models of one stage share the devices
+PLACEMENTS = ("sequential", "disjoint", "time-sharing")
 
 
 @dataclass(frozen=True)
@@ -325,45 +331,86 @@ class RunConfig:
     roles: dict                    # role -> RoleSpec
     ppo: PPOParams
     optim: "object"                # puzzle.training.engine.OptimConfig (actor; critic lr in RoleSpec)
-    train_iters: int = 10
-    seed: int = 1234
-    tokenizer_type: str = "ByteLevelTokenizer"
-    tokenizer_model: Optional[str] = None
-    prompt_data: Optional[str] = None
-    prompt_key: str = "prompt"
-    prompt_split: str = "train"
-    prompt_overflow: str = "truncate_left"
-    apply_chat_template: bool = False
-    skip_bad_records: bool = False
-    reward_fn: Optional[str] = None
-    reward_model: Optional[str] = None
-    reward_workers: int = 0
-    reward_timeout: Optional[float] = 60.0
-    on_bad_reward: str = "default"
-    bad_reward_value: float = 0.0
-    log_interval: int = 1
-    log_dir: Optional[str] = None
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    load_optim: bool = True                    # --no-load-optim: weights, schedulers and counters only
-    load_rng: bool = True                      # --no-load-rng
-    ckpt_step: Optional[int] = None            # resume this iteration of load (default: its latest)
+    train_iters: int = flag(10, "training", "PPO iterations.")
+    seed: int = flag(1234, "training")
+    tokenizer_type: str = flag("ByteLevelTokenizer", _DATA)
+    tokenizer_model: Optional[str] = flag(None, _DATA, type=str)
+    prompt_data: Optional[str] = flag(
+        None, _DATA, "Prompt file (JSONL/Parquet/Arrow); default: bundled tiny set.", type=str)
+    prompt_key: str = flag("prompt", _DATA)
+    prompt_split: str = flag("train", _DATA, "Split of a hub dataset (--prompt-data NAME).")
+    prompt_overflow: str = flag(
+        "truncate_left", _DATA, "Prompts longer than the prompt budget: keep the end, keep the start, or drop "
+        "them (counted in the metrics).", choices=("truncate_left", "truncate_right", "drop"))
+    apply_chat_template: bool = flag(
+        False, _DATA, "Format prompts (strings or message lists) with the tokenizer's chat template.")
+    skip_bad_records: bool = flag(
+        False, _DATA, "Skip (and count) malformed prompt records instead of stopping at the first.")
+    reward_fn: Optional[str] = flag(None, _PPO, "Reward function module:function.", type=str)
+    reward_model: Optional[str] = flag(
+        None, _PPO, "Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.", type=str)
+    reward_workers: int = flag(
+        0, _REWARD_FN, "Processes per rank that run the reward function (0: in the rank's process).")
+    reward_timeout: Optional[float] = flag(
+        60.0, _REWARD_FN, "Seconds per sample before a reward counts as bad (0: no timeout).")
+    on_bad_reward: str = flag(
+        "default", _REWARD_FN, "A reward that is not a number, NaN/inf, raises or times out: substitute "
+        "--bad-reward-value (counted as bad_rewards) or stop the run.", choices=("default", "error"))
+    bad_reward_value: float = flag(0.0, _REWARD_FN)
+    log_interval: int = flag(1, _LOGGING)
+    log_dir: Optional[str] = flag(None, _LOGGING, "Writes DIR/metrics.jsonl (and TensorBoard events).", type=str)
+    save: Optional[str] = flag(
+        None, _LOGGING, "Checkpoint directory to save to (dist-checkpoint of every role; see docs/ppo.md).",
+        type=str)
+    load: Optional[str] = flag(
+        None, _LOGGING, "Checkpoint directory to resume from (its latest iteration; may be --save's).", type=str)
+    save_interval: Optional[int] = flag(
+        None, _LOGGING, "Save every N iterations (and at the end); default: only at the end.", type=int)
+    load_optim: bool = flag(
+        True, _LOGGING, "Resume weights, schedulers and counters but not the optimizer states.",
+        name="--no-load-optim", kind="negated")
+    load_rng: bool = flag(True, _LOGGING, "Do not restore the per-rank RNG states.", name="--no-load-rng",
+                          kind="negated")
+    ckpt_step: Optional[int] = flag(
+        None, _LOGGING, "Resume this iteration of --load instead of its latest one.", type=int)
     precision: str = "fp32"      # the one precision setting (--bf16 / --fp16): parameters, activations, optimizer
-    recompute: bool = False
-    switch_segments: int = 1
-    ranks_per_node: Optional[int] = None
-    score_placement: str = "sequential"
-    train_placement: str = "sequential"
-    transformer_impl: str = "local"            # resolved: "transformer_engine" only where TE runs
+    recompute: bool = flag(False, "training", name="--recompute-activations")
+    switch_segments: int = flag(
+        1, _PARALLEL, "Segments of the actor's training->generation weight switch overlapped with the "
+        "optimizer step.")
+    ranks_per_node: Optional[int] = flag(
+        None, _PARALLEL, "Ranks per node (switch prefers same-node sources).", type=int)
+    score_placement: str = flag(
+        "sequential", _PARALLEL, "How the scoring stage's models share the devices.", choices=PLACEMENTS)
+    train_placement: str = flag(
+        "sequential", _PARALLEL, "How the training stage's models (actor, critic) share the devices.",
+        choices=PLACEMENTS)
+    transformer_impl: str = "local"            # resolved --transformer-impl: "transformer_engine" only where TE runs
     transformer_impl_note: Optional[str] = None  # why the requested impl was replaced, if it was
-    sequence_parallel: bool = False
+    sequence_parallel: bool = flag(
+        False, "training", "Megatron sequence parallelism within each model's tensor-parallel group (T > 1).")
     ops: Operations = Operations()
 
     def __post_init__(self):
+        cls = RunConfig
         if self.precision not in PRECISIONS:
-            raise ValueError(f"--bf16/--fp16: precision must be one of {', '.join(PRECISIONS)} "
-                             f"(got {self.precision!r})")
+            fail("--bf16/--fp16", f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
+        check_at_least(cls, self, 1, "train_iters", "log_interval", "switch_segments")
+        check_at_least(cls, self, 0, "reward_workers")
+        check_at_least(cls, self, 0, "reward_timeout", optional=True)
+        check(cls, self, "bad_reward_value", math.isfinite(self.bad_reward_value),
+              f"must be a finite number (got {self.bad_reward_value})")
+        check(cls, self, "reward_fn", not self.reward_fn or ":" in self.reward_fn,
+              f"expected module:function, got {self.reward_fn!r}")
+        check(cls, self, "save_interval", self.save_interval is None or self.save_interval >= 1 and bool(self.save),
+              f"needs --save DIR and must be >= 1 (got {self.save_interval})")
+        for name, given in (("load_optim", not self.load_optim), ("load_rng", not self.load_rng),
+                            ("ckpt_step", self.ckpt_step is not None)):
+            check(cls, self, name, not given or bool(self.load), "needs --load DIR")
+        check_at_least(cls, self, 1, "ckpt_step", optional=True)
+        check(cls, self, "ranks_per_node", self.ranks_per_node is None or self.ranks_per_node >= 1
+              and self.world_size % self.ranks_per_node == 0,
+              f"{self.ranks_per_node} must be >= 1 and divide the world size {self.world_size}")
 
     @property
     def bf16(self) -> bool:

@@ -122,11 +122,3 @@ def check_algorithm_args(args) -> None:
         v = getattr(args, flag)
         if v is not None and not v > 0:
             fail("--" + flag.replace("_", "-"), f"must be > 0 (got {v})")
-    if args.reward_workers < 0:
-        fail("--reward-workers", f"must be >= 0 (got {args.reward_workers})")
-    if args.reward_timeout < 0:
-        fail("--reward-timeout", f"must be >= 0 (got {args.reward_timeout})")
-    import math
-
-    if not math.isfinite(args.bad_reward_value):
-        fail("--bad-reward-value", f"must be a finite number (got {args.bad_reward_value})")

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from puzzle.config import PLACEMENTS
 from puzzle.flag_checks import fail
 from puzzle.parallel.plan import ParallelPlan, PlanError
 
-PLACEMENTS = ("sequential", "disjoint", "time-sharing")
 #: stage of a plan document -> the flag its placement replaces
 PLACEMENT_FLAGS = {"scoring": "--score-placement", "training": "--train-placement"}
 
