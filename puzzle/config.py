@@ -9,8 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from puzzle.config_flags import check, check_at_least, flag
-from puzzle.flag_checks import fail
+from puzzle.config_flags import check, check_at_least, fail, flag
 
 
 

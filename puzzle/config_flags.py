@@ -14,7 +14,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from puzzle.flag_checks import fail
+
+
+class ArgumentError(ValueError):
+    """A flag value (or combination) that cannot run. The message names the flag."""
+
+
+def fail(flag: str, message: str):
+    raise ArgumentError(f"{flag}: {message}")
 
 #: flag kinds: a value ("value"), a switch that sets True ("store_true"), a switch that sets the
 #: field to False ("negated", e.g. --no-whiten-advantages), --x/--no-x ("boolean_optional")

@@ -10,13 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 
-
-class ArgumentError(ValueError):
-    """A flag value (or combination) that cannot run. The message names the flag."""
-
-
-def fail(flag: str, message: str):
-    raise ArgumentError(f"{flag}: {message}")
+from puzzle.config_flags import ArgumentError, fail  # noqa: F401  (the error of every flag check)
 
 
 

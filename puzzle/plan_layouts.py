@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from puzzle.config import PLACEMENTS
-from puzzle.flag_checks import fail
+from puzzle.config_flags import fail
 from puzzle.parallel.plan import ParallelPlan, PlanError
 
 #: stage of a plan document -> the flag its placement replaces
