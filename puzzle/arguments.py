@@ -1,4 +1,9 @@
-"""Megatron-style command line: one ``_add_<topic>_args`` group per concern, ``validate_args``.
+"""Megatron-style command line: argparse groups by topic, ``validate_args`` -> a frozen RunConfig.
+
+The flags of RunConfig, PPOParams, OptimConfig and Operations are declared on their fields
+(puzzle/config.py, ``flag(...)``) and added here by ``add_dataclass_args``; the model-shape,
+layout and plan flags, which become per-role ModelArch and ParallelPlan objects, are declared in
+the ``_add_<topic>_args`` functions below.
 
 Megatron-LM flag names keep their meaning (model shape, batch, optimizer, parallelism, logging,
 checkpoints). Critic, reward and reference models take role-prefixed overrides of the model-shape
@@ -149,6 +154,10 @@ def _add_logging_args(parser):
     parser.add_argument_group("logging and checkpoints")  # its flags: RunConfig's and Operations' fields
 
 
+def _add_operations_args(parser):
+    parser.add_argument_group("preemption, time limits, hangs and non-finite steps")  # Operations' fields
+
+
 def _add_plan_args(parser):
     g = parser.add_argument_group("plan")
     g.add_argument("--dry-run", action="store_true",
@@ -174,9 +183,9 @@ def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argp
     parser = cls(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_ppo_args,
                 _add_algorithm_args, _add_reward_fn_args, _add_data_args, _add_logging_args,
-                _add_plan_args):
+                _add_operations_args, _add_plan_args):
         add(parser)
-    for cls in (RunConfig, PPOParams, OptimConfig, Operations):  # flags defined next to their config field (puzzle/config_flags.py)
+    for cls in (RunConfig, PPOParams, OptimConfig, Operations):  # flags declared on config fields
         add_dataclass_args(parser, cls)
     return parser
 
