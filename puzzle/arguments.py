@@ -492,7 +492,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     for role, spec in roles.items():
         D = spec.plan.D
         unit = args.micro_batch_size * D
-        if role in ("actor", "critic") and mini % unit:
+        if ROLES[role].trainable and mini % unit:
             _fail("--global-batch-size", f"global batch {mini} is not divisible by micro-batch size "
                                          f"{args.micro_batch_size} x {role} data-parallel size {D}")
         if samples % unit:
@@ -515,7 +515,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     args.train_placement = layouts.placements.get("training", args.train_placement)
     for flag, placement, members in (("--score-placement", args.score_placement, list(roles)),
                                      ("--train-placement", args.train_placement,
-                                      [r for r in ("actor", "critic") if r in roles])):
+                                      [r for r in roles if ROLES[r].trainable])):
         _check_placement(flag, placement, {r: roles[r].plan for r in members})
 
     from puzzle.models.builders import resolve_transformer_impl

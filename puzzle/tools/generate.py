@@ -104,7 +104,9 @@ def read_prompts(path: str, tokenizer, key: str = "prompt", chat: bool = False):
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if args.role not in ("actor", "ref"):
+    from puzzle.config import ROLES
+
+    if ROLES[args.role].head != "lm":
         raise SystemExit(f"--role: generation needs an LM (actor or ref), got {args.role}")
     from puzzle.tools.model_source import end_world, load_engine, start_world
 

@@ -13,6 +13,8 @@ import json
 import os
 from typing import Optional, Tuple
 
+from puzzle.config import ROLES
+
 
 def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
@@ -75,7 +77,7 @@ def add_source_args(parser) -> None:
     """--load / --role / --ckpt-step and the layout flags shared by the tools."""
     g = parser.add_argument_group("model source and layout")
     g.add_argument("--load", required=True, help="HF model directory or puzzle checkpoint root")
-    g.add_argument("--role", default="actor", choices=("actor", "ref", "critic", "reward"),
+    g.add_argument("--role", default="actor", choices=tuple(ROLES),
                    help="the model of a puzzle checkpoint (and of its export)")
     g.add_argument("--ckpt-step", type=int, default=None, help="checkpoint iteration (default: the latest)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
