@@ -55,6 +55,9 @@ def _plan_layouts(args):
 
     if args.plan_file and args.plan == "auto":
         raise ArgumentError("--plan-file: give either --plan-file or --plan auto")
+    if args.profile and args.plan != "auto" and not args.dry_run:
+        raise ArgumentError("--profile: used by --plan auto and --dry-run only (this run takes its layouts "
+                            "from the flags or --plan-file)")
     if args.plan_file:
         import json
 

@@ -56,6 +56,9 @@ BAD = [
     (["--wandb-exp-name", "x"], "--wandb-exp-name: needs --wandb-project"),
     (["--fp16"], "--fp16: fp16 training needs a GPU"),
     (["--train-iters", "0"], "--train-iters: must be >= 1"),
+    (["--profile", "a100_80gb"], "--profile: used by --plan auto and --dry-run only"),
+    (["--ckpt-step", "3"], "--ckpt-step: needs --load DIR"),
+    (["--top-p", "0"], "--top-p: must be in (0, 1]"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3 (see train_ppo.py --help)"),
 ]
