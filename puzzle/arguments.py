@@ -136,7 +136,7 @@ def _add_algorithm_args(parser):
 
 
 def _add_reward_fn_args(parser):
-    g = parser.add_argument_group("reward functions (--reward-fn; docs/grpo.md)")
+    parser.add_argument_group("reward functions (--reward-fn; docs/grpo.md)")  # RunConfig's, PPOParams' fields
 
 
 def _add_data_args(parser):
