@@ -77,7 +77,8 @@ def _worker(args):
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.switch.executor import execute_routing
-    from puzzle.switch.shadow import build_shadow, routing_table_for, switch_to_generation, table_params
+    from puzzle.models.param_names import table_params
+    from puzzle.switch.shadow import build_shadow, routing_table_for, switch_to_generation
     from puzzle.training.engine import ModelEngine, OptimConfig
 
     rank, world = init_distributed()

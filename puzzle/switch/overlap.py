@@ -51,7 +51,8 @@ from typing import Dict, List, Mapping, Tuple
 import torch
 
 from puzzle.switch.executor import DEFAULT_BUCKET_BYTES, RoutingExecutor, SwitchStats
-from puzzle.switch.param_layout import params_on_stage
+from puzzle.models.param_layout import params_on_stage
+from puzzle.models.param_names import table_params
 from puzzle.switch.routing import RoutingTable
 
 # (model-param list attribute, main-param list attribute) pairs of megatron's optimizers,
@@ -149,8 +150,6 @@ class _LeafSegments:
 
 def _segment_of_model_params(engine, table: RoutingTable, segment_of: Mapping[str, int]) -> Dict[int, int]:
     """id(model parameter) -> segment, via the source layout's local names."""
-    from puzzle.switch.shadow import table_params
-
     layout = engine.layout
     local_to_spec = {local: spec.name for local, spec in
                      params_on_stage(table.specs, layout.p, layout.plan.P)}
@@ -170,8 +169,6 @@ def step_and_switch(engine, table: RoutingTable, dst_params: Mapping[str, torch.
 
     Returns (step result like ModelEngine.train_step's without outputs, this rank's SwitchStats
     with extra timings: step_s, segment_step_s)."""
-    from puzzle.switch.shadow import table_params
-
     if engine.member and (engine.optimizer is None or not engine.trainable):
         raise RuntimeError(f"{engine.role}: step_and_switch needs a trainable engine")
     src = table_params(engine.module, engine.role)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from puzzle.config import ModelArch
-from puzzle.switch.param_layout import gpt_param_specs  # before puzzle.models.init (import order)
+from puzzle.models.param_layout import gpt_param_specs
 from puzzle.models.hf_mapping import UnsupportedHFModel, arch_from_hf_config, hf_config_from_arch, hf_entries
 from puzzle.models.init import param_specs
 from puzzle.models.param_names import (canonical_param_name, drop_extra_state, names_for_impl,

@@ -150,7 +150,8 @@ def test_switch_bytes_pp2_to_tp2_by_hand():
 def test_switch_bytes_match_routing_table_lower_bound():
     # the routing table of puzzle.switch computes the same lower bound from megatron's parameter
     # list; the vocabulary (1024) needs no padding, so the two must agree byte for byte
-    from puzzle.switch import build_routing_table, gpt_param_specs
+    from puzzle.models.param_layout import gpt_param_specs
+    from puzzle.switch import build_routing_table
     shape = ModelShape(8, 64, 96, 8, 4, 1024)
     pairs = [(PP(4, 2, 1), PP(1, 2, 4)), (PP(8, 1, 1), PP(2, 1, 4)), (PP(2, 2, 2), PP(1, 8, 1)),
              (PP(1, 2, 4), PP(8, 1, 1)), (PP(2, 4, 1), PP(4, 1, 2))]
