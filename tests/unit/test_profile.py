@@ -1,4 +1,4 @@
-"""The on-machine profiler (puzzle.plan.profile) and SearchResult -> train_ppo.py flags."""
+"""The on-machine profiler (puzzle.tools.profile) and SearchResult -> train_ppo.py flags."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.plan import SearchResult, load_profile, save_profile, validate_profile
 from puzzle.plan.calibration import PlanFlagsError, plan_flags
-from puzzle.plan.profile import SHAPES, run_profile
+from puzzle.tools.profile import SHAPES, run_profile
 
 
 @pytest.fixture(scope="module")
