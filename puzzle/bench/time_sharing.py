@@ -118,7 +118,7 @@ def _worker(args) -> None:
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.pipeline import executor
-    from puzzle.pipeline.schedule import ContextSpec, simulate, theoretical_speedup
+    from puzzle.pipeline.time_sharing_schedule import ContextSpec, simulate, theoretical_speedup
     from puzzle.pipeline.stage import StageContext, run_stage
     from puzzle.training.engine import ModelEngine, OptimConfig
 

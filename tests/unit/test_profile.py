@@ -59,7 +59,8 @@ def _validate(flags):
     base = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
             "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64", "--swiglu",
             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--micro-batch-size", "2",
-            "--rollout-batch-size", "16", "--max-new-tokens", "16", "--reward-fn", "puzzle.rewards:lowercase_fraction"]
+            "--rollout-batch-size", "16", "--max-new-tokens", "16",
+            "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]
     return validate_args(parse_args(base + flags), world_size=4, vocab_size=259)
 
 
