@@ -143,9 +143,6 @@ class RoutingTable:
     def recvs(self, rank: int) -> List[Transfer]:
         return [o for o in self.ops if o.dst_rank == rank and not o.is_local]
 
-    def local_copies(self, rank: int) -> List[Transfer]:
-        return [o for o in self.ops if o.dst_rank == rank and o.is_local]
-
     # ---- volumes -------------------------------------------------------------------------
     def bytes_received(self, rank: int) -> int:
         return sum(o.nbytes for o in self.recvs(rank))
