@@ -18,7 +18,7 @@ megatron is patched) by a segmented one:
     wait for all messages, unpack the receives into the shadow model
 
 Segments are contiguous runs of parameters in routing-op (= spec) order, balanced by bytes,
-identical on every rank (:func:`puzzle.switch.executor.segment_of_params`), so the sender of
+identical on every rank (:func:`puzzle.switch.routing_executor.segment_of_params`), so the sender of
 segment k and its receiver agree on the buckets.
 
 What overlaps with what (honestly): on gloo, ``isend``/``irecv`` return at once and gloo's
@@ -50,7 +50,7 @@ from typing import Dict, List, Mapping, Tuple
 
 import torch
 
-from puzzle.switch.executor import DEFAULT_BUCKET_BYTES, RoutingExecutor, SwitchStats
+from puzzle.switch.routing_executor import DEFAULT_BUCKET_BYTES, RoutingExecutor, SwitchStats
 from puzzle.models.param_layout import params_on_stage
 from puzzle.models.param_names import table_params
 from puzzle.switch.routing import RoutingTable

@@ -140,7 +140,7 @@ def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1
     With ``optimizer_step`` the engine's optimizer step runs first, overlapped with the transfer
     in ``segments`` segments (:func:`puzzle.switch.overlap.step_and_switch`); the step's result
     is in ``shadow.step_result``. Without it the current weights are moved. ``shadow.switch_stats``
-    holds this rank's :class:`~puzzle.switch.executor.SwitchStats`. All plan checks run (and
+    holds this rank's :class:`~puzzle.switch.routing_executor.SwitchStats`. All plan checks run (and
     raise PlanError) before anything is allocated or sent."""
     src_plan = train_engine.layout.plan
     dtype = train_engine.config.params_dtype if train_engine.config is not None else torch.float32
@@ -157,7 +157,7 @@ def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1
                                                 group=group, **kw)
         shadow.step_result = result
     else:
-        from puzzle.switch.executor import execute_routing
+        from puzzle.switch.routing_executor import execute_routing
 
         stats = execute_routing(table, table_params(train_engine.module, train_engine.role),
                                 shadow.params(), group=group, num_segments=segments, **kw)

@@ -2,8 +2,8 @@
 
 ``run_time_shared(contexts, forward_only)`` runs the models (``StageContext``) of one stage that
 share the same devices and pipeline degree as ONE 1F1B stream over their concatenated
-microbatches: the program of this rank's stage is :func:`puzzle.pipeline.time_sharing_schedule.executor_program`
-and every step of it is executed with megatron's own pieces:
+microbatches: the program of this rank's stage is
+:func:`puzzle.pipeline.time_sharing_schedule.executor_program` and every step of it is executed with megatron's own pieces:
 
 * ``Action`` F/B  -> ``megatron.core.pipeline_parallel.schedules.forward_step`` / ``backward_step``
   with the context's own model, config, forward_step_func, data iterator and
