@@ -26,7 +26,7 @@ TRAIN_ARGS=(
 PPO_ARGS=(
     --rollout-batch-size 16 --ppo-epochs 2 --max-new-tokens 16 --temperature 1.0
     --kl-coef 0.01 --gamma 1.0 --lam 0.95 --clip-eps 0.2 --value-clip-eps 0.2
-    --reward-fn puzzle.rewards:lowercase_fraction
+    --reward-fn puzzle.reward_functions.builtin:lowercase_fraction
 )
 LOG_ARGS=(--log-interval 1)
 

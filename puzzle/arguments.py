@@ -170,7 +170,7 @@ def _add_plan_args(parser):
                    help="auto: search the plan at start with --profile; flags: the layout flags as given.")
     g.add_argument("--profile", type=str, default=None,
                    help="Device profile for planning and memory estimates: a JSON file from "
-                        "python -m puzzle.plan.profile, or a bundled name (default a100_80gb).")
+                        "python -m puzzle.tools.profile, or a bundled name (default a100_80gb).")
     g.add_argument("--world-size", type=int, default=None,
                    help="World size to plan for in --dry-run / search_plan.py (default: $WORLD_SIZE).")
     g.add_argument("--vocab-size", type=int, default=None,

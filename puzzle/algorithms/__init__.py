@@ -10,7 +10,7 @@ from puzzle.algorithms.kl_controller import (
 )
 from puzzle.algorithms.losses import LOSS_AGG_MODES, agg_loss, entropy_bonus, policy_loss, value_loss
 from puzzle.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from puzzle.algorithms.rewards import RunningMoments, compute_token_rewards, last_valid_index, normalize_scores
+from puzzle.algorithms.token_rewards import RunningMoments, compute_token_rewards, last_valid_index, normalize_scores
 
 __all__ = [
     "AdaptiveKLController",

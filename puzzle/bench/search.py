@@ -87,7 +87,7 @@ def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 4, log_root:
 
     from puzzle.plan.calibration import (default_tiny_plans, estimate_error, estimate_stages, plan_flags, run_tiny,
                                          tiny_shape, tiny_workload)
-    from puzzle.plan.profile import SHAPES, run_profile
+    from puzzle.tools.profile import SHAPES, run_profile
 
     if cpu_profile and os.path.exists(cpu_profile):
         prof_src = cpu_profile

@@ -76,8 +76,9 @@ def _worker(args):
     dist.init_process_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.switch.executor import execute_routing
-    from puzzle.switch.shadow import build_shadow, routing_table_for, switch_to_generation, table_params
+    from puzzle.switch.routing_executor import execute_routing
+    from puzzle.models.param_names import table_params
+    from puzzle.switch.shadow import build_shadow, routing_table_for, switch_to_generation
     from puzzle.training.engine import ModelEngine, OptimConfig
 
     rank, world = init_distributed()

@@ -5,7 +5,7 @@
 Spawns its own torchrun world (gloo, OMP_NUM_THREADS=1, one pipeline of P=nproc stages) and, in
 ONE run, times the same two training contexts (forward+backward, no optimizer step) executed
   sequential   - megatron's forward_backward_pipelining_without_interleaving per model, and
-  time-shared  - puzzle.pipeline.executor.run_time_shared (one interleaved 1F1B stream),
+  time-shared  - puzzle.pipeline.time_sharing_executor.run_time_shared (one interleaved 1F1B stream),
 for (a) two equal models and (b) two unequal ones (different hidden size), N_B = 4 and 8.
 Per-microbatch T^f / T^b of each model are measured by timing megatron's forward_step /
 backward_step on every stage during a profiling run; the theoretical speedup is Eq. (1) with the
@@ -117,8 +117,8 @@ def _worker(args) -> None:
 
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.pipeline import executor
-    from puzzle.pipeline.schedule import ContextSpec, simulate, theoretical_speedup
+    from puzzle.pipeline import time_sharing_executor
+    from puzzle.pipeline.time_sharing_schedule import ContextSpec, simulate, theoretical_speedup
     from puzzle.pipeline.stage import StageContext, run_stage
     from puzzle.training.engine import ModelEngine, OptimConfig
 
@@ -157,7 +157,7 @@ def _worker(args) -> None:
                 if mode == "sequential":
                     run_stage(ctxs, forward_only=False, placement="sequential")
                 else:
-                    executor.run_time_shared(ctxs, forward_only=False, stats=stats)
+                    time_sharing_executor.run_time_shared(ctxs, forward_only=False, stats=stats)
                 dt = time.perf_counter() - t
                 return gmax(dt)
 
@@ -181,7 +181,7 @@ def _worker(args) -> None:
             tf = [max(r[f"m{k}.f"] for r in per_rank) for k in range(2)]
             tb = [max(r[f"m{k}.b"] for r in per_rank) for k in range(2)]
             seq_t, ts_t = [], []
-            stats = executor.ExecStats()
+            stats = time_sharing_executor.ExecStats()
             for _ in range(args.repeats):
                 seq_t.append(run("sequential"))
                 ts_t.append(run("time-shared", stats))

@@ -26,7 +26,7 @@ from puzzle.config import ROLES, ModelArch
 from puzzle.models.hf_mapping import (HEAD_NAMES, UnsupportedHFModel, arch_from_hf_config,
                                       assemble, hf_config_from_arch, hf_entries, ours_to_hf)
 from puzzle.models.init import param_specs, spec_name_of
-from puzzle.switch.param_layout import resolve_layers_per_stage, shard_slices
+from puzzle.models.param_layout import resolve_layers_per_stage, shard_slices
 
 __all__ = ["HFCheckpoint", "arch_from_hf_dir", "arch_from_hf_config", "load_hf_into_model", "export_hf",
            "UnsupportedHFModel", "hf_config_from_arch"]

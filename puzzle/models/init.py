@@ -3,7 +3,7 @@
 megatron-core initialises each rank's shard from its own RNG stream, so the same seed gives
 different weights at different (P, D, T). Four models in four layouts, moved between layouts by
 the switch, need one model whatever the layout: every parameter is drawn whole from a generator
-seeded by (seed, global parameter name), and each rank keeps its shard (puzzle.switch.param_layout
+seeded by (seed, global parameter name), and each rank keeps its shard (puzzle.models.param_layout
 describes the shards). Distributions follow megatron: N(0, std) for weights, N(0, std/sqrt(2L))
 for the output projections of attention and MLP, ones for norm weights, zeros for biases.
 
@@ -19,17 +19,11 @@ import math
 import torch
 
 from puzzle.config import HEADS, ModelArch
-
-# puzzle.switch imports this module; its layout description is imported inside the functions.
-
-# ScalarHead (builders.py) replaces GPTModel.output_layer; param_layout calls it value_head.
-HEAD_LOCAL_NAME = "output_layer.weight"
-HEAD_SPEC_NAME = "value_head.weight"
+from puzzle.models.param_layout import global_name, gpt_param_specs, resolve_layers_per_stage, shard_slices
+from puzzle.models.param_names import HEAD_LOCAL_NAME, HEAD_SPEC_NAME, canonical_param_name
 
 
 def param_specs(arch: ModelArch, role: str):
-    from puzzle.switch.param_layout import gpt_param_specs
-
     return gpt_param_specs(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size, num_attention_heads=arch.num_attention_heads,
@@ -46,9 +40,6 @@ def param_specs(arch: ModelArch, role: str):
 def spec_name_of(local: str, role: str, arch: ModelArch, p: int, layers_per_stage) -> str:
     """The global canonical spec name of a module parameter on stage ``p``, whichever layer
     spec (local or transformer_engine) built it."""
-    from puzzle.models.param_names import canonical_param_name
-    from puzzle.switch.param_layout import global_name
-
     if local == HEAD_LOCAL_NAME and HEADS[role] != "lm":
         return HEAD_SPEC_NAME
     if local == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights:
@@ -76,8 +67,6 @@ def global_init_value(spec, arch: ModelArch, seed: int) -> torch.Tensor:
 
 
 def local_shard(spec, full: torch.Tensor, T: int, t: int) -> torch.Tensor:
-    from puzzle.switch.param_layout import shard_slices
-
     pieces = [full[tuple(slice(a, b) for a, b in box)] for box in shard_slices(spec, T, t)]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.split_dim)
 
@@ -85,8 +74,6 @@ def local_shard(spec, full: torch.Tensor, T: int, t: int) -> torch.Tensor:
 @torch.no_grad()
 def init_layout_independent(module: torch.nn.Module, arch: ModelArch, role: str, seed: int) -> None:
     """Overwrite every parameter of ``module`` (one rank's shard) with its layout-independent value."""
-    from puzzle.switch.param_layout import resolve_layers_per_stage
-
     layout = module.puzzle_layout
     plan = layout.plan
     specs = {s.name: s for s in param_specs(arch, role)}

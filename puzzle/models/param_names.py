@@ -1,7 +1,7 @@
 """Parameter names under megatron-core's two layer specs (pure Python).
 
 puzzle names every parameter by its CANONICAL name: the name megatron-core's local spec
-(``get_gpt_layer_local_spec``) gives it, with the global layer index (puzzle.switch.param_layout).
+(``get_gpt_layer_local_spec``) gives it, with the global layer index (puzzle.models.param_layout).
 ``--transformer-impl transformer_engine`` builds layers from
 ``get_gpt_layer_with_transformer_engine_spec``, which fuses the two pre-norms into the following
 linear layers (TE ``LayerNormLinear``):
@@ -37,7 +37,13 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
+from puzzle.config import HEADS
+
 IMPLS = ("local", "transformer_engine")
+
+# ScalarHead (builders.py) replaces GPTModel.output_layer; param_layout calls it value_head.
+HEAD_LOCAL_NAME = "output_layer.weight"
+HEAD_SPEC_NAME = "value_head.weight"
 
 # (canonical suffix, transformer_engine suffix) of the per-layer parameters that differ
 _TE_RENAMES = (
@@ -125,3 +131,18 @@ def drop_extra_state(sharded_state_dict):
         for v in sharded_state_dict.values():
             drop_extra_state(v)
     return sharded_state_dict
+
+
+def table_params(module, role: str) -> Dict[str, object]:
+    """A model's parameters under the routing table's local names (the scalar head
+    ``output_layer.weight`` of critic/reward is the spec ``value_head.weight``; transformer_engine
+    names are mapped to the canonical local-spec names). Tensors are the parameters' data (writes
+    land in the model); ``module`` None (a rank outside the model) gives {}."""
+    if module is None:
+        return {}
+    out = {}
+    for name, p in module.named_parameters():
+        if name == HEAD_LOCAL_NAME and HEADS[role] != "lm":
+            name = HEAD_SPEC_NAME
+        out[canonical_param_name(name)] = p.data
+    return out

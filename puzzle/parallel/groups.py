@@ -26,11 +26,6 @@ DEFAULT_TIMEOUT_MINUTES = 10.0
 _TIMEOUT = datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
 
 
-def collective_timeout() -> datetime.timedelta:
-    """The timeout given to every process group of the job (init_distributed's)."""
-    return _TIMEOUT
-
-
 def _group(ranks: List[int]) -> Optional[dist.ProcessGroup]:
     """The group of exactly these ranks (created once, collectively); None if this rank is not in it."""
     key = tuple(ranks)

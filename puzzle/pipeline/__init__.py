@@ -1,10 +1,10 @@
 """Pipeline-parallel scheduling for puzzle (intra-stage time-sharing, PUZZLE §4.2).
 
-``schedule`` holds the pure (torch-free) schedule tables, the P2P protocol an executor
+``time_sharing_schedule`` holds the pure (torch-free) schedule tables, the P2P protocol an executor
 follows, a blocking-P2P simulator and the Eq. (1) speed-up model.
 """
 
-from puzzle.pipeline.schedule import (
+from puzzle.pipeline.time_sharing_schedule import (
     Action,
     CommStep,
     ContextSpec,

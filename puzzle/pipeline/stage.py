@@ -8,7 +8,7 @@ ranks run concurrently: a rank only runs the models it holds. Within a group:
                  puzzle.arguments) that the stage's models form at least two groups on disjoint
                  ranks (SMDD), which then run concurrently;
 ``time-sharing`` the models of a group (same layout) run as ONE interleaved 1F1B stream
-                 (puzzle.pipeline.executor).
+                 (puzzle.pipeline.time_sharing_executor).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run_stage(contexts: List[StageContext], *, forward_only: bool, placement: st
         if not group[0].engine.member:
             continue  # another device group's models: they run concurrently there
         if placement == "time-sharing":
-            from puzzle.pipeline.executor import run_time_shared
+            from puzzle.pipeline.time_sharing_executor import run_time_shared
 
             results = run_time_shared(group, forward_only=forward_only)
         else:

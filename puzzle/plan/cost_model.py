@@ -485,7 +485,7 @@ class CostModel:
         t_dec = (layers * (t_layer + kv_read + 2 * prof.allreduce_time(bm * h * BF16, T, tp_x))
                  + head + sample + self._p2p(bm * h * BF16, P, pp_x))
         # P > 1: each step's sampled tokens go back from the last stage to the first before that
-        # micro-batch's next step can start (puzzle.rollout.schedule): one more hop per step cycle
+        # micro-batch's next step can start (puzzle.rollout.pipelined_generation): one more hop per step cycle
         token_return = self._p2p(bm * 8, P, pp_x)
         decode = waves * steps * (max(m, P) * t_dec + token_return + prof.decode_step_overhead_s)
         cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)

@@ -27,7 +27,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
@@ -325,22 +325,3 @@ def analytic_layer_table(shape, hw, name: str = "", seq_len: int = 512, T_values
     return LayerTable(name=name or "analytic", hidden_size=h, ffn_hidden_size=shape.ffn_hidden_size,
                       num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
                       swiglu=bool(shape.swiglu), seq_len=seq_len, fwd_s=fwd, bwd_s=bwd, decode_s=dec)
-
-
-def regenerate_bundled(path: Optional[str] = None) -> Profile:
-    """Rewrite ``profiles/a100_80gb.json``'s layer tables from its own hardware constants and the
-    LLaMA shapes of PUZZLE Table 1 (+ LLaMA-2-70B). Used once to write the bundled file."""
-    from puzzle.plan.cost_model import LLAMA_SHAPES  # local import: cost_model imports this module
-    path = path or os.path.join(PROFILE_DIR, "a100_80gb.json")
-    prof = load_profile(path)
-    prof.layers = {}
-    for name, shape in LLAMA_SHAPES.items():
-        if shape_key(shape) not in prof.layers:
-            prof.layers[shape_key(shape)] = analytic_layer_table(shape, prof, name=name)
-    save_profile(prof, path)
-    return prof
-
-
-if __name__ == "__main__":  # python -m puzzle.plan.profile_data: regenerate the bundled tables
-    p = regenerate_bundled()
-    print(f"wrote {len(p.layers)} layer tables to {os.path.join(PROFILE_DIR, 'a100_80gb.json')}")

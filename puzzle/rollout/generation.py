@@ -17,7 +17,7 @@ At P=1 one cache of ``micro_batch_size`` slots serves all of the rank's prompts:
 slot is refilled with the next waiting prompt (continuous batching), so no row waits for the
 longest one of a fixed micro-batch. At P>1 the micro-batches are consecutive length buckets of
 the sorted prompts, each with its own cache, pipelined through the stages
-(puzzle/rollout/schedule.py); a micro-batch runs until its rows have finished.
+(puzzle/rollout/pipelined_generation.py); a micro-batch runs until its rows have finished.
 
 Model calls run megatron-core's GPTModel forward unchanged with ``inference_context=None``: the
 core-attention modules (any --attention-backend) read and write the bound cache, and two hooks
@@ -313,7 +313,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     whole batch at P=1 and ceil(b / P) at P>1. ``cuda_graphs``: replay decode steps from CUDA
     graphs (CUDA device, P=1). Returns the same GenerationOutput on every rank of the replica.
     """
-    from puzzle.rollout.schedule import run_schedule
+    from puzzle.rollout.pipelined_generation import run_schedule
 
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be SamplingParams (got {type(params).__name__})")

@@ -18,7 +18,7 @@ megatron is patched) by a segmented one:
     wait for all messages, unpack the receives into the shadow model
 
 Segments are contiguous runs of parameters in routing-op (= spec) order, balanced by bytes,
-identical on every rank (:func:`puzzle.switch.executor.segment_of_params`), so the sender of
+identical on every rank (:func:`puzzle.switch.routing_executor.segment_of_params`), so the sender of
 segment k and its receiver agree on the buckets.
 
 What overlaps with what (honestly): on gloo, ``isend``/``irecv`` return at once and gloo's
@@ -50,8 +50,9 @@ from typing import Dict, List, Mapping, Tuple
 
 import torch
 
-from puzzle.switch.executor import DEFAULT_BUCKET_BYTES, RoutingExecutor, SwitchStats
-from puzzle.switch.param_layout import params_on_stage
+from puzzle.switch.routing_executor import DEFAULT_BUCKET_BYTES, RoutingExecutor, SwitchStats
+from puzzle.models.param_layout import params_on_stage
+from puzzle.models.param_names import table_params
 from puzzle.switch.routing import RoutingTable
 
 # (model-param list attribute, main-param list attribute) pairs of megatron's optimizers,
@@ -149,8 +150,6 @@ class _LeafSegments:
 
 def _segment_of_model_params(engine, table: RoutingTable, segment_of: Mapping[str, int]) -> Dict[int, int]:
     """id(model parameter) -> segment, via the source layout's local names."""
-    from puzzle.switch.shadow import table_params
-
     layout = engine.layout
     local_to_spec = {local: spec.name for local, spec in
                      params_on_stage(table.specs, layout.p, layout.plan.P)}
@@ -170,8 +169,6 @@ def step_and_switch(engine, table: RoutingTable, dst_params: Mapping[str, torch.
 
     Returns (step result like ModelEngine.train_step's without outputs, this rank's SwitchStats
     with extra timings: step_s, segment_step_s)."""
-    from puzzle.switch.shadow import table_params
-
     if engine.member and (engine.optimizer is None or not engine.trainable):
         raise RuntimeError(f"{engine.role}: step_and_switch needs a trainable engine")
     src = table_params(engine.module, engine.role)

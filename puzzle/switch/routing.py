@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.parallel.plan import ParallelPlan, PlanError
-from puzzle.switch.param_layout import (Box, ParamSpec, check_tp_split, num_layers_of, params_on_stage,
+from puzzle.models.param_layout import (Box, ParamSpec, check_tp_split, num_layers_of, params_on_stage,
                                         resolve_layers_per_stage, shard_slices)
 
 
@@ -142,9 +142,6 @@ class RoutingTable:
 
     def recvs(self, rank: int) -> List[Transfer]:
         return [o for o in self.ops if o.dst_rank == rank and not o.is_local]
-
-    def local_copies(self, rank: int) -> List[Transfer]:
-        return [o for o in self.ops if o.dst_rank == rank and o.is_local]
 
     # ---- volumes -------------------------------------------------------------------------
     def bytes_received(self, rank: int) -> int:

@@ -18,10 +18,11 @@ from typing import Dict, Optional
 
 import torch
 
-from puzzle.config import HEADS, ModelArch
-from puzzle.models.init import HEAD_LOCAL_NAME, HEAD_SPEC_NAME, param_specs
-from puzzle.models.param_names import canonical_param_name
+from puzzle.config import ModelArch
+from puzzle.models.init import param_specs
+from puzzle.models.param_names import table_params
 from puzzle.parallel.plan import ParallelPlan, PlanError
+from puzzle.switch.overlap import step_and_switch
 from puzzle.switch.routing import RoutingTable, build_routing_table
 
 _TABLES: Dict[tuple, RoutingTable] = {}
@@ -38,21 +39,6 @@ def param_bytes(module: Optional[torch.nn.Module]) -> int:
     if module is None:
         return 0
     return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def table_params(module: Optional[torch.nn.Module], role: str) -> Dict[str, torch.Tensor]:
-    """A model's parameters under the routing table's local names (the scalar head
-    ``output_layer.weight`` of critic/reward is the spec ``value_head.weight``; transformer_engine
-    names are mapped to the canonical local-spec names, puzzle.models.param_names). Tensors are the
-    parameters' data (writes land in the model)."""
-    if module is None:
-        return {}
-    out = {}
-    for name, p in module.named_parameters():
-        if name == HEAD_LOCAL_NAME and HEADS[role] != "lm":
-            name = HEAD_SPEC_NAME
-        out[canonical_param_name(name)] = p.data
-    return out
 
 
 def routing_table_for(arch: ModelArch, role: str, src: ParallelPlan, dst: ParallelPlan,
@@ -154,10 +140,8 @@ def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1
     With ``optimizer_step`` the engine's optimizer step runs first, overlapped with the transfer
     in ``segments`` segments (:func:`puzzle.switch.overlap.step_and_switch`); the step's result
     is in ``shadow.step_result``. Without it the current weights are moved. ``shadow.switch_stats``
-    holds this rank's :class:`~puzzle.switch.executor.SwitchStats`. All plan checks run (and
+    holds this rank's :class:`~puzzle.switch.routing_executor.SwitchStats`. All plan checks run (and
     raise PlanError) before anything is allocated or sent."""
-    from puzzle.switch import overlap
-
     src_plan = train_engine.layout.plan
     dtype = train_engine.config.params_dtype if train_engine.config is not None else torch.float32
     table = routing_table_for(train_engine.arch, train_engine.role, src_plan, dst_plan,
@@ -169,11 +153,11 @@ def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1
         raise RuntimeError("shadow model was released; build a new one")
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     if optimizer_step:
-        result, stats = overlap.step_and_switch(train_engine, table, shadow.params(), segments=segments,
+        result, stats = step_and_switch(train_engine, table, shadow.params(), segments=segments,
                                                 group=group, **kw)
         shadow.step_result = result
     else:
-        from puzzle.switch.executor import execute_routing
+        from puzzle.switch.routing_executor import execute_routing
 
         stats = execute_routing(table, table_params(train_engine.module, train_engine.role),
                                 shadow.params(), group=group, num_segments=segments, **kw)

@@ -1,4 +1,4 @@
-"""Intra-stage time-sharing executor (puzzle/pipeline/executor.py) vs megatron's sequential 1F1B.
+"""Intra-stage time-sharing executor (puzzle.pipeline.time_sharing_executor) vs megatron's sequential 1F1B.
 
 One 4-rank gloo world (tests/distributed/worlds/time_sharing.py): two trainable models with
 different hidden sizes (32, 64) and different microbatch counts, at P=2 (D=2), P=2 (T=2), P=4

@@ -100,7 +100,7 @@ def _single(args):
              "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
              "--seq-length", "64", "--max-position-embeddings", "64", "--normalization", "RMSNorm",
              "--swiglu", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-             "--disable-bias-linear", "--reward-fn", "puzzle.rewards:lowercase_fraction",
+             "--disable-bias-linear", "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
              "--rollout-batch-size", "8", "--micro-batch-size", "2"]
     return subprocess.run([sys.executable, str(REPO / "train_ppo.py"), *flags, *args], cwd=REPO,
                           env=ENV, capture_output=True, text=True, timeout=300)

@@ -191,7 +191,8 @@ def _resume(copy, capsys, *extra):
             "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
             "--max-position-embeddings", "64", "--normalization", "RMSNorm", "--swiglu",
             "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-            "--disable-bias-linear", "--reward-fn", "puzzle.rewards:lowercase_fraction", "--micro-batch-size", "2",
+            "--disable-bias-linear", "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
+            "--micro-batch-size", "2",
             *FLAGS, "--load", str(copy), *extra]
     rc = cli.run(argv)
     out, err = capsys.readouterr()

@@ -42,7 +42,7 @@ def test_running_reward_normalisation_resumes_exactly(tmp_path):
     """rloo (not invariant to the score scale) with running moments: a run resumed at iteration 2
     repeats iterations 3-4 of the uninterrupted run exactly, moments included."""
     args = ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "8",
-            "--reward-fn", "puzzle.rewards:lowercase_fraction",  # graded scores: a non-trivial std
+            "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",  # graded scores: a non-trivial std
             "--reward-normalization", "running", "--train-iters", "4", "--save", str(tmp_path / "ck")]
     _, straight = _grpo(args + ["--save-interval", "2"], tmp_path / "a")
     _, resumed = _grpo(args + ["--load", str(tmp_path / "ck"), "--ckpt-step", "2", "--save", str(tmp_path / "ck2")],

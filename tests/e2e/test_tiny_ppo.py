@@ -120,7 +120,8 @@ def test_reward_model_at_two_layouts(tmp_path):
 def test_bad_flags_fail_before_allocation():
     proc = subprocess.run([sys.executable, str(REPO / "train_ppo.py"), "--num-layers", "2",
                            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                           "--max-new-tokens", "40", "--reward-fn", "puzzle.rewards:lowercase_fraction"],
+                           "--max-new-tokens", "40",
+                           "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "--max-new-tokens" in proc.stderr and "exceeds --seq-length 32" in proc.stderr
@@ -135,7 +136,8 @@ def test_malformed_prompt_file_names_file_and_line(tmp_path):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "fine"}\n{"prompt": 3}\n{"text": "no key"}\n')
     base = [sys.executable, str(REPO / "train_ppo.py"), "--num-layers", "2", "--hidden-size", "64",
-            "--num-attention-heads", "4", "--seq-length", "64", "--reward-fn", "puzzle.rewards:lowercase_fraction",
+            "--num-attention-heads", "4", "--seq-length", "64",
+            "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
             "--prompt-data", str(bad), "--rollout-batch-size", "1"]
     proc = subprocess.run(base, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and f"{bad}:2: prompt must be a string, got int" in proc.stderr, proc.stderr[-2000:]

@@ -6,7 +6,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "64", "--swiglu", "--normalization", "RMSNorm",
         "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
         "--disable-bias-linear", "--micro-batch-size", "2", "--rollout-batch-size", "8",
-        "--max-new-tokens", "16", "--reward-fn", "puzzle.rewards:lowercase_fraction"]
+        "--max-new-tokens", "16", "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]
 
 
 def cfg(*extra, world=4, vocab=259):
@@ -58,7 +58,7 @@ def test_two_reward_sources_are_refused():
 
 
 def test_missing_reward_source():
-    args = [a for a in BASE if a not in ("--reward-fn", "puzzle.rewards:lowercase_fraction")]
+    args = [a for a in BASE if a not in ("--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction")]
     with pytest.raises(ArgumentError, match="--reward-fn: no reward source"):
         validate_args(parse_args(args), 4, 259)
 

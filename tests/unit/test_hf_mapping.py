@@ -5,11 +5,10 @@ import json
 import pytest
 import torch
 
-from puzzle.config import ModelArch  # noqa: F401
-from puzzle.switch.param_layout import shard_slices  # before puzzle.models.init (import order)
-from puzzle.models.hf_mapping import (UnsupportedHFModel, arch_from_hf_config, assemble, full_box,
-                                      hf_config_from_arch, hf_entries, hf_shapes, hf_to_ours, ours_to_hf)
+from puzzle.models.hf_mapping import (UnsupportedHFModel, arch_from_hf_config, assemble, hf_config_from_arch,
+                                      hf_entries, hf_shapes, hf_to_ours, ours_to_hf)
 from puzzle.models.init import local_shard, param_specs
+from puzzle.models.param_layout import shard_slices
 
 HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,

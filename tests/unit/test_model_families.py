@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from puzzle.config import ModelArch
-from puzzle.switch.param_layout import gpt_param_specs  # before puzzle.models.init (import order)
 from puzzle.models.hf_mapping import UnsupportedHFModel, arch_from_hf_config, hf_config_from_arch, hf_entries
 from puzzle.models.init import param_specs
+from puzzle.models.param_layout import gpt_param_specs
 from puzzle.models.param_names import (canonical_param_name, drop_extra_state, names_for_impl,
                                        param_name_for_impl)
 from puzzle.models.rope import arch_inv_freq, llama3_inv_freq, rope_inv_freq
@@ -207,7 +207,7 @@ def test_sampling_params_stop_ids():
 
 # ---- flags ----------------------------------------------------------------------------------------
 _RUN = ["--seq-length", "64", "--micro-batch-size", "2", "--rollout-batch-size", "8", "--max-new-tokens", "16",
-        "--reward-fn", "puzzle.rewards:lowercase_fraction"]
+        "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]
 
 
 def _hf_dir(tmp_path, **kw):

@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+import pathlib
 
 import pytest
 
@@ -36,6 +37,18 @@ def test_bundled_profile_has_table1_shapes_and_hardware():
     assert 0.008 < PROFILE.layer_table(S["7B"]).fwd(4096, 1) < 0.012
     # decode of a 7B layer at T=1 is HBM bound: 404 MB / 1.6 TB/s = 0.25 ms (+30 us)
     assert PROFILE.layer_table(S["7B"]).decode(1, 1) == pytest.approx(0.000283, rel=0.02)
+
+
+def test_bundled_profile_is_what_its_regeneration_writes(tmp_path):
+    from puzzle.plan.bundled_profile import regenerate_bundled
+    from puzzle.plan.profile_data import PROFILE_DIR
+
+    bundled = pathlib.Path(PROFILE_DIR) / "a100_80gb.json"
+    copy = tmp_path / "a100_80gb.json"
+    copy.write_text(bundled.read_text())
+    prof = regenerate_bundled(str(copy))
+    assert len(prof.layers) == 5
+    assert json.loads(copy.read_text()) == json.loads(bundled.read_text())
 
 
 def test_profile_validation_and_roundtrip(tmp_path):
@@ -150,7 +163,8 @@ def test_switch_bytes_pp2_to_tp2_by_hand():
 def test_switch_bytes_match_routing_table_lower_bound():
     # the routing table of puzzle.switch computes the same lower bound from megatron's parameter
     # list; the vocabulary (1024) needs no padding, so the two must agree byte for byte
-    from puzzle.switch import build_routing_table, gpt_param_specs
+    from puzzle.models.param_layout import gpt_param_specs
+    from puzzle.switch import build_routing_table
     shape = ModelShape(8, 64, 96, 8, 4, 1024)
     pairs = [(PP(4, 2, 1), PP(1, 2, 4)), (PP(8, 1, 1), PP(2, 1, 4)), (PP(2, 2, 2), PP(1, 8, 1)),
              (PP(1, 2, 4), PP(8, 1, 1)), (PP(2, 4, 1), PP(4, 1, 2))]

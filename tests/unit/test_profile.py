@@ -1,4 +1,4 @@
-"""The on-machine profiler (puzzle.plan.profile) and SearchResult -> train_ppo.py flags."""
+"""The on-machine profiler (puzzle.tools.profile) and SearchResult -> train_ppo.py flags."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.plan import SearchResult, load_profile, save_profile, validate_profile
 from puzzle.plan.calibration import PlanFlagsError, plan_flags
-from puzzle.plan.profile import SHAPES, run_profile
+from puzzle.tools.profile import SHAPES, run_profile
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,8 @@ def _validate(flags):
     base = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
             "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64", "--swiglu",
             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--micro-batch-size", "2",
-            "--rollout-batch-size", "16", "--max-new-tokens", "16", "--reward-fn", "puzzle.rewards:lowercase_fraction"]
+            "--rollout-batch-size", "16", "--max-new-tokens", "16",
+            "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]
     return validate_args(parse_args(base + flags), world_size=4, vocab_size=259)
 
 

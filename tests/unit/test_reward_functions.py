@@ -24,7 +24,7 @@ def test_loader_tells_the_forms_apart_and_names_the_flag():
     assert load_reward_fn(f"{FX}:batched_by_record").batched
     assert not load_reward_fn(f"{FX}:per_sample_len").batched
     assert load_reward_fn(f"{FX}:three_args_with_default").batched
-    assert not load_reward_fn("puzzle.rewards:lowercase_fraction").batched  # the old path still loads
+    assert not load_reward_fn("puzzle.reward_functions.builtin:lowercase_fraction").batched
     with pytest.raises(ValueError, match="--reward-fn 'puzzle.nope:f': cannot import module 'puzzle.nope'"):
         load_reward_fn("puzzle.nope:f")
     with pytest.raises(ValueError, match="has no function 'missing'"):

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from puzzle.parallel.plan import ParallelPlan, PlanError
-from puzzle.switch import (box_to_slices, build_routing_table, global_name, gpt_param_specs, local_name,
-                           local_shape, params_on_stage, shard_slices, stage_of_layer)
+from puzzle.models.param_layout import (global_name, gpt_param_specs, local_name, local_shape, params_on_stage,
+                                        shard_slices, stage_of_layer)
+from puzzle.switch import box_to_slices, build_routing_table
 
 # GQA (8 heads, 4 query groups), SwiGLU, untied embeddings: splits up to T=4.
 GQA = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=8, num_query_groups=4,

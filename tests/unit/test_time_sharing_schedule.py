@@ -1,4 +1,4 @@
-"""Tests for puzzle.pipeline.schedule: 1F1B tables, PUZZLE time-sharing (Fig. 5(b)),
+"""Tests for puzzle.pipeline.time_sharing_schedule: 1F1B tables, PUZZLE time-sharing (Fig. 5(b)),
 the blocking-P2P simulator and Eq. (1)."""
 
 import itertools
@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from puzzle.pipeline import schedule as sch
-from puzzle.pipeline.schedule import (
+from puzzle.pipeline import time_sharing_schedule as sch
+from puzzle.pipeline.time_sharing_schedule import (
     Action,
     CommStep,
     ContextSpec,

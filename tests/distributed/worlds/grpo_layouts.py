@@ -19,7 +19,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", 
          "--seq-length", "40", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--max-new-tokens", "6",
          "--micro-batch-size", "2", "--ppo-epochs", "2", "--lr", "5e-3", "--train-iters", "1",
-         "--reward-fn", "puzzle.rewards:lowercase_fraction", "--temperature", "1.0"]
+         "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction", "--temperature", "1.0"]
 LAYOUTS = {
     "seq": ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"],
     "ts": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

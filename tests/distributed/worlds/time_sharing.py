@@ -11,7 +11,7 @@ import torch
 from puzzle.config import ModelArch
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.pipeline import executor
+from puzzle.pipeline import time_sharing_executor
 from puzzle.pipeline.stage import StageContext, run_stage
 from puzzle.training.engine import ModelEngine, OptimConfig
 from puzzle.training.steps import lm_nll_step
@@ -87,9 +87,9 @@ def _train_once(plan, n_a, n_b, placement):
     ctxs = _contexts(plan, lay, a, b, n_a, n_b, stores)
     a.zero_grad()
     b.zero_grad()
-    stats = executor.ExecStats()
+    stats = time_sharing_executor.ExecStats()
     if placement == "time-sharing":
-        reports = executor.run_time_shared(ctxs, forward_only=False, stats=stats)
+        reports = time_sharing_executor.run_time_shared(ctxs, forward_only=False, stats=stats)
     else:
         reports = run_stage(ctxs, forward_only=False, placement=placement)
     grads = [_snapshot(a, "grad"), _snapshot(b, "grad")]
@@ -155,7 +155,7 @@ def check_forward_only():
         ctxs = _contexts(plan, lay, a, b, 3, 5, stores)
         with torch.no_grad():
             if placement == "time-sharing":
-                executor.run_time_shared(ctxs, forward_only=True)
+                time_sharing_executor.run_time_shared(ctxs, forward_only=True)
             else:
                 run_stage(ctxs, forward_only=True, placement=placement)
         outs[placement] = stores
@@ -163,7 +163,7 @@ def check_forward_only():
     return {"n": [len(s[0]), len(s[1]), len(t[0]), len(t[1])],
             "equal": all(len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
                          for x, y in zip(s, t)),
-            "stage": executor.last_stats.stage, "mode": executor.last_stats.mode}
+            "stage": time_sharing_executor.last_stats.stage, "mode": time_sharing_executor.last_stats.mode}
 
 
 def check_unequal_p():
@@ -187,8 +187,8 @@ def check_memory_guard():
     ctxs = _contexts(plan, lay, a, b, 1, 2, stores)
     a.zero_grad()
     b.zero_grad()
-    st = executor.ExecStats()
-    executor.run_time_shared(ctxs, forward_only=False, stats=st)
+    st = time_sharing_executor.ExecStats()
+    time_sharing_executor.run_time_shared(ctxs, forward_only=False, stats=st)
     return {"mode": st.mode, "peak": st.peak_in_flight, "sequential_peak": st.sequential_peak}
 
 

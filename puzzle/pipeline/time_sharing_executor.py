@@ -2,8 +2,8 @@
 
 ``run_time_shared(contexts, forward_only)`` runs the models (``StageContext``) of one stage that
 share the same devices and pipeline degree as ONE 1F1B stream over their concatenated
-microbatches: the program of this rank's stage is :func:`puzzle.pipeline.schedule.executor_program`
-and every step of it is executed with megatron's own pieces:
+microbatches: the program of this rank's stage is
+:func:`puzzle.pipeline.time_sharing_schedule.executor_program` and every step of it is executed with megatron's own pieces:
 
 * ``Action`` F/B  -> ``megatron.core.pipeline_parallel.schedules.forward_step`` / ``backward_step``
   with the context's own model, config, forward_step_func, data iterator and
@@ -34,7 +34,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from puzzle.pipeline.schedule import (Action, CommStep, ContextSpec, executor_program,
+from puzzle.pipeline.time_sharing_schedule import (Action, CommStep, ContextSpec, executor_program,
                                       peak_in_flight, sequential_schedule, time_shared_schedule)
 
 __all__ = ["ExecStats", "run_time_shared", "validate_stream", "sequential_peak", "last_stats"]

@@ -1,8 +1,8 @@
 """On-machine profiler: writes a device profile (the ``load_profile`` JSON) for the plan search.
 
-    python -m puzzle.plan.profile --out puzzle/plan/profiles/cpu_tiny.json --shapes tiny --procs 4 \\
+    python -m puzzle.tools.profile --out puzzle/plan/profiles/cpu_tiny.json --shapes tiny --procs 4 \\
         [--tp-sizes 1,2] [--micro-batch-sizes 1,2,4] [--seq-lengths 32,64] [--decode-batch-sizes 1,2,4,8]
-    python -m puzzle.plan.profile --out my.json --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 \\
+    python -m puzzle.tools.profile --out my.json --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 \\
         --num-attention-heads 4 --num-query-groups 2 --swiglu --seq-length 64
 
 What is measured (real megatron-core GPTModel built by our ``ModelEngine``, on CUDA when
@@ -135,10 +135,10 @@ def run_profile(spec: dict, out: str, timeout: int = 600, log=print) -> dict:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         if spec["procs"] == 1:
-            cmd = [sys.executable, "-m", "puzzle.plan.profile", "--out", out, "--worker", spec_path]
+            cmd = [sys.executable, "-m", "puzzle.tools.profile", "--out", out, "--worker", spec_path]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['procs']}",
-                   "-m", "puzzle.plan.profile", "--out", out, "--worker", spec_path]
+                   "-m", "puzzle.tools.profile", "--out", out, "--worker", spec_path]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(res_path):
@@ -233,13 +233,13 @@ def build_profile(spec: dict, raw: dict):
         num_attention_heads=sh["num_attention_heads"], num_query_groups=sh["num_query_groups"],
         swiglu=bool(sh["swiglu"]), seq_len=max(spec["seq_lengths"]), fwd_s=fwd, bwd_s=bwd, decode_s=dec)
     prof.comment = (
-        f"Measured by `python -m puzzle.plan.profile` on {raw['device_name']} with {spec['procs']} ranks on this host "
+        f"Measured by `python -m puzzle.tools.profile` on {raw['device_name']} with {spec['procs']} ranks on this host "
         f"(torch {raw['torch']}, {raw['dtype']}, OMP_NUM_THREADS={raw['omp']}), {raw['wall_s']} s. Layer tables: whole "
         f"{L}-layer GPTModel micro-batch fwd/bwd with the PPO log-prob loss, minus the cost model's LM-head and per-layer "
         f"TP all-reduce estimates, per layer (layers + their share of per-micro-batch fixed costs; exact for {L} layers); decode: per-layer "
         f"share of a generate() decode step (hooks), decode_step_overhead_s = rest of the step. {comm_note}. "
         f"GEMM peak {raw['peak_flops'] / 1e9:.1f} GFLOP/s, memory copy {raw['hbm_bandwidth'] / 1e9:.1f} GB/s. "
-        f"One host: inter-node figures = intra-node. See puzzle/plan/profile.py.")
+        f"One host: inter-node figures = intra-node. See puzzle/tools/profile.py.")
     return prof
 
 

@@ -1,0 +1,170 @@
+"""Layers import downward only, and no module imports itself through others (pure: parses source).
+
+Every ``import`` / ``from ... import`` of every module under puzzle/ counts, wherever it stands
+(module level, inside a function, under ``if TYPE_CHECKING``): a function-local import does not
+hide an arrow. The layers, from the bottom:
+
+    0  config, parallel                                   (flags' values, process layouts)
+    1  models                                             (GPTModel builders, parameter layout/names)
+    2  training, rollout, pipeline, switch, algorithms, data
+    3  trainer, checkpointing, generation_stage, reward_functions, metrics, run_control
+    4  cli, arguments, flag_checks, tools, bench, plan    (command line and tools)
+
+A module may import its own layer or any layer below. ``plan/`` (the plan search) is in the top
+layer because its commands read the command line, but its cost model, memory model and search are
+pure: they import only config, parallel and plan itself, and nothing in plan/ reaches models,
+training, rollout, pipeline, switch or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "puzzle"
+
+LAYERS = [
+    {"config", "parallel"},
+    {"models"},
+    {"training", "rollout", "pipeline", "switch", "algorithms", "data"},
+    {"trainer", "checkpointing", "generation_stage", "reward_functions", "metrics", "run_control"},
+    {"cli", "arguments", "flag_checks", "tools", "bench", "plan"},
+]
+LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+
+PLAN_FORBIDDEN = ("puzzle.models", "puzzle.training", "puzzle.rollout", "puzzle.pipeline", "puzzle.switch",
+                  "torch.distributed")
+PLAN_PURE_CORE = ("puzzle.plan.cost_model", "puzzle.plan.memory_model", "puzzle.plan.search",
+                  "puzzle.plan.profile_data", "puzzle.plan.bundled_profile")
+PLAN_PURE_ALLOWED = ("puzzle.config", "puzzle.parallel", "puzzle.plan")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(source: str, module: str, is_package: bool, known: Set[str]) -> List[Tuple[str, int]]:
+    """(imported module, line) for every import statement in ``source``; ``from pkg import name``
+    names the submodule pkg.name when that is a module of ``known``."""
+    out = []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.append((sub if sub in known else target, node.lineno))
+    return out
+
+
+def _graph() -> Dict[str, List[Tuple[str, int]]]:
+    paths = {module_name(p): p for p in PKG.rglob("*.py")}
+    known = set(paths)
+    return {m: imports_of(p.read_text(), m, p.name == "__init__.py", known) for m, p in sorted(paths.items())}
+
+
+GRAPH = _graph()
+
+
+def _internal(target: str) -> str:
+    """The puzzle module ``target`` names (a module of the graph, or the nearest package), or ''."""
+    while target and target not in GRAPH:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def layer(module: str) -> int:
+    """The layer of a puzzle module; a module without one counts as above every layer."""
+    return LAYER_OF.get(module.split(".")[1], len(LAYERS))
+
+
+def find_cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of more than one module (or a module importing itself)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan, recursive: the graph is a few hundred edges
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_parser_sees_function_local_and_relative_imports():
+    src = "import os\nfrom . import b\ndef f():\n    from puzzle.models import init\n    import torch.distributed\n"
+    got = imports_of(src, "puzzle.switch.a", False, {"puzzle.switch.b", "puzzle.models.init"})
+    assert got == [("os", 1), ("puzzle.switch.b", 2), ("puzzle.models.init", 4), ("torch.distributed", 5)]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in GRAPH if m != "puzzle" and m.split(".")[1] not in LAYER_OF)
+    assert not unplaced, f"modules without a layer (add them to LAYERS): {unplaced}"
+
+
+def test_no_import_cycles():
+    graph = {m: {t for t in map(_internal, (t for t, _ in targets)) if t and t != m}
+             for m, targets in GRAPH.items()}
+    assert find_cycles(graph) == []
+
+
+@pytest.mark.parametrize("low", range(len(LAYERS) - 1))
+def test_layers_import_downward_only(low):
+    upward = []
+    for m, targets in GRAPH.items():
+        if m == "puzzle" or layer(m) != low:
+            continue
+        for target, line in targets:
+            t = _internal(target)
+            if t and t != "puzzle" and layer(t) > low:
+                upward.append(f"{m}:{line} imports {t} (layer {layer(t)} > {low})")
+    assert not upward, "\n".join(upward)
+
+
+def test_plan_is_pure():
+    bad = []
+    for m, targets in GRAPH.items():
+        if not m.startswith("puzzle.plan"):
+            continue
+        for target, line in targets:
+            if any(target == f or target.startswith(f + ".") for f in PLAN_FORBIDDEN):
+                bad.append(f"{m}:{line} imports {target}")
+            if m in PLAN_PURE_CORE and target.startswith("puzzle") and not any(
+                    target == a or target.startswith(a + ".") for a in PLAN_PURE_ALLOWED):
+                bad.append(f"{m}:{line} (pure core) imports {target}")
+    assert all(m in GRAPH for m in PLAN_PURE_CORE)
+    assert not bad, "\n".join(bad)
