@@ -4,7 +4,7 @@ Every ``import`` / ``from ... import`` of every module under puzzle/ counts, whe
 (module level, inside a function, under ``if TYPE_CHECKING``): a function-local import does not
 hide an arrow. The layers, from the bottom:
 
-    0  config, parallel                                   (flags' values, process layouts)
+    0  config, config_flags, plan_layouts, parallel       (flags' values, process layouts)
     1  models                                             (GPTModel builders, parameter layout/names)
     2  training, rollout, pipeline, switch, algorithms, data
     3  trainer, checkpointing, generation_stage, reward_functions, metrics, run_control
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "puzzle"
 
 LAYERS = [
-    {"config", "parallel"},
+    {"config", "config_flags", "plan_layouts", "parallel"},
     {"models"},
     {"training", "rollout", "pipeline", "switch", "algorithms", "data"},
     {"trainer", "checkpointing", "generation_stage", "reward_functions", "metrics", "run_control"},
