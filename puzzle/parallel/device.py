@@ -101,17 +101,6 @@ def runtime() -> Runtime:
     return _RUNTIME if _RUNTIME is not None else Runtime(device=local_device())
 
 
-def to_device(tree, device: torch.device):
-    """Tensors of a (nested) dict / list / tuple moved to ``device`` (no copy when already there)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device, non_blocking=True)
-    if isinstance(tree, dict):
-        return {k: to_device(v, device) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_device(v, device) for v in tree)
-    return tree
-
-
 def check_on_device(what: str, device: torch.device, tensors: dict) -> None:
     """Raise naming the tensor when an input of a model call is not on the model's device."""
     for name, t in tensors.items():

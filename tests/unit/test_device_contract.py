@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from puzzle.parallel.device import Runtime, check_on_device, to_device
+from puzzle.parallel.device import Runtime, check_on_device
 from puzzle.tools.compare_metrics import compare, main as compare_main
 from puzzle.training.batch import right_pad_rollout, rollout_from_generation
 
@@ -20,13 +20,6 @@ def test_check_on_device_names_the_input():
     check_on_device("forward_step", torch.device("cpu"), mb)  # all on the model's device
     with pytest.raises(RuntimeError, match=r"forward_step: input 'tokens' is on cpu, the model on meta"):
         check_on_device("forward_step", torch.device("meta"), mb)
-
-
-def test_to_device_moves_nested_tensors_and_keeps_the_rest():
-    tree = {"a": torch.ones(2), "b": [torch.zeros(1), 3], "c": (torch.ones(1), "x")}
-    out = to_device(tree, torch.device("meta"))
-    assert out["a"].device.type == "meta" and out["b"][0].device.type == "meta"
-    assert out["b"][1] == 3 and out["c"][1] == "x" and isinstance(out["c"], tuple)
 
 
 def test_no_cuda_device_literal_outside_the_device_module():
