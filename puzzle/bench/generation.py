@@ -120,27 +120,6 @@ def _hf_generate(model, prompts, n_new, dev):
     return out[:, lp:].cpu()
 
 
-def _bandwidth(dev) -> float:
-    """Device memory bandwidth (bytes/s): read + write bytes of a 2 GiB copy / its time."""
-    import torch
-
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize(dev)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize(dev)
-    secs = start.elapsed_time(end) / 1000.0 / 10
-    del a, b
-    return 2 * n / secs
-
-
 def _decode_bytes(model, arch, prompts, n_new, elem_bytes: int, T: int) -> float:
     """Bytes one rank must read over the decode steps: its weights once per step (not the input
     embedding table, of which a step reads b rows) plus each row's keys and values so far."""
@@ -214,7 +193,9 @@ def _worker(args):
                                seed=7, bf16=cuda) for be in backends}
     full = gather_full_state(engines["local"].module, arch, "actor")
     hf = _hf_model(full, arch, dev, torch.bfloat16 if cuda else torch.float32) if rank == 0 else None
-    bw = _bandwidth(dev) if cuda else None
+    from puzzle.bench.gpu_report import measure_bandwidth
+
+    bw = measure_bandwidth(dev) if cuda else None
     n_new = args.new_tokens
     params = SamplingParams(n_new, greedy=True)
     lo, hi = (16, 128) if args.model == "1b" else (8, 32)

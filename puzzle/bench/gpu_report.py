@@ -27,11 +27,13 @@ DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 def measure_bandwidth(device, nbytes: int = 2 ** 31, repeats: int = 10) -> float:
+    """Device memory bandwidth (bytes/s): read + write bytes of a large copy over its time."""
     import torch
 
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    b.copy_(a)
+    for _ in range(3):
+        b.copy_(a)
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
