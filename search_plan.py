@@ -4,7 +4,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    from puzzle.plan.command import search_main
+    from puzzle.plan_search.command import search_main
 
     return search_main(sys.argv[1:] if argv is None else argv)
 

@@ -6,7 +6,7 @@ setup(
     description="PPO (RLHF) for LLaMA-class models on megatron-core, after the PUZZLE design (ATC'24)",
     python_requires=">=3.10",
     packages=find_packages(include=["puzzle", "puzzle.*", "megatron_patches", "megatron_patches.*"]),
-    package_data={"puzzle": ["plan/profiles/*.json", "data/bundled/*.jsonl"]},
+    package_data={"puzzle": ["plan_search/profiles/*.json", "data/bundled/*.jsonl"]},
     py_modules=["train_ppo", "search_plan"],
     install_requires=[
         # megatron-core: the patches in megatron_patches/ are checked on these releases

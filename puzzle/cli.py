@@ -67,9 +67,9 @@ def _plan_layouts(args):
         except (OSError, json.JSONDecodeError) as e:
             raise ArgumentError(f"--plan-file: cannot read {args.plan_file!r} ({e})") from None
     elif args.plan == "auto":
-        from puzzle.plan.command import search
-        from puzzle.plan.profile_data import load_profile
-        from puzzle.plan.search import InfeasibleError
+        from puzzle.plan_search.command import search
+        from puzzle.plan_search.profile_data import load_profile
+        from puzzle.plan_search.search import InfeasibleError
 
         try:
             result, _ = search(config_for_planning(args), load_profile(args.profile or "a100_80gb"))
@@ -86,8 +86,8 @@ def _plan_layouts(args):
 
 def _dry_run(args, layouts, rank: int) -> int:
     from puzzle.arguments import config_for_planning
-    from puzzle.plan.command import print_dry_run
-    from puzzle.plan.profile_data import load_profile
+    from puzzle.plan_search.command import print_dry_run
+    from puzzle.plan_search.profile_data import load_profile
 
     cfg = config_for_planning(args, layouts)
     fits = True

@@ -70,8 +70,8 @@ def decode_bound_tokens_per_s(actor, gen_mbs: int, context: int, bandwidth: floa
 
 
 def report(metrics: List[dict], cfg, skip: int, bandwidth: float, matmul: float, gpu: str) -> Dict:
-    from puzzle.plan.command import shapes_from_config, stage_memory_estimate
-    from puzzle.plan.profile_data import load_profile
+    from puzzle.plan_search.command import shapes_from_config, stage_memory_estimate
+    from puzzle.plan_search.profile_data import load_profile
 
     rows = metrics[skip:] or metrics
     mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
-from puzzle.plan import LLAMA_SHAPES, PPOJob, PPOWorkload, exhaustive_search, load_profile, similarity_search
+from puzzle.plan_search import LLAMA_SHAPES, PPOJob, PPOWorkload, exhaustive_search, load_profile, similarity_search
 
 #: (actor, critic, GPUs, rollout batch): PUZZLE Table 2, plus 64-GPU configurations.
 CONFIGS: List[Tuple[str, str, int, int]] = [
@@ -85,7 +85,7 @@ def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 4, log_root:
     search picks with that profile (world 4) and compare iteration times. Prints two JSON rows."""
     import os
 
-    from puzzle.plan.calibration import (default_tiny_plans, estimate_error, estimate_stages, plan_flags, run_tiny,
+    from puzzle.bench.calibration import (default_tiny_plans, estimate_error, estimate_stages, plan_flags, run_tiny,
                                          tiny_shape, tiny_workload)
     from puzzle.tools.profile import SHAPES, run_profile
 

@@ -1,6 +1,6 @@
 """On-machine profiler: writes a device profile (the ``load_profile`` JSON) for the plan search.
 
-    python -m puzzle.tools.profile --out puzzle/plan/profiles/cpu_tiny.json --shapes tiny --procs 4 \\
+    python -m puzzle.tools.profile --out puzzle/plan_search/profiles/cpu_tiny.json --shapes tiny --procs 4 \\
         [--tp-sizes 1,2] [--micro-batch-sizes 1,2,4] [--seq-lengths 32,64] [--decode-batch-sizes 1,2,4,8]
     python -m puzzle.tools.profile --out my.json --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 \\
         --num-attention-heads 4 --num-query-groups 2 --swiglu --seq-length 64
@@ -147,7 +147,7 @@ def run_profile(spec: dict, out: str, timeout: int = 600, log=print) -> dict:
         raw = json.loads(Path(res_path).read_text())
     raw["wall_s"] = round(time.perf_counter() - t0, 1)
     prof = build_profile(spec, raw)
-    from puzzle.plan.profile_data import save_profile
+    from puzzle.plan_search.profile_data import save_profile
 
     save_profile(prof, out)
     log(f"wrote {out} ({raw['wall_s']} s): {len(prof.layers)} layer table(s), T={spec['tp_sizes']}, "
@@ -170,8 +170,8 @@ def _fit_latency_bw(points, factor: float):
 
 def build_profile(spec: dict, raw: dict):
     """Profile from the worker's raw measurements (see the module docstring for the attribution)."""
-    from puzzle.plan.cost_model import CostModel, ModelRole, ModelShape, PPOWorkload
-    from puzzle.plan.profile_data import LayerTable, Profile
+    from puzzle.plan_search.cost_model import CostModel, ModelRole, ModelShape, PPOWorkload
+    from puzzle.plan_search.profile_data import LayerTable, Profile
 
     sh = spec["shape"]
     elt = raw["elem_bytes"]  # bytes per element of the measured run (4 on CPU fp32)

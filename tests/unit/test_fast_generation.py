@@ -74,9 +74,9 @@ def test_flags():
 
 def test_cost_model_follows_the_decode_loop():
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.plan import LLAMA_SHAPES, load_profile
-    from puzzle.plan.cost_model import CostModel, PPOWorkload, ppo_roles
-    from puzzle.plan.profile_data import layer_params
+    from puzzle.plan_search import LLAMA_SHAPES, load_profile
+    from puzzle.plan_search.cost_model import CostModel, PPOWorkload, ppo_roles
+    from puzzle.plan_search.profile_data import layer_params
 
     prof = load_profile("a100_80gb")
     actor = ppo_roles(LLAMA_SHAPES["7B"], LLAMA_SHAPES["350M"])["actor"]

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from puzzle.arguments import ArgumentError, config_for_planning, parse_args, validate_args
-from puzzle.plan.command import job_from_config, memory_estimate, placement_from_config, search
-from puzzle.plan.profile_data import load_profile
+from puzzle.plan_search.command import job_from_config, memory_estimate, placement_from_config, search
+from puzzle.plan_search.profile_data import load_profile
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "64", "--swiglu", "--normalization", "RMSNorm",

@@ -10,9 +10,9 @@ hide an arrow. The layers, from the bottom:
     3  trainer, checkpointing, generation_stage, reward_functions, metrics, run_control
     4  cli, arguments, flag_checks, tools, bench, plan    (command line and tools)
 
-A module may import its own layer or any layer below. ``plan/`` (the plan search) is in the top
+A module may import its own layer or any layer below. ``plan_search/`` (the plan search) is in the top
 layer because its commands read the command line, but its cost model, memory model and search are
-pure: they import only config, parallel and plan itself, and nothing in plan/ reaches models,
+pure: they import only config, parallel and plan_search itself, and nothing in plan_search/ reaches models,
 training, rollout, pipeline, switch or torch.distributed.
 """
 
@@ -32,15 +32,15 @@ LAYERS = [
     {"models"},
     {"training", "rollout", "pipeline", "switch", "algorithms", "data"},
     {"trainer", "checkpointing", "generation_stage", "reward_functions", "metrics", "run_control"},
-    {"cli", "arguments", "flag_checks", "tools", "bench", "plan"},
+    {"cli", "arguments", "flag_checks", "tools", "bench", "plan_search"},
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 
 PLAN_FORBIDDEN = ("puzzle.models", "puzzle.training", "puzzle.rollout", "puzzle.pipeline", "puzzle.switch",
                   "torch.distributed")
-PLAN_PURE_CORE = ("puzzle.plan.cost_model", "puzzle.plan.memory_model", "puzzle.plan.search",
-                  "puzzle.plan.profile_data", "puzzle.plan.bundled_profile")
-PLAN_PURE_ALLOWED = ("puzzle.config", "puzzle.parallel", "puzzle.plan")
+PLAN_PURE_CORE = ("puzzle.plan_search.cost_model", "puzzle.plan_search.memory_model", "puzzle.plan_search.search",
+                  "puzzle.plan_search.profile_data", "puzzle.plan_search.bundled_profile")
+PLAN_PURE_ALLOWED = ("puzzle.config", "puzzle.parallel", "puzzle.plan_search")
 
 
 def module_name(path: Path) -> str:
@@ -158,7 +158,7 @@ def test_layers_import_downward_only(low):
 def test_plan_is_pure():
     bad = []
     for m, targets in GRAPH.items():
-        if not m.startswith("puzzle.plan"):
+        if not m.startswith("puzzle.plan_search"):
             continue
         for target, line in targets:
             if any(target == f or target.startswith(f + ".") for f in PLAN_FORBIDDEN):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from puzzle.arguments import ArgumentError, parse_args, plan_flags, validate_args
-from puzzle.plan.command import search_main
+from puzzle.plan_search.command import search_main
 from puzzle.plan_layouts import read_plan_document
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,12 +8,12 @@ import pathlib
 import pytest
 
 from puzzle.parallel.plan import ParallelPlan as PP, PlanError
-from puzzle.plan import (LLAMA_SHAPES, CostModel, InfeasibleError, MemoryFitError, MemoryModel, ModelShape,
+from puzzle.plan_search import (LLAMA_SHAPES, CostModel, InfeasibleError, MemoryFitError, MemoryModel, ModelShape,
                          PPOJob, PPOWorkload, ProfileError, exhaustive_search, grouped_time, load_profile,
                          ppo_roles, save_profile, sequential_time, similarity_search, switch_bytes_max_rank,
                          switch_bytes_per_rank, time_sharing_time, validate_profile)
-from puzzle.plan.memory_model import GiB
-from puzzle.plan.search import _Evaluator
+from puzzle.plan_search.memory_model import GiB
+from puzzle.plan_search.search import _Evaluator
 
 S = LLAMA_SHAPES
 PROFILE = load_profile("a100_80gb")
@@ -40,8 +40,8 @@ def test_bundled_profile_has_table1_shapes_and_hardware():
 
 
 def test_bundled_profile_is_what_its_regeneration_writes(tmp_path):
-    from puzzle.plan.bundled_profile import regenerate_bundled
-    from puzzle.plan.profile_data import PROFILE_DIR
+    from puzzle.plan_search.bundled_profile import regenerate_bundled
+    from puzzle.plan_search.profile_data import PROFILE_DIR
 
     bundled = pathlib.Path(PROFILE_DIR) / "a100_80gb.json"
     copy = tmp_path / "a100_80gb.json"

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.plan import SearchResult, load_profile, save_profile, validate_profile
-from puzzle.plan.calibration import PlanFlagsError, plan_flags
+from puzzle.plan_search import SearchResult, load_profile, save_profile, validate_profile
+from puzzle.bench.calibration import PlanFlagsError, plan_flags
 from puzzle.tools.profile import SHAPES, run_profile
 
 

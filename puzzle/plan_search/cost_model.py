@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.parallel.plan import ParallelPlan, PlanError
-from puzzle.plan.profile_data import Profile, layer_params
+from puzzle.plan_search.profile_data import Profile, layer_params
 
 BF16 = 2  # bytes per bf16 value
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.plan.cost_model import (CostModel, ModelShape, PPOWorkload, TaskCost, grouped_time, plan_problems,
+from puzzle.plan_search.cost_model import (CostModel, ModelShape, PPOWorkload, TaskCost, grouped_time, plan_problems,
                                     ppo_roles)
-from puzzle.plan.memory_model import GiB, MemoryModel, fmt_plan
-from puzzle.plan.profile_data import Profile, load_profile
+from puzzle.plan_search.memory_model import GiB, MemoryModel, fmt_plan
+from puzzle.plan_search.profile_data import Profile, load_profile
 
 VARS = ("A", "G", "C", "R", "W")
 #: variable -> (model, stage whose time/memory picks it alone, device group 'a' | 'c' | 'all')

@@ -14,9 +14,9 @@ import json
 import sys
 from typing import Dict, List, Optional
 
-from puzzle.plan.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles, stage_seconds
-from puzzle.plan.memory_model import GiB, MemoryModel, fmt_plan
-from puzzle.plan.profile_data import load_profile
+from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles, stage_seconds
+from puzzle.plan_search.memory_model import GiB, MemoryModel, fmt_plan
+from puzzle.plan_search.profile_data import load_profile
 
 
 def shapes_from_config(cfg) -> Dict[str, ModelShape]:
@@ -112,7 +112,7 @@ def print_dry_run(cfg, profile, out=sys.stdout) -> bool:
 
 
 def job_from_config(cfg, profile):
-    from puzzle.plan.search import PPOJob
+    from puzzle.plan_search.search import PPOJob
 
     shapes = shapes_from_config(cfg)
     critic = shapes.get("critic", shapes["actor"])  # a stand-in shape when the run has no critic
@@ -122,7 +122,7 @@ def job_from_config(cfg, profile):
 
 
 def search(cfg, profile, exhaustive: bool = False):
-    from puzzle.plan.search import exhaustive_search, similarity_search
+    from puzzle.plan_search.search import exhaustive_search, similarity_search
 
     job = job_from_config(cfg, profile)
     result = similarity_search(job)
@@ -139,7 +139,7 @@ def _add_search_args(parser) -> None:
 
 def search_main(argv: Optional[List[str]] = None) -> int:
     from puzzle.arguments import ArgumentError, build_parser, config_for_planning
-    from puzzle.plan.search import InfeasibleError
+    from puzzle.plan_search.search import InfeasibleError
 
     parser = build_parser(prog="search_plan.py")
     _add_search_args(parser)

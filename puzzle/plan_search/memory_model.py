@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.plan.cost_model import BF16, ModelRole, PPOWorkload, params_on_stage
-from puzzle.plan.profile_data import Profile
+from puzzle.plan_search.cost_model import BF16, ModelRole, PPOWorkload, params_on_stage
+from puzzle.plan_search.profile_data import Profile
 
 GiB = float(1 << 30)
 

@@ -1,13 +1,13 @@
 """The bundled profile ``profiles/a100_80gb.json``: its layer tables, rewritten from its own
-hardware constants (``python -m puzzle.plan.bundled_profile``)."""
+hardware constants (``python -m puzzle.plan_search.bundled_profile``)."""
 
 from __future__ import annotations
 
 import os
 from typing import Optional
 
-from puzzle.plan.cost_model import LLAMA_SHAPES
-from puzzle.plan.profile_data import PROFILE_DIR, Profile, analytic_layer_table, load_profile, save_profile, shape_key
+from puzzle.plan_search.cost_model import LLAMA_SHAPES
+from puzzle.plan_search.profile_data import PROFILE_DIR, Profile, analytic_layer_table, load_profile, save_profile, shape_key
 
 
 def regenerate_bundled(path: Optional[str] = None) -> Profile:
@@ -23,6 +23,6 @@ def regenerate_bundled(path: Optional[str] = None) -> Profile:
     return prof
 
 
-if __name__ == "__main__":  # python -m puzzle.plan.bundled_profile: regenerate the bundled tables
+if __name__ == "__main__":  # python -m puzzle.plan_search.bundled_profile: regenerate the bundled tables
     p = regenerate_bundled()
     print(f"wrote {len(p.layers)} layer tables to {os.path.join(PROFILE_DIR, 'a100_80gb.json')}")
