@@ -8,7 +8,8 @@
 - ``auto``: TE (its own kernel choice) when TE is present; otherwise SDPA on CUDA; otherwise, on
   CPU, megatron-core's unfused DotProductAttention (so CPU results stay what they were).
 
-Every choice keeps the generation KV cache (see sdpa_attention.py).
+Every choice keeps the generation KV cache (see sdpa_attention.py). The local-spec layers are
+megatron's TransformerLayer with a lean decode step (decode_layer.py).
 """
 
 from __future__ import annotations
@@ -78,5 +79,10 @@ def attention_layer_spec(normalization: str, backend: str, transformer_impl: str
         core = sa.SDPACoreAttention if spec == "sdpa" else sa.UnfusedCoreAttention
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules,
                                                                     core_attention=core))
-    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules,
-                                                                     self_attention=attn))
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules,
+                                                                      self_attention=attn))
+    if spec != "te":  # megatron's layer with a lean KV-cache decode step (decode_layer.py)
+        from puzzle.models.decode_layer import DecodeTransformerLayer
+
+        layer = dataclasses.replace(layer, module=DecodeTransformerLayer)
+    return layer

@@ -1,0 +1,138 @@
+"""megatron-core's TransformerLayer with a lean forward for the KV-cache decode step.
+
+``DecodeTransformerLayer`` is the ``module`` of the local layer spec (puzzle/models/
+attention_backend.py). Its forward is megatron-core's own, unchanged, except in one case: a
+decode step of generation (a StaticKVCache bound to the core attention and in decode mode, eval
+mode, gradients off). There it runs the same arithmetic on the same modules and parameters
+without megatron's per-layer Python plumbing (autograd-function wrappers of every linear layer,
+tensor-parallel region copies that are identities in the forward, bias-dropout-add factories,
+offload and recompute contexts, view checks), which at a decode step's size costs about as much
+as the matrix products themselves on a CPU:
+
+- ``input_layernorm``, ``q_layernorm`` / ``k_layernorm``, ``pre_mlp_layernorm`` and the core
+  attention are called as modules (any norm, any KV-cache core attention);
+- every linear layer is ``matmul(x, weight.t())`` plus its bias, as megatron's
+  ``LinearWithFrozenWeight``; row-parallel outputs are all-reduced over the layer's TP group
+  before their bias, as ``RowParallelLinear``;
+- the query/key/value split, the gated linear unit and the residual additions follow
+  ``Attention.get_query_key_value_tensors``, ``MLP.forward`` and ``_bias_dropout_add_func``
+  (eval) operation for operation, so the step's outputs are bitwise those of the full forward.
+
+Layers whose modules or options the lean step does not cover (transformer-engine modules, MoE,
+attention output gates, fewer query groups than TP ranks, fused bias-activation kernels, fp8,
+sequence parallelism) always run megatron's forward. The step is static in shape and free of
+host synchronisation, so CUDA graphs capture it like the full forward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+
+class DecodeTransformerLayer(TransformerLayer):
+    """TransformerLayer whose KV-cache decode step skips megatron's per-layer plumbing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lean: Optional[bool] = None  # whether the lean step covers this layer (decided once)
+
+    def forward(self, *args, **kwargs):
+        if self._decodes():
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            return self._decode_step(hidden), kwargs.get("context")
+        return super().forward(*args, **kwargs)
+
+    def _decodes(self) -> bool:
+        if self.training or torch.is_grad_enabled() or self.config.sequence_parallel:
+            return False
+        cache = getattr(self.self_attention, "core_attention", None)
+        cache = getattr(cache, "kv_cache", None)
+        if cache is None or cache.is_prefill:
+            return False
+        if self._lean is None:
+            self._lean = lean_step_covers(self)
+        return self._lean
+
+    def _decode_step(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, n, h] -> [1, n, h]: megatron's layer forward at eval, one token per row."""
+        attn, mlp = self.self_attention, self.mlp
+        # attention (Attention.forward with the cache's core attention)
+        qkv = _linear(self.input_layernorm(x), attn.linear_qkv)
+        ng = attn.num_query_groups_per_partition
+        hn = attn.hidden_size_per_attention_head
+        per_group = attn.num_attention_heads_per_partition // ng
+        qkv = qkv.view(*qkv.shape[:-1], ng, (per_group + 2) * hn)
+        query, key, value = torch.split(qkv, [per_group * hn, hn, hn], dim=3)
+        query = query.reshape(query.size(0), query.size(1), -1, hn)
+        if attn.q_layernorm is not None:
+            query = attn.q_layernorm(query)
+        if attn.k_layernorm is not None:
+            key = attn.k_layernorm(key)
+        context = attn.core_attention(query, key, value, None, attn_mask_type=attn.attn_mask_type)
+        x = _row_parallel_add(context, attn.linear_proj, x)
+        # MLP (MLP.forward without fused kernels)
+        inter = _linear(self.pre_mlp_layernorm(x), mlp.linear_fc1)
+        cfg = mlp.config
+        if cfg.gated_linear_unit:
+            x_glu, x_linear = torch.chunk(inter, 2, dim=-1)
+            inter = cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
+        else:
+            inter = mlp.activation_func(inter)
+        return _row_parallel_add(inter, mlp.linear_fc2, x)
+
+
+def _linear(x: torch.Tensor, linear) -> torch.Tensor:
+    """ColumnParallelLinear without gathering: megatron's frozen-weight product plus the bias
+    (added here whether or not the layer returns it separately, as the callers do)."""
+    out = torch.matmul(x, linear.weight.t())
+    return out if linear.bias is None else out + linear.bias
+
+
+def _row_parallel_add(x: torch.Tensor, linear, residual: torch.Tensor) -> torch.Tensor:
+    """RowParallelLinear (all-reduce, then bias) followed by eval bias-dropout-add."""
+    out = torch.matmul(x, linear.weight.t())
+    if linear.tp_group is not None and linear.tp_group.size() > 1:
+        dist.all_reduce(out, group=linear.tp_group)
+    if linear.bias is not None:
+        out = out + linear.bias
+    return out + residual
+
+
+def lean_step_covers(layer: TransformerLayer) -> bool:
+    """Whether ``layer``'s modules and options are the ones the lean decode step reproduces."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+
+    from puzzle.models.sdpa_attention import KVCacheMixin
+
+    attn, mlp, cfg = layer.self_attention, layer.mlp, layer.config
+    modules_ok = (
+        type(attn) is SelfAttention and type(mlp) is MLP
+        and type(attn.linear_qkv) is ColumnParallelLinear and type(attn.linear_proj) is RowParallelLinear
+        and type(mlp.linear_fc1) is ColumnParallelLinear and type(mlp.linear_fc2) is RowParallelLinear
+        and isinstance(attn.core_attention, KVCacheMixin)
+        and isinstance(layer.pre_cross_attn_layernorm, IdentityOp)
+        and isinstance(layer.cross_attention, IdentityOp)
+    )
+    if not modules_ok:
+        return False
+    options_ok = (
+        not getattr(cfg, "attention_output_gate", False)
+        and cfg.num_query_groups >= attn.world_size
+        and not cfg.bias_activation_fusion
+        and not getattr(cfg, "use_te_activation_func", False)
+        and getattr(cfg, "activation_func_clamp_value", None) is None
+        and not getattr(cfg, "inference_fuse_tp_communication", False)
+        and not cfg.fp8 and not getattr(cfg, "fp4", None)
+        and not cfg.test_mode
+        and not attn.linear_qkv.gather_output and attn.linear_proj.input_is_parallel
+        and not mlp.linear_fc1.gather_output and mlp.linear_fc2.input_is_parallel
+        and not attn.linear_proj.explicit_expert_comm and not mlp.linear_fc2.explicit_expert_comm
+    )
+    return bool(options_ok)
