@@ -53,6 +53,7 @@ class StaticKVCache:
         self.masked: Optional[torch.Tensor] = None  # [n, 1, 1, key_len] True = masked
         self.bias: Optional[torch.Tensor] = None    # the same as an additive mask (lowest value)
         self.rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (cos, sin) of the call
+        self.write_index: Optional[torch.Tensor] = None  # decode: flat rows written (per call)
 
     def prefill(self, rows: torch.Tensor, seq_len: int) -> None:
         if seq_len > self.width:
@@ -65,6 +66,15 @@ class StaticKVCache:
         slots = torch.arange(key_len, device=pos.device)
         self.masked = (slots.unsqueeze(0) > pos.unsqueeze(1))[:, None, None, :]
         self.bias = None
+        self.write_index = None
+
+    def _write_index(self, groups: int) -> torch.Tensor:
+        """[n * groups] rows of a layer buffer viewed as [slots * groups * width, d] that the
+        decode step writes: (slot i, group j, position pos[i]); computed once per call."""
+        if self.write_index is None:
+            rows = torch.arange(self.n * groups, device=self.pos.device).view(self.n, groups)
+            self.write_index = (rows * self.width + self.pos.unsqueeze(1)).view(-1)
+        return self.write_index
 
     def decode_bias(self, dtype) -> torch.Tensor:
         """The decode mask as an additive float mask (SDPA's CPU kernels are faster with it)."""
@@ -112,9 +122,10 @@ class StaticKVCache:
             kb[self.rows, :, :s] = key.permute(1, 2, 0, 3)
             vb[self.rows, :, :s] = value.permute(1, 2, 0, 3)
             return query, key, value
-        rows = torch.arange(self.n, device=key.device)
-        kb[rows, :, self.pos] = key[0]
-        vb[rows, :, self.pos] = value[0]
+        n, g, d = self.n, key.shape[2], key.shape[3]
+        index = self._write_index(g)
+        kb.view(-1, d).index_copy_(0, index, key[0].reshape(n * g, d))
+        vb.view(-1, d).index_copy_(0, index, value[0].reshape(n * g, d))
         return query, kb[:self.n, :, :self.key_len], vb[:self.n, :, :self.key_len]
 
 

@@ -128,6 +128,8 @@ def mask_padding(logits: torch.Tensor, start: int, true_vocab: int) -> torch.Ten
 def vocab_parallel_argmax(values: torch.Tensor, start: int, group) -> torch.Tensor:
     """Global argmax ids [n] of vocab-parallel values [n, V/T]; ties -> lowest global id."""
     idx = values.argmax(dim=-1)  # first maximal index locally
+    if _tp_size(group) == 1:
+        return idx + start
     best = values.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
     pairs = torch.stack([best.double(), (idx + start).double()], dim=-1)  # [n, 2]
     g = _gather(pairs, group)  # [T, n, 2]
