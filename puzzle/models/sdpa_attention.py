@@ -20,7 +20,7 @@ bit for bit unchanged when no cache is bound) and TE's attention (decode with SD
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +37,11 @@ class StaticKVCache:
 
     Buffers are [slots, g, width, d] per layer (megatron's layer_number, global over pipeline
     stages), allocated at the first write with the key's dtype and device. Before each model call
-    generation sets the call: ``prefill(rows, seq_len)`` (rows = slot ids; keys are written at
-    positions 0..seq_len-1, attention is causal over the call's own keys) or ``decode(n, pos,
-    key_len)`` (slots 0..n-1, one new token per row written at ``pos`` [n]; a row attends to its
-    positions <= pos over the first ``key_len`` positions).
+    generation sets the call: ``prefill(rows, lengths)`` (prompts packed into one sequence, no
+    padding: prompt i fills slot ``rows[i]`` at positions 0..lengths[i]-1 and attends causally
+    over its own keys) or ``decode(n, pos, key_len)`` (slots 0..n-1, one new token per row
+    written at ``pos`` [n]; a row attends to its positions <= pos over the first ``key_len``
+    positions). Writes are one ``index_copy_`` per buffer, at flat indices computed once per call.
     """
 
     def __init__(self, slots: int, width: int):
@@ -53,12 +54,23 @@ class StaticKVCache:
         self.masked: Optional[torch.Tensor] = None  # [n, 1, 1, key_len] True = masked
         self.bias: Optional[torch.Tensor] = None    # the same as an additive mask (lowest value)
         self.rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (cos, sin) of the call
-        self.write_index: Optional[torch.Tensor] = None  # decode: flat rows written (per call)
+        self.write_index: Optional[torch.Tensor] = None  # flat rows the call writes
+        self.segments: List[Tuple[int, int]] = []    # prefill: (offset, length) of each prompt
+        self._token_slot: Optional[torch.Tensor] = None  # prefill: [T] slot of each token
 
-    def prefill(self, rows: torch.Tensor, seq_len: int) -> None:
-        if seq_len > self.width:
-            raise ValueError(f"prompt of {seq_len} tokens exceeds the cache width {self.width}")
-        self.rows, self.n, self.pos, self.key_len = rows, 0, None, seq_len
+    def prefill(self, rows: torch.Tensor, lengths: List[int]) -> None:
+        """``rows`` [k] slot ids of ``k`` prompts of ``lengths`` tokens, packed in that order."""
+        if max(lengths) > self.width:
+            raise ValueError(f"prompt of {max(lengths)} tokens exceeds the cache width {self.width}")
+        self.rows, self.n, self.key_len = rows, 0, max(lengths)
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        self.segments = list(zip(offsets[:-1], lengths))
+        slot = rows.repeat_interleave(torch.tensor(lengths, device=rows.device))
+        self.pos = torch.cat([torch.arange(n, device=rows.device) for n in lengths])
+        self._token_slot = slot  # [T] the slot of every packed token
+        self.write_index = None
 
     def decode(self, n: int, pos: torch.Tensor, key_len: int) -> None:
         """``pos`` [n] long: the position each row writes; ``key_len`` > max(pos)."""
@@ -69,12 +81,24 @@ class StaticKVCache:
         self.write_index = None
 
     def _write_index(self, groups: int) -> torch.Tensor:
-        """[n * groups] rows of a layer buffer viewed as [slots * groups * width, d] that the
-        decode step writes: (slot i, group j, position pos[i]); computed once per call."""
+        """Rows of a layer buffer viewed as [slots * groups * width, d] that the call writes, one
+        per (token, group): (slot, group j, the token's position); computed once per call."""
         if self.write_index is None:
-            rows = torch.arange(self.n * groups, device=self.pos.device).view(self.n, groups)
+            g = torch.arange(groups, device=self.pos.device)
+            if self.is_prefill:
+                rows = self._token_slot.unsqueeze(1) * groups + g  # [T, g]
+            else:
+                rows = torch.arange(self.n, device=self.pos.device).unsqueeze(1) * groups + g
             self.write_index = (rows * self.width + self.pos.unsqueeze(1)).view(-1)
         return self.write_index
+
+    def prefill_attention(self, attend, query, key, value) -> torch.Tensor:
+        """Causal attention of every packed prompt over its own keys: ``attend(q, k, v)`` on one
+        prompt's [l, 1, heads, d] slices -> [l, 1, h * d]; concatenated -> [T, 1, h * d]."""
+        if len(self.segments) == 1:
+            return attend(query, key, value)
+        return torch.cat([attend(query[o:o + n], key[o:o + n], value[o:o + n])
+                          for o, n in self.segments], dim=0)
 
     def decode_bias(self, dtype) -> torch.Tensor:
         """The decode mask as an additive float mask (SDPA's CPU kernels are faster with it)."""
@@ -111,21 +135,18 @@ class StaticKVCache:
         return (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
 
     def store(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        """RoPE on query/key (when set), key/value [s, b, g, d] written in place; returns the
-        query and what it attends to: prefill (key, value) as given ([s, b, g, d]), decode views
-        [n, g, key_len, d] of the cache."""
+        """RoPE on query/key (when set), key/value [s, b, g, d] written in place (prefill: the
+        packed prompts [T, 1, g, d]; decode: [1, n, g, d]); returns the query and what it attends
+        to: prefill (key, value) as given, decode views [n, g, key_len, d] of the cache."""
         if self.rope is not None:
             query, key = self._rotate(query), self._rotate(key)
         kb, vb = self._layer(layer, key)
-        if self.is_prefill:
-            s = key.shape[0]
-            kb[self.rows, :, :s] = key.permute(1, 2, 0, 3)
-            vb[self.rows, :, :s] = value.permute(1, 2, 0, 3)
-            return query, key, value
-        n, g, d = self.n, key.shape[2], key.shape[3]
+        g, d = key.shape[2], key.shape[3]
         index = self._write_index(g)
-        kb.view(-1, d).index_copy_(0, index, key[0].reshape(n * g, d))
-        vb.view(-1, d).index_copy_(0, index, value[0].reshape(n * g, d))
+        kb.view(-1, d).index_copy_(0, index, key.reshape(-1, d))
+        vb.view(-1, d).index_copy_(0, index, value.reshape(-1, d))
+        if self.is_prefill:
+            return query, key, value
         return query, kb[:self.n, :, :self.key_len], vb[:self.n, :, :self.key_len]
 
 
@@ -233,7 +254,9 @@ def cached_sdpa(module, query, key, value):
     query, k, v = module._cached(query, key, value)
     cache = module.kv_cache
     if cache.is_prefill:
-        return sdpa_attention(query, k, v, None, query.shape[0] > 1, module.scale)
+        return cache.prefill_attention(
+            lambda q, k_, v_: sdpa_attention(q, k_, v_, None, q.shape[0] > 1, module.scale),
+            query, k, v)
     return sdpa_decode(query, k, v, cache.decode_bias(query.dtype), module.scale)
 
 
@@ -252,12 +275,15 @@ class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
                                    packed_seq_params=packed_seq_params)
         query, k, v = self._cached(query, key, value)
         if cache.is_prefill:
-            s = query.shape[0]
-            causal = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)
-            return super().forward(query, k, v, causal[None, None], attn_mask_type=AttnMaskType.causal)
+            return cache.prefill_attention(self._causal, query, k, v)
         k = k.permute(2, 0, 1, 3).contiguous()
         v = v.permute(2, 0, 1, 3).contiguous()
         return super().forward(query, k, v, cache.masked, attn_mask_type=AttnMaskType.padding)
+
+    def _causal(self, query, key, value):
+        s = query.shape[0]
+        causal = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)
+        return super().forward(query, key, value, causal[None, None], attn_mask_type=AttnMaskType.causal)
 
 
 def with_kv_cache(cls):

@@ -8,8 +8,9 @@ static KV caches (puzzle/models/sdpa_attention.py ``StaticKVCache``) of ``slots`
 has its own length: a prompt occupies cache positions 0..len-1 and its RoPE positions are its
 own; its keys are written in place, never concatenated. A model call is either
 
-- a prefill of new prompts into free slots (right-padded to the longest of them, causal
-  attention over their own keys; the logits are read at each row's last prompt token), or
+- a prefill of new prompts into free slots (packed into one sequence without padding, each
+  prompt with causal attention over its own keys; the logits are read at each prompt's last
+  token), or
 - a decode step: one token for each of the slots 0..n-1 (n = 1 + the highest active slot),
   attending to the row's positions <= its own.
 
@@ -25,7 +26,7 @@ installed only for the duration of ``generate`` adapt it:
 
 - ``rotary_pos_emb`` forward hook: the RoPE table is computed once per generation; decode steps
   index it with each row's position;
-- ``output_layer`` pre-hook: in a prefill, only each row's last prompt position goes through the
+- ``output_layer`` pre-hook: in a prefill, only each prompt's last position goes through the
   output layer. Logits stay vocab-parallel ([n, V/T]); the vocabulary is never gathered.
 
 Tokens depend only on (seed, global sample index, step, logits) (puzzle/rollout/sampling.py),
@@ -79,12 +80,12 @@ class Call:
     """One model call of a SlotBatch (the same on every stage of the replica)."""
 
     prefill: bool
-    n: int                       # batch rows of the call
+    n: int                       # batch rows of the call (prefill: 1, the packed prompts)
     seq_len: int
     ids: torch.Tensor            # [n, seq_len]
     positions: torch.Tensor      # [n, seq_len]
     slots: torch.Tensor          # prefill: the slots filled; decode: the active slots sampled
-    last: Optional[torch.Tensor] = None  # prefill: each row's last prompt position
+    last: Optional[torch.Tensor] = None  # prefill: each prompt's last position in the packing
 
 
 class SlotBatch:
@@ -127,17 +128,16 @@ class SlotBatch:
         slots, self.free = self.free[:k], self.free[k:]
         rows = [self.queue.popleft() for _ in range(k)]
         lens = [len(self.prompts[r]) for r in rows]
-        s = max(lens)
-        ids = torch.zeros(k, s, dtype=torch.long)  # id 0 after a prompt (never attended to)
-        for i, r in enumerate(rows):
-            ids[i, :lens[i]] = torch.tensor(self.prompts[r], dtype=torch.long)
+        packed = [t for r in rows for t in self.prompts[r]]
+        ids = torch.tensor([packed], dtype=torch.long, device=self.device)  # [1, T]
         slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
         self.row[slots_t] = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.lens[slots_t] = torch.tensor(lens, dtype=torch.long, device=self.device)
+        self.lens[slots_t] = lens_t
         self.count[slots_t] = 0
-        self.cache.prefill(slots_t, s)
-        pos = torch.arange(s, device=self.device).unsqueeze(0).expand(k, s)
-        return Call(True, k, s, ids.to(self.device), pos, slots_t, self.lens[slots_t] - 1)
+        self.cache.prefill(slots_t, lens)
+        pos = self.cache.pos.unsqueeze(0)
+        return Call(True, 1, len(packed), ids, pos, slots_t, lens_t.cumsum(0) - 1)
 
     def sample_ids(self, offset: int) -> torch.Tensor:
         return offset + self.row[self.call.slots]
@@ -209,15 +209,17 @@ class _Hooks:
             self._rope = rope
         return self
 
-    def rope(self, positions: Optional[torch.Tensor], seq_len: int) -> None:
-        """The call's cos/sin: rows' own positions (decode) or 0..seq_len-1 (prefill)."""
+    def rope(self, positions: torch.Tensor, prefill: bool) -> None:
+        """The call's cos/sin at ``positions`` [n, s]: prefill [1, T] (the packed prompts'
+        positions) -> [T, 1, 1, d]; decode [n, 1] -> [1, n, 1, d]."""
         cache = self.cache
         if self.cos is None:
             return
-        if positions is None:
-            cache.set_rope(self.cos[:seq_len].unsqueeze(1), self.sin[:seq_len].unsqueeze(1))
+        if prefill:
+            cache.set_rope(self.cos[positions[0]].unsqueeze(1), self.sin[positions[0]].unsqueeze(1))
         else:
-            cache.set_rope(self.cos[positions].unsqueeze(0), self.sin[positions].unsqueeze(0))
+            pos = positions[:, 0]
+            cache.set_rope(self.cos[pos].unsqueeze(0), self.sin[pos].unsqueeze(0))
 
     def bind(self, cache) -> None:
         self.cache = cache
@@ -238,9 +240,8 @@ class _Hooks:
     def _last_tokens(self, module, args):
         if self.last is None:
             return None
-        hidden = args[0]  # [s, n, h]
-        rows = torch.arange(hidden.shape[1], device=hidden.device)
-        return (hidden[self.last, rows].unsqueeze(0),) + tuple(args[1:])
+        hidden = args[0]  # [T, 1, h]: the packed prompts
+        return (hidden[self.last, 0].unsqueeze(0),) + tuple(args[1:])
 
 
 class _NoRope(torch.nn.Module):
@@ -277,7 +278,7 @@ class Stepper:
         """GPTModel forward of one call (decode when ``last`` is None and the cache decodes)."""
         h = self.hooks
         h.last = last
-        h.rope(None if last is not None else positions[:, 0], ids.shape[1])
+        h.rope(positions, last is not None)
         if not self.layout.is_first_stage:
             self.model.set_input_tensor(hidden)
         try:
