@@ -39,6 +39,7 @@ class DecodeTransformerLayer(TransformerLayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._lean: Optional[bool] = None  # whether the lean step covers this layer (decided once)
+        self._tp_reduce = False            # row-parallel outputs are all-reduced (TP > 1)
 
     def forward(self, *args, **kwargs):
         if self._decodes():
@@ -55,6 +56,7 @@ class DecodeTransformerLayer(TransformerLayer):
             return False
         if self._lean is None:
             self._lean = lean_step_covers(self)
+            self._tp_reduce = _size(self.self_attention.linear_proj.tp_group) > 1
         return self._lean
 
     def _decode_step(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,7 @@ class DecodeTransformerLayer(TransformerLayer):
         if attn.k_layernorm is not None:
             key = attn.k_layernorm(key)
         context = attn.core_attention(query, key, value, None, attn_mask_type=attn.attn_mask_type)
-        x = _row_parallel_add(context, attn.linear_proj, x)
+        x = _row_parallel_add(context, attn.linear_proj, x, self._tp_reduce)
         # MLP (MLP.forward without fused kernels)
         inter = _linear(self.pre_mlp_layernorm(x), mlp.linear_fc1)
         cfg = mlp.config
@@ -82,7 +84,7 @@ class DecodeTransformerLayer(TransformerLayer):
             inter = cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
         else:
             inter = mlp.activation_func(inter)
-        return _row_parallel_add(inter, mlp.linear_fc2, x)
+        return _row_parallel_add(inter, mlp.linear_fc2, x, self._tp_reduce)
 
 
 def _linear(x: torch.Tensor, linear) -> torch.Tensor:
@@ -92,10 +94,10 @@ def _linear(x: torch.Tensor, linear) -> torch.Tensor:
     return out if linear.bias is None else out + linear.bias
 
 
-def _row_parallel_add(x: torch.Tensor, linear, residual: torch.Tensor) -> torch.Tensor:
-    """RowParallelLinear (all-reduce, then bias) followed by eval bias-dropout-add."""
+def _row_parallel_add(x: torch.Tensor, linear, residual: torch.Tensor, reduce: bool) -> torch.Tensor:
+    """RowParallelLinear (all-reduce over its TP group, then bias) and eval bias-dropout-add."""
     out = torch.matmul(x, linear.weight.t())
-    if linear.tp_group is not None and linear.tp_group.size() > 1:
+    if reduce:
         dist.all_reduce(out, group=linear.tp_group)
     if linear.bias is not None:
         out = out + linear.bias
@@ -134,5 +136,10 @@ def lean_step_covers(layer: TransformerLayer) -> bool:
         and not attn.linear_qkv.gather_output and attn.linear_proj.input_is_parallel
         and not mlp.linear_fc1.gather_output and mlp.linear_fc2.input_is_parallel
         and not attn.linear_proj.explicit_expert_comm and not mlp.linear_fc2.explicit_expert_comm
+        and _size(attn.linear_proj.tp_group) == _size(mlp.linear_fc2.tp_group)
     )
     return bool(options_ok)
+
+
+def _size(group) -> int:
+    return 1 if group is None else group.size()

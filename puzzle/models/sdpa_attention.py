@@ -121,18 +121,24 @@ class StaticKVCache:
         return buf
 
     def set_rope(self, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> None:
-        """RoPE of the call's positions ([s, 1, 1, d] prefill, [1, n, 1, d] decode), computed once
-        per call for all layers (megatron's Attention then gets no rotary embedding)."""
-        self.rope = None if cos is None else (cos, sin)
+        """RoPE of the call's positions ([T, 1, 1, d] prefill, [1, n, 1, d] decode), computed once
+        per call for all layers (megatron's Attention then gets no rotary embedding). The sine is
+        kept with its first half negated (see ``_rotate``)."""
+        if cos is None:
+            self.rope = None
+            return
+        s1, s2 = torch.chunk(sin, 2, dim=-1)
+        self.rope = (cos, torch.cat((-s1, s2), dim=-1))
 
     def _rotate(self, t: torch.Tensor) -> torch.Tensor:
-        """megatron's unfused RoPE (non-interleaved, full rotary dim), same arithmetic."""
+        """megatron's unfused RoPE (non-interleaved, full rotary dim), bit for bit:
+        ``t * cos + cat(-x2, x1) * sin`` with ``cat(-x2, x1) * sin == roll(t) * cat(-s1, s2)``
+        (a negation is exact), one roll instead of chunk, neg and cat per tensor."""
         cos, sin = self.rope
         if cos.dtype != t.dtype:
             cos, sin = cos.to(t.dtype), sin.to(t.dtype)
             self.rope = (cos, sin)
-        x1, x2 = torch.chunk(t, 2, dim=-1)
-        return (t * cos) + (torch.cat((-x2, x1), dim=-1) * sin)
+        return (t * cos) + (t.roll(t.shape[-1] // 2, dims=-1) * sin)
 
     def store(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
         """RoPE on query/key (when set), key/value [s, b, g, d] written in place (prefill: the

@@ -86,6 +86,7 @@ class Call:
     positions: torch.Tensor      # [n, seq_len]
     slots: torch.Tensor          # prefill: the slots filled; decode: the active slots sampled
     last: Optional[torch.Tensor] = None  # prefill: each prompt's last position in the packing
+    dense: bool = False          # decode: the sampled slots are exactly 0..n-1
 
 
 class SlotBatch:
@@ -106,9 +107,15 @@ class SlotBatch:
         self.lens = torch.zeros(slots, **z)    # tokens in the cache per slot
         self.count = torch.zeros(slots, **z)   # tokens generated per slot (= step of the next)
         self.last = torch.zeros(slots, **z)    # last sampled token per slot (next decode input)
-        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.all_slots = torch.arange(slots, **z)
+        # host copies of what decides the next call, so that planning it reads nothing back
+        # from the device (only an EOS check does, once per call, when stop ids are set)
+        self.host_lens = [0] * slots
+        self.host_count = [0] * slots
+        self.active: List[int] = []            # slots generating, ascending
         self.free = list(range(slots))         # free slots, ascending
         self.call: Optional[Call] = None
+        self.call_slots: List[int] = []        # host copy of call.slots
         self.done = False
 
     # -- the next model call -----------------------------------------------------------------
@@ -116,11 +123,16 @@ class SlotBatch:
         if self.queue and self.free:
             self.call = self._prefill_call()
         else:
-            act = self.active.nonzero().squeeze(1)
-            n = int(act[-1]) + 1
+            act = self.active
+            n = act[-1] + 1
             pos = self.lens[:n]
-            self.cache.decode(n, pos, int(pos.max()) + 1)
-            self.call = Call(False, n, 1, self.last[:n].unsqueeze(1), pos.unsqueeze(1), act)
+            self.cache.decode(n, pos, max(self.host_lens[:n]) + 1)
+            dense = len(act) == n  # every slot 0..n-1 samples: no gather of their logits
+            slots = self.all_slots[:n] if dense else torch.tensor(act, dtype=torch.long,
+                                                                   device=self.device)
+            self.call = Call(False, n, 1, self.last[:n].unsqueeze(1), pos.unsqueeze(1), slots,
+                             dense=dense)
+            self.call_slots = list(act)
         return self.call
 
     def _prefill_call(self) -> Call:
@@ -135,39 +147,50 @@ class SlotBatch:
         self.row[slots_t] = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.lens[slots_t] = lens_t
         self.count[slots_t] = 0
+        for s, n in zip(slots, lens):
+            self.host_lens[s], self.host_count[s] = n, 0
+        self.call_slots = slots
         self.cache.prefill(slots_t, lens)
         pos = self.cache.pos.unsqueeze(0)
         return Call(True, 1, len(packed), ids, pos, slots_t, lens_t.cumsum(0) - 1)
 
     def sample_ids(self, offset: int) -> torch.Tensor:
-        return offset + self.row[self.call.slots]
+        call = self.call
+        return offset + (self.row[:call.n] if call.dense else self.row[call.slots])
 
     def steps(self) -> torch.Tensor:
-        return self.count[self.call.slots]
+        call = self.call
+        return self.count[:call.n] if call.dense else self.count[call.slots]
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
         """The logit rows of the slots this call samples ([n, V/T] -> [m, V/T])."""
-        return logits if self.call.prefill else logits[self.call.slots]
+        return logits if self.call.prefill or self.call.dense else logits[self.call.slots]
 
     # -- state update after a call (run on every stage with the same tokens) -----------------
     def advance(self, tok: torch.Tensor) -> None:
-        call, sl = self.call, self.call.slots
+        call, sl, slots = self.call, self.call.slots, self.call_slots
         if call.prefill:
-            self.active[sl] = True
+            self.active = sorted(self.active + slots)
         else:
             self.lens[sl] += 1
+            for s in slots:
+                self.host_lens[s] += 1
         rows, step = self.row[sl], self.count[sl]
         self.results.out[rows, step] = tok
         self.count[sl] = step + 1
         self.results.resp_len[rows] = step + 1
         self.last[sl] = tok
-        fin = (step + 1 >= self.max_new) | torch.isin(tok, self.stop_ids)
-        if bool(fin.any()):
-            gone = sl[fin]
-            self.active[gone] = False
-            self.free = sorted(self.free + gone.tolist())
+        for s in slots:
+            self.host_count[s] += 1
+        fin = [self.host_count[s] >= self.max_new for s in slots]
+        if self.stop_ids.numel():
+            fin = [f or e for f, e in zip(fin, torch.isin(tok, self.stop_ids).tolist())]
+        gone = [s for s, f in zip(slots, fin) if f]
+        if gone:
+            self.active = [s for s in self.active if s not in gone]
+            self.free = sorted(self.free + gone)
         self.call = None
-        self.done = not self.queue and not bool(self.active.any())
+        self.done = not self.queue and not self.active
 
 
 @dataclass
