@@ -153,3 +153,16 @@ def test_sdpa_module_matches_unfused_attention(world):
     assert m["causal_max_diff"] < 1e-5 and m["padded_max_diff"] < 1e-5, m
     assert m["padded_finite"] and m["grad_names_equal"]
     assert m["grad_max_rel_diff"] < 1e-4, m
+
+
+def test_lean_decode_step_is_megatrons_forward_bit_for_bit(world):
+    seen = {}
+    for rank in world:
+        seen.update(rank["lean_decode"])
+    for plan in ("(P=1, D=1, T=1)", "(P=1, D=1, T=2)"):
+        for name in ("llama_gqa", "qkv_bias_qk_norm_tied", "layernorm_gelu_bias_learned_pos"):
+            for backend in ("local", "unfused"):
+                r = seen[f"{plan}/{name}/{backend}"]
+                assert r["layers"] == 2 and r["calls"] > 3, r  # prefills and decode steps
+                assert r["lean_used"] == [True, True], (plan, name, backend, r)
+                assert r["logits_equal"] and r["tokens_equal"], (plan, name, backend, r)

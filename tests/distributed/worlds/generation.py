@@ -227,7 +227,69 @@ def check_fast_loop():
     return res
 
 
+LEAN_ARCHS = {  # every architecture option of ModelArch the decode step meets
+    "llama_gqa": ARCH,
+    "qkv_bias_qk_norm_tied": ModelArch(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                       num_query_groups=2, vocab_size=200,
+                                       make_vocab_size_divisible_by=64, seq_length=64,
+                                       add_qkv_bias=True, qk_layernorm=True,
+                                       untie_embeddings_and_output_weights=False),
+    "layernorm_gelu_bias_learned_pos": ModelArch(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                                 vocab_size=200, make_vocab_size_divisible_by=64,
+                                                 seq_length=64, normalization="LayerNorm",
+                                                 swiglu=False, add_bias_linear=True,
+                                                 position_embedding_type="learned_absolute"),
+}
+
+
+def check_lean_decode():
+    """DecodeTransformerLayer's lean decode step against megatron's own layer forward (the lean
+    step switched off): the logits of every model call bitwise equal, the same tokens, at
+    (1, 1, 1) and T=2, for every architecture option and both CPU backends."""
+    from dataclasses import replace
+
+    from puzzle.models.decode_layer import DecodeTransformerLayer
+    from puzzle.rollout import generation as G
+    from puzzle.training.engine import ModelEngine
+
+    res = {}
+    prompts = PROMPTS + [[8], [2, 7, 1, 8, 2, 8]]
+    params = SamplingParams(MAX_NEW, temperature=0.9, top_k=30)
+    for plan in (ParallelPlan(1, 1, 1), ParallelPlan(1, 1, 2)):
+        for name, arch in LEAN_ARCHS.items():
+            for backend in ("local", "unfused"):
+                eng = ModelEngine("actor", replace(arch, attention_backend=backend), layout_for(plan),
+                                  trainable=False, seed=SEED)
+                if not eng.member:
+                    continue
+                layers = [m for m in eng.module.modules() if isinstance(m, DecodeTransformerLayer)]
+                runs = {}
+                for lean in (True, False):
+                    for layer in layers:
+                        layer._lean = None if lean else False
+                    logits, run = [], G.Stepper.run
+
+                    def recorded(self, *args, _run=run, _out=logits):
+                        out = _run(self, *args)
+                        _out.append(out.clone())
+                        return out
+
+                    G.Stepper.run = recorded
+                    try:
+                        toks = generate(eng, prompts, params, seed=SEED, micro_batch_size=3).responses()
+                    finally:
+                        G.Stepper.run = run
+                    runs[lean] = (toks, logits, [layer._lean for layer in layers])
+                (t1, l1, used), (t0, l0, _) = runs[True], runs[False]
+                res[f"{plan}/{name}/{backend}"] = {
+                    "layers": len(layers), "lean_used": used, "tokens_equal": t1 == t0,
+                    "calls": len(l1), "logits_equal": len(l1) == len(l0) and all(
+                        torch.equal(a, b) for a, b in zip(l1, l0)),
+                }
+    return res
+
+
 if __name__ == "__main__":
     world_main([("reference", check_reference), ("layouts", check_layouts),
                 ("eos_and_limits", check_eos_and_limits), ("errors", check_errors),
-                ("fast_loop", check_fast_loop)])
+                ("fast_loop", check_fast_loop), ("lean_decode", check_lean_decode)])
