@@ -1,4 +1,5 @@
-"""Pure parts of fast generation: attention-backend choice, CUDA-graph buckets, length buckets."""
+"""Pure parts of fast generation: attention-backend choice, CUDA-graph buckets, length buckets,
+the KV cache's packed writes and RoPE."""
 
 import pytest
 import torch
@@ -96,3 +97,57 @@ def test_cost_model_follows_the_decode_loop():
     # P > 1: micro-batches of the given size (length buckets), default min(P, b)
     pp = ParallelPlan(2, 4, 1)
     assert gen(pp).n_micro == 2 and gen(pp, generation_micro_batch_size=8).n_micro == 4
+
+
+def test_kv_cache_rope_is_megatrons_bit_for_bit():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from puzzle.models.sdpa_attention import StaticKVCache
+
+    g = torch.Generator().manual_seed(0)
+    freqs = torch.rand(6, 1, 1, 16, generator=g) * 10
+    t = torch.randn(6, 3, 4, 16, generator=g)
+    cache = StaticKVCache(1, 8)
+    cache.set_rope(torch.cos(freqs) * 1.0, torch.sin(freqs) * 1.0)  # as generation's hooks
+    assert torch.equal(cache._rotate(t), _apply_rotary_pos_emb_bshd(t, freqs))
+    strided = torch.randn(6, 3, 4, 40, generator=g)[..., 8:24]  # a view, as split q/k are
+    assert torch.equal(cache._rotate(strided), _apply_rotary_pos_emb_bshd(strided, freqs))
+
+
+def test_packed_prefill_and_decode_write_each_slots_positions():
+    from puzzle.models.sdpa_attention import StaticKVCache, sdpa_attention
+
+    g, d, heads = 2, 4, 4
+    cache = StaticKVCache(3, 6)
+    cache.prefill(torch.tensor([2, 0]), [3, 1])  # prompt 0 -> slot 2, prompt 1 -> slot 0
+    assert cache.segments == [(0, 3), (3, 1)] and cache.pos.tolist() == [0, 1, 2, 0]
+    gen = torch.Generator().manual_seed(1)
+    key = torch.randn(4, 1, g, d, generator=gen)
+    val = torch.randn(4, 1, g, d, generator=gen)
+    query = torch.randn(4, 1, heads, d, generator=gen)
+    q, k, v = cache.store(1, query, key, val)
+    assert q is query and k is key and v is val  # prefill attends to its own keys
+    kb, vb = cache.buffers[1]
+    assert torch.equal(kb[2, :, :3], key[:3, 0].transpose(0, 1))
+    assert torch.equal(kb[0, :, :1], key[3:, 0].transpose(0, 1))
+    assert torch.equal(vb[2, :, :3], val[:3, 0].transpose(0, 1))
+    assert not kb[1].any() and not kb[2, :, 3:].any() and not kb[0, :, 1:].any()
+    # each packed prompt attends causally over its own keys only
+    packed = cache.prefill_attention(lambda a, b, c: sdpa_attention(a, b, c, None, True, 0.5),
+                                      query, key, val)
+    block = torch.ones(4, 4, dtype=torch.bool)
+    block[:3, :3] = torch.ones(3, 3, dtype=torch.bool).triu(1)
+    block[3, 3] = False
+    ref = sdpa_attention(query, key, val, block[None, None], False, 0.5)
+    assert packed.shape == (4, 1, heads * d) and torch.allclose(packed, ref, atol=1e-6)
+    # decode: slots 0..2 write one token each at their own positions, earlier keys kept
+    pos = torch.tensor([1, 0, 3])
+    cache.decode(3, pos, 4)
+    k1, v1 = torch.randn(1, 3, g, d, generator=gen), torch.randn(1, 3, g, d, generator=gen)
+    _, kd, vd = cache.store(1, torch.randn(1, 3, heads, d, generator=gen), k1, v1)
+    for slot, p in enumerate(pos.tolist()):
+        assert torch.equal(kb[slot, :, p], k1[0, slot]) and torch.equal(vb[slot, :, p], v1[0, slot])
+    assert torch.equal(kb[2, :, :3], key[:3, 0].transpose(0, 1))
+    assert torch.equal(kb[0, :, 0], key[3, 0])
+    assert kd.shape == (3, g, 4, d) and cache.masked[:, 0, 0].tolist() == [
+        [False, False, True, True], [False, True, True, True], [False, False, False, False]]
