@@ -37,8 +37,8 @@ class StaticKVCache:
 
     Buffers are [slots, g, width, d] per layer (megatron's layer_number, global over pipeline
     stages), allocated at the first write with the key's dtype and device. Before each model call
-    generation sets the call: ``prefill(rows, lengths)`` (prompts packed into one sequence, no
-    padding: prompt i fills slot ``rows[i]`` at positions 0..lengths[i]-1 and attends causally
+    generation sets the call: ``prefill(slots, lengths)`` (prompts packed into one sequence, no
+    padding: prompt i fills slot ``slots[i]`` at positions 0..lengths[i]-1 and attends causally
     over its own keys) or ``decode(n, pos, key_len)`` (slots 0..n-1, one new token per row
     written at ``pos`` [n]; a row attends to its positions <= pos over the first ``key_len``
     positions). Writes are one ``index_copy_`` per buffer, at flat indices computed once per call.
@@ -58,18 +58,20 @@ class StaticKVCache:
         self.segments: List[Tuple[int, int]] = []    # prefill: (offset, length) of each prompt
         self._token_slot: Optional[torch.Tensor] = None  # prefill: [T] slot of each token
 
-    def prefill(self, rows: torch.Tensor, lengths: List[int]) -> None:
-        """``rows`` [k] slot ids of ``k`` prompts of ``lengths`` tokens, packed in that order."""
+    def prefill(self, slots: List[int], lengths: List[int], device=None) -> None:
+        """Prompts of ``lengths`` tokens, packed in that order, into ``slots`` (built on the host
+        and copied once: no device reads)."""
         if max(lengths) > self.width:
             raise ValueError(f"prompt of {max(lengths)} tokens exceeds the cache width {self.width}")
-        self.rows, self.n, self.key_len = rows, 0, max(lengths)
+        self.n, self.key_len = 0, max(lengths)
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
         self.segments = list(zip(offsets[:-1], lengths))
-        slot = rows.repeat_interleave(torch.tensor(lengths, device=rows.device))
-        self.pos = torch.cat([torch.arange(n, device=rows.device) for n in lengths])
-        self._token_slot = slot  # [T] the slot of every packed token
+        z = dict(dtype=torch.long, device=device)
+        self.rows = torch.tensor(slots, **z)
+        self._token_slot = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], **z)
+        self.pos = torch.tensor([p for n in lengths for p in range(n)], **z)
         self.write_index = None
 
     def decode(self, n: int, pos: torch.Tensor, key_len: int) -> None:

@@ -150,7 +150,7 @@ class SlotBatch:
         for s, n in zip(slots, lens):
             self.host_lens[s], self.host_count[s] = n, 0
         self.call_slots = slots
-        self.cache.prefill(slots_t, lens)
+        self.cache.prefill(slots, lens, self.device)
         pos = self.cache.pos.unsqueeze(0)
         return Call(True, 1, len(packed), ids, pos, slots_t, lens_t.cumsum(0) - 1)
 

@@ -119,7 +119,7 @@ def test_packed_prefill_and_decode_write_each_slots_positions():
 
     g, d, heads = 2, 4, 4
     cache = StaticKVCache(3, 6)
-    cache.prefill(torch.tensor([2, 0]), [3, 1])  # prompt 0 -> slot 2, prompt 1 -> slot 0
+    cache.prefill([2, 0], [3, 1])  # prompt 0 -> slot 2, prompt 1 -> slot 0
     assert cache.segments == [(0, 3), (3, 1)] and cache.pos.tolist() == [0, 1, 2, 0]
     gen = torch.Generator().manual_seed(1)
     key = torch.randn(4, 1, g, d, generator=gen)
