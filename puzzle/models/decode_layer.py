@@ -18,6 +18,9 @@ as the matrix products themselves on a CPU:
   ``Attention.get_query_key_value_tensors``, ``MLP.forward`` and ``_bias_dropout_add_func``
   (eval) operation for operation, so the step's outputs are bitwise those of the full forward.
 
+``decode_forward`` runs a whole decode step of a GPTModel stage that way (embedding, lean layers,
+final norm, output-layer product), without GPTModel's and TransformerBlock's per-call plumbing.
+
 Layers whose modules or options the lean step does not cover (transformer-engine modules, MoE,
 attention output gates, fewer query groups than TP ranks, fused bias-activation kernels, fp8,
 sequence parallelism) always run megatron's forward. The step is static in shape and free of
@@ -87,11 +90,37 @@ class DecodeTransformerLayer(TransformerLayer):
         return _row_parallel_add(inter, mlp.linear_fc2, x, self._tp_reduce)
 
 
-def _linear(x: torch.Tensor, linear) -> torch.Tensor:
+def _linear(x: torch.Tensor, linear, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ColumnParallelLinear without gathering: megatron's frozen-weight product plus the bias
     (added here whether or not the layer returns it separately, as the callers do)."""
-    out = torch.matmul(x, linear.weight.t())
+    out = torch.matmul(x, (linear.weight if weight is None else weight).t())
     return out if linear.bias is None else out + linear.bias
+
+
+def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor,
+                   hidden: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """GPTModel.forward of one KV-cache decode step on this pipeline stage, with every layer's
+    lean step and without the model's and block's per-call plumbing: the embedding (first
+    stage) and the final norm are megatron's modules, the output layer is its weight's product
+    (the shared embedding weight when tied), not gathered. ``ids``/``positions`` [n, 1];
+    ``hidden`` [1, n, h] from the previous stage (None on the first). Returns the logits [n, V/T]
+    (last stage) or the hidden states [1, n, h]; None when a layer or the model has something
+    the lean step does not cover (then the caller runs GPTModel.forward)."""
+    block = model.decoder
+    layers = list(block.layers)
+    if (not layers or getattr(model, "mtp_process", False) or model.config.mtp_num_layers
+            or not all(isinstance(l, DecodeTransformerLayer) and l._decodes() for l in layers)):
+        return None
+    x = model.embedding(input_ids=ids, position_ids=positions) if model.pre_process else hidden
+    for layer in layers:
+        x = layer._decode_step(x)
+    if block.final_layernorm is not None:
+        x = block.final_layernorm(x)
+    if not model.post_process:
+        return x
+    weight = model.shared_embedding_or_output_weight() \
+        if model.share_embeddings_and_output_weights else None
+    return _linear(x, model.output_layer, weight)[0]
 
 
 def _row_parallel_add(x: torch.Tensor, linear, residual: torch.Tensor, reduce: bool) -> torch.Tensor:

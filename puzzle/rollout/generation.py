@@ -20,9 +20,11 @@ longest one of a fixed micro-batch. At P>1 the micro-batches are consecutive len
 the sorted prompts, each with its own cache, pipelined through the stages
 (puzzle/rollout/pipelined_generation.py); a micro-batch runs until its rows have finished.
 
-Model calls run megatron-core's GPTModel forward unchanged with ``inference_context=None``: the
+Model calls run megatron-core's GPTModel forward with ``inference_context=None``: the
 core-attention modules (any --attention-backend) read and write the bound cache, and two hooks
-installed only for the duration of ``generate`` adapt it:
+installed only for the duration of ``generate`` adapt it (a decode step of a local-spec model
+runs the same arithmetic through puzzle/models/decode_layer.py ``decode_forward``, without
+megatron's per-call plumbing):
 
 - ``rotary_pos_emb`` forward hook: the RoPE table is computed once per generation; decode steps
   index it with each row's position;
@@ -287,6 +289,9 @@ class Stepper:
         self.model, self.hooks, self.graphs = engine.module, hooks, graphs
         self.layout = engine.layout
         self.forward_passes = 0
+        from puzzle.models.decode_layer import decode_forward
+
+        self.decode_forward = decode_forward
 
     def __call__(self, sb: SlotBatch, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         """Stage input (None on the first stage) -> hidden states [s, n, h] or logits [n, V/T]."""
@@ -302,6 +307,10 @@ class Stepper:
         h = self.hooks
         h.last = last
         h.rope(positions, last is not None)
+        if last is None:  # a decode step: the lean forward (same arithmetic) where it applies
+            out = self.decode_forward(self.model, ids, positions, hidden)
+            if out is not None:
+                return out
         if not self.layout.is_first_stage:
             self.model.set_input_tensor(hidden)
         try:
