@@ -11,12 +11,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from puzzle.config import PLACEMENTS
-from puzzle.config_flags import fail
+from puzzle.config import PARALLEL_GROUP, PLACEMENTS, ROLE_PREFIXED
+from puzzle.config_flags import fail, flag
 from puzzle.parallel.plan import ParallelPlan, PlanError
 
 #: stage of a plan document -> the flag its placement replaces
 PLACEMENT_FLAGS = {"scoring": "--score-placement", "training": "--train-placement"}
+
+
+_ROLES = ("actor",) + ROLE_PREFIXED
+#: --actor-gen-...: the actor's generation layout (unset: its training layout)
+GENERATION = "actor-gen"
+
+
+@dataclass(frozen=True)
+class LayoutFlags:
+    """The layout flags of one role (``from_args(LayoutFlags, args, role=...)``): the unprefixed
+    flags give every role's default, ``--<role>-...`` override them, the actor's generation layout
+    (role ``actor-gen``) defaults to the actor's training layout. D = None: the ranks from the
+    offset to the end / (P * T)."""
+
+    tensor_model_parallel_size: int = flag(
+        1, PARALLEL_GROUP, "Actor training T (default for every role).", roles=_ROLES + (GENERATION,),
+        role_help={GENERATION: "Actor generation-layout T (default: its training layout)."})
+    pipeline_model_parallel_size: int = flag(
+        1, PARALLEL_GROUP, "Actor training P (default for every role).", roles=_ROLES + (GENERATION,),
+        role_help={GENERATION: "Actor generation-layout P (default: its training layout)."})
+    data_parallel_size: Optional[int] = flag(
+        None, PARALLEL_GROUP, type=int, roles=_ROLES, role_only=True,
+        role_help="{role}: D (default: the ranks from its offset to the end / (P*T)).")
+    rank_offset: int = flag(0, PARALLEL_GROUP, roles=_ROLES, role_only=True,
+                            role_help="{role}: first rank of its layout (disjoint placement).")
 
 
 @dataclass(frozen=True)

@@ -41,20 +41,20 @@ def _arch(model: str):
     from puzzle.config import ModelArch
 
     if model == "1b":  # TinyLlama-1.1B's shape
-        return ModelArch(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32,
-                         num_query_groups=4, vocab_size=32000, seq_length=1024,
-                         untie_embeddings_and_output_weights=True, add_bias_linear=False)
-    return ModelArch(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
-                     num_query_groups=4, vocab_size=1024, seq_length=256,
-                     untie_embeddings_and_output_weights=True, add_bias_linear=False)
+        return ModelArch.llama(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32,
+                               num_query_groups=4, vocab_size=32000, seq_length=1024,
+                               untie_embeddings_and_output_weights=True, add_bias_linear=False)
+    return ModelArch.llama(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
+                           num_query_groups=4, vocab_size=1024, seq_length=256,
+                           untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
 def _tiny_run_arch():
     from puzzle.config import ModelArch
 
-    return ModelArch(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                     num_query_groups=2, vocab_size=259, seq_length=64,
-                     untie_embeddings_and_output_weights=True, add_bias_linear=False)
+    return ModelArch.llama(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                           num_query_groups=2, vocab_size=259, seq_length=64,
+                           untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
 def _sync(dev):

@@ -149,12 +149,12 @@ def test_transformers_accepts_the_exported_configs():
 
 
 def test_explicit_kv_channels_and_flags_in_model_arch():
-    a = ModelArch(hidden_size=64, num_attention_heads=8, kv_channels=16)
-    assert a.kv_channels == 16 and ModelArch(hidden_size=64, num_attention_heads=8).kv_channels == 8
+    a = ModelArch.llama(hidden_size=64, num_attention_heads=8, kv_channels=16)
+    assert a.kv_channels == 16 and ModelArch.llama(hidden_size=64, num_attention_heads=8).kv_channels == 8
     with pytest.raises(ValueError, match="sliding_window=32 is shorter than seq_length=64"):
-        ModelArch(seq_length=64, sliding_window=32)
-    with pytest.raises(ValueError, match="high_freq_factor > low_freq_factor"):
-        ModelArch(use_rope_scaling=True, rope_low_freq_factor=4.0, rope_high_freq_factor=4.0)
+        ModelArch.llama(seq_length=64, sliding_window=32)
+    with pytest.raises(ValueError, match="--rope-high-freq-factor: 4.0 must exceed --rope-low-freq-factor 4.0"):
+        ModelArch.llama(use_rope_scaling=True, rope_low_freq_factor=4.0, rope_high_freq_factor=4.0)
 
 
 def test_unsupported_sliding_window_names_config_and_field():

@@ -10,8 +10,8 @@ from puzzle.training.engine import ModelEngine, OptimConfig
 from puzzle.training.steps import lm_nll_step
 from tests.harness import world_main
 
-ARCH = ModelArch(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
-                 num_query_groups=4, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
+ARCH = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
+                       num_query_groups=4, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
 B, S = 4, 12
 
 

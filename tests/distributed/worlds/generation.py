@@ -9,8 +9,8 @@ from puzzle.parallel.plan import ParallelPlan
 from puzzle.rollout import SamplingParams, generate
 from tests.harness import world_main
 
-ARCH = ModelArch(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                 vocab_size=200, make_vocab_size_divisible_by=64, seq_length=64)
+ARCH = ModelArch.llama(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                       vocab_size=200, make_vocab_size_divisible_by=64, seq_length=64)
 SEED = 11
 MAX_NEW = 8
 PROMPTS = [[17, 4, 99, 150, 3], [42, 7], [5, 6, 7, 8, 9, 10, 11], [199, 0, 64]]

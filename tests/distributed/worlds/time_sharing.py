@@ -18,10 +18,10 @@ from puzzle.training.steps import lm_nll_step
 from tests.harness import world_main
 
 SEQ = 12
-ARCH_A = ModelArch(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                   num_query_groups=2, vocab_size=100, make_vocab_size_divisible_by=64, seq_length=16)
-ARCH_B = ModelArch(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                   num_query_groups=4, vocab_size=100, make_vocab_size_divisible_by=64, seq_length=16)
+ARCH_A = ModelArch.llama(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=2, vocab_size=100, make_vocab_size_divisible_by=64, seq_length=16)
+ARCH_B = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                         num_query_groups=4, vocab_size=100, make_vocab_size_divisible_by=64, seq_length=16)
 
 
 def _tokens(n, seed):
