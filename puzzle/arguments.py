@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import List, Optional
 
 from puzzle.config import ROLE_PREFIXED, ROLES, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
-from puzzle.config_flags import (add_dataclass_args, field_value, flag, flagged_fields, from_args, role_flag,
+from puzzle.config_flags import (add_dataclass_args, field_value, flag, flagged_fields, flags_given, from_args,
                                  role_flags_given)
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
@@ -49,8 +49,6 @@ class CommandOptions:
         "puzzle.tools.profile, or a bundled name (default a100_80gb).", type=str)
     world_size: Optional[int] = flag(
         None, _PLAN, "World size to plan for in --dry-run / search_plan.py (default: $WORLD_SIZE).", type=int)
-    vocab_size: Optional[int] = flag(
-        None, _PLAN, "Vocabulary size when the tokenizer files are not at hand (dry runs, planning).", type=int)
 
 
 #: the configs whose fields declare the flags, in the order of their groups in --help
@@ -119,13 +117,19 @@ def _arch_for(args, role: str, vocab_size: int):
         if role_value(args, role, flag) is None:
             _fail(f"--{flag}", "is required (or --hf-actor-path/--hf-critic-path/--hf-reward-path DIR "
                                "with a config.json)")
-    if args.group_query_attention and role_value(args, role, "num-query-groups") is None:
+    groups = role_value(args, role, "num-query-groups")
+    if args.group_query_attention and groups is None:
         _fail("--num-query-groups", "is required with --group-query-attention")
+    if groups is not None and not args.group_query_attention:
+        _fail(f"--{ROLES[role].flag_prefix}num-query-groups", "needs --group-query-attention (without it "
+              "every attention head has its own keys and values, as in Megatron-LM)")
     if _rope_flags_given(args) and not args.use_rope_scaling:
         _fail("--rope-scaling-factor", "the llama3 RoPE parameters need --use-rope-scaling")
+    if args.rotary_base is not None and args.position_embedding_type != "rope":
+        _fail("--rotary-base", "needs --position-embedding-type rope")
     try:
         overrides = {} if args.group_query_attention else {"num_query_groups": None}
-        return from_args(ModelArch, args, for_role=role, vocab_size=vocab_size, **overrides)
+        return from_args(ModelArch, args, for_role=role, vocab_size=args.vocab_size or vocab_size, **overrides)
     except ArgumentError as e:  # "--flag: ...": the role's own flag where it gave one
         flag, _, message = str(e).partition(": ")
         own_flags = dict((f"--{field.replace('_', '-')}", given) for given, field in
@@ -153,6 +157,15 @@ _HF_SHAPE_FIELDS = {"num-layers": "num_hidden_layers", "hidden-size": "hidden_si
                     "num-query-groups": "num_key_value_heads", "kv-channels": "head_dim"}
 
 
+#: ModelArch fields an HF checkpoint decides: a flag given for one must agree with it (the shape
+#: flags are compared per role above; seq length, vocabulary and position bounds below)
+_HF_DECIDES = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type", "rotary_base",
+               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+               "use_rope_scaling") + _ROPE_FIELDS
+#: ModelArch fields that are the run's, not the checkpoint's
+_RUN_FIELDS = ("attention_dropout", "hidden_dropout", "attention_backend", "init_method_std")
+
+
 def _rope_flags_given(args) -> List[str]:
     return [field for field in _ROPE_FIELDS if getattr(args, field) is not None]
 
@@ -177,19 +190,26 @@ def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: s
         if given is not None and given != getattr(arch, field):
             _fail(f"--{prefix}{flag}", f"{given} conflicts with {cfg_path} ({hf_field}={getattr(arch, field)}); "
                                        f"drop the flag: {flag_of_role} sets the {role} shape")
-    for attr in ("add_qkv_bias", "qk_layernorm", "use_rope_scaling"):
-        if getattr(args, attr) and not getattr(arch, attr):
-            _fail("--" + attr.replace("_", "-"), f"conflicts with {cfg_path}, whose model has no {attr}")
-    for field in _rope_flags_given(args):
-        given = getattr(args, field)
-        if not arch.use_rope_scaling or given != getattr(arch, field):
-            _fail("--" + field.replace("_", "-"), f"{given} conflicts with {cfg_path} "
-                                                  f"(use_rope_scaling={arch.use_rope_scaling}, {field}="
-                                                  f"{getattr(arch, field)})")
+    given = flags_given(ModelArch, args)
+    for field, flag in given.items():
+        value, theirs = field_value(ModelArch, args, field), getattr(arch, field)
+        if field in _HF_DECIDES and (value != theirs or field in _ROPE_FIELDS and not arch.use_rope_scaling):
+            what = f"whose model has no {field}" if theirs is False else f"({field}={theirs})"
+            if field in _ROPE_FIELDS:
+                what = f"(use_rope_scaling={arch.use_rope_scaling}, {field}={theirs})"
+            _fail(flag, f"{'' if value is True else f'{value} '}conflicts with {cfg_path} {what}; drop the flag: "
+                        f"{flag_of_role} sets the {role} model")
+    if "max_position_embeddings" in given and args.max_position_embeddings > arch.max_position_embeddings:
+        _fail("--max-position-embeddings", f"{args.max_position_embeddings} exceeds the "
+                                           f"{arch.max_position_embeddings} of {cfg_path}")
+    if "vocab_size" in given and args.vocab_size != arch.vocab_size:
+        _fail("--vocab-size", f"{args.vocab_size} conflicts with {cfg_path} (vocab_size={arch.vocab_size})")
     if vocab_size > arch.vocab_size:
         _fail("--tokenizer-model", f"the tokenizer has {vocab_size} tokens, more than the {arch.vocab_size} "
                                    f"rows of {cfg_path} (vocab_size)")
-    return arch
+    # the run's choices apply on top of the checkpoint (dropout, attention kernel, init of fresh heads)
+    return replace(arch, **{field: field_value(ModelArch, args, field) for field in _RUN_FIELDS
+                            if field in given or field != "init_method_std"})
 
 
 def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str, *,
@@ -249,9 +269,29 @@ def role_set(args) -> List[str]:
         roles.append("critic")
     if args.kl_coef > 0 or args.use_kl_loss:
         roles.append("ref")
-    if args.reward_model:
+    if args.reward_model or args.hf_reward_path:
         roles.append("reward")
     return roles
+
+
+#: why a run has no model of a role (its role flags are then refused)
+_ABSENT = {"critic": "--advantage-estimator {advantage_estimator} has no critic",
+           "ref": "no reference model: --kl-coef 0 and no --use-kl-loss",
+           "reward": "no reward model: the reward comes from --reward-fn"}
+
+
+def _check_absent_roles(args, present: List[str]) -> None:
+    """A role flag (--critic-lr, --ref-num-layers, --hf-critic-path, ...) of a role the run does not
+    build would be ignored: refused."""
+    for role, why in _ABSENT.items():
+        if role in present:
+            continue
+        given = [flag for config in (ModelArch, LayoutFlags, OptimConfig) for flag, _ in
+                 role_flags_given(config, args, role)]
+        if ROLES[role].weights_from == role:
+            given += [flag for flag, _ in role_flags_given(RoleSpec, args, role)]
+        if given:
+            _fail(given[0], f"the run builds no {role} model ({why.format(**vars(args))})")
 
 
 def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = True,
@@ -274,6 +314,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     optim = from_args(OptimConfig, args)  # the configs that check themselves
     ops = from_args(Operations, args)
     flag_checks.check_values(args)
+    if args.vocab_size is not None and args.vocab_size < vocab_size:
+        _fail("--vocab-size", f"{args.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})")
     precision = field_value(RunConfig, args, "precision")  # --bf16/--fp16: one of them
     if check_paths:  # this machine: writable outputs, a GPU for --fp16, optional logging packages
         flag_checks.check_environment(args)
@@ -297,6 +339,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     if args.reward_fn and args.reward_model:
         _fail("--reward-fn", f"give one reward source, not both --reward-fn and a reward model "
                              f"({args.reward_model})")
+    if "reward_timeout" in flags_given(RunConfig, args) and not args.reward_fn:
+        _fail("--reward-timeout", "needs --reward-fn (it bounds the reward function's calls)")
     flag_checks.check_algorithm_args(args)
     N = args.n_samples_per_prompt
     samples = args.rollout_batch_size * N
@@ -309,6 +353,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
 
     roles = {}
     present = role_set(args)
+    _check_absent_roles(args, present)
     for role in ("actor", "critic", "ref", "reward"):
         if role not in present:
             continue
@@ -422,6 +467,7 @@ def config_for_planning(args, layouts: Optional[PlanLayouts] = None):
                          layouts=layouts)
 
 
-def plan_flags(doc: dict, strict: bool = False) -> List[str]:
-    """The layout and placement flags of a plan document (see puzzle.plan_layouts)."""
-    return layouts_as_flags(read_plan_document(doc, strict=strict))
+def plan_flags(doc: dict, strict: bool = False, roles=None) -> List[str]:
+    """The layout and placement flags of a plan document for a run that builds ``roles`` (default:
+    all of the plan's; see puzzle.plan_layouts)."""
+    return layouts_as_flags(read_plan_document(doc, strict=strict), roles)

@@ -50,7 +50,7 @@ def _error_once(message: str) -> None:
 def _plan_layouts(args):
     """--plan-file / --plan auto: the plan's layouts and placements (PlanLayouts), which replace the
     layout flags given on the command line (or by a launch script); None without a plan."""
-    from puzzle.arguments import ArgumentError, config_for_planning
+    from puzzle.arguments import ArgumentError, config_for_planning, role_set
     from puzzle.plan_layouts import layouts_as_flags, read_plan_document
 
     if args.plan_file and args.plan == "auto":
@@ -80,7 +80,7 @@ def _plan_layouts(args):
         return None
     layouts = read_plan_document(doc)
     if int(os.environ.get("RANK", "0")) == 0:  # the flags that give the same layouts
-        print("plan: " + " ".join(layouts_as_flags(layouts)), flush=True)
+        print("plan: " + " ".join(layouts_as_flags(layouts, role_set(args))), flush=True)
     return layouts
 
 

@@ -75,20 +75,25 @@ class ModelArch:
     num_attention_heads: int = _shape_flag(4, "Number of attention heads.")
     num_query_groups: Optional[int] = _shape_flag(  # None = multi-head attention (groups = heads)
         None, "Query groups for grouped-query attention.")
-    vocab_size: int = 256  # the tokenizer's (--vocab-size stands in for dry runs)
+    vocab_size: int = flag(
+        256, _MODEL, "The model's vocabulary before padding (default: the tokenizer's; not smaller). Stands in "
+        "for the tokenizer's when its files are not at hand (dry runs, planning).", type=int, flag_default=None)
     make_vocab_size_divisible_by: int = flag(128, _MODEL)
     seq_length: int = flag(128, _MODEL, "Maximum sequence length (prompt + response).", flag_default=None)
     max_position_embeddings: Optional[int] = flag(None, _MODEL, type=int)
-    normalization: str = flag("LayerNorm", _MODEL, choices=("LayerNorm", "RMSNorm"))
-    norm_epsilon: float = flag(1e-5, _MODEL)
+    # flag_default None: an HF checkpoint decides these unless the flag is given (then they must agree)
+    normalization: str = flag("LayerNorm", _MODEL, choices=("LayerNorm", "RMSNorm"), flag_default=None)
+    norm_epsilon: float = flag(1e-5, _MODEL, type=float, flag_default=None)
     swiglu: bool = flag(False, _MODEL, "SwiGLU MLP (LLaMA).")
-    position_embedding_type: str = flag("learned_absolute", _MODEL, choices=("learned_absolute", "rope"))
-    rotary_base: int = flag(10000, _MODEL)
+    position_embedding_type: str = flag("learned_absolute", _MODEL, choices=("learned_absolute", "rope"),
+                                        flag_default=None)
+    rotary_base: int = flag(10000, _MODEL, "RoPE base (--position-embedding-type rope).", type=int,
+                            flag_default=None)
     untie_embeddings_and_output_weights: bool = flag(False, _MODEL)
     add_bias_linear: bool = flag(True, _MODEL, name="--disable-bias-linear", kind="negated")
     attention_dropout: float = flag(0.0, _MODEL)
     hidden_dropout: float = flag(0.0, _MODEL)
-    init_method_std: float = flag(0.02, _MODEL)
+    init_method_std: float = flag(0.02, _MODEL, type=float, flag_default=None)
     kv_channels: Optional[int] = _shape_flag(None, "Projection size per head (default hidden / heads).")
     add_qkv_bias: bool = flag(False, _MODEL, "Biases on the q/k/v projections only (Qwen2); "
                               "--disable-bias-linear keeps them.")
@@ -451,6 +456,8 @@ class RunConfig:
             fail("--bf16/--fp16", f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
         check_at_least(cls, self, 1, "train_iters", "log_interval", "switch_segments")
         check_at_least(cls, self, 0, "reward_workers")
+        check(cls, self, "reward_workers", not self.reward_workers or bool(self.reward_fn),
+              "needs --reward-fn (a reward model scores in the scoring stage, in the rank's process)")
         check_at_least(cls, self, 0, "reward_timeout", optional=True)
         check(cls, self, "bad_reward_value", math.isfinite(self.bad_reward_value),
               f"must be a finite number (got {self.bad_reward_value})")

@@ -186,10 +186,36 @@ def from_args(cls, args, for_role: Optional[str] = None, fallback=None, **overri
     return cls(**kwargs)
 
 
+def _flag_default(f, spec):
+    return f.default if spec.flag_default is _FIELD_DEFAULT else spec.flag_default
+
+
+def flags_given(cls, args) -> dict:
+    """field name -> its flag, for the (unprefixed) flags of ``cls`` set on the command line to
+    something else than their default (a switch: set)."""
+    given = {}
+    for f, spec, name, dest in flagged_fields(cls):
+        on = [option for option, _, _ in spec.switches if getattr(args, _dest(option))]
+        if on:
+            given[f.name] = on[0]
+        elif spec.kind != "switches" and not spec.role_only:
+            raw = getattr(args, dest)
+            default = False if spec.kind in ("store_true", "negated") else _flag_default(f, spec)
+            if raw != default:
+                given[f.name] = name
+    return given
+
+
 def role_flags_given(cls, args, for_role: str):
     """The role flags of ``for_role`` set on the command line (flag, field name)."""
-    return [(role_flag(spec, name, for_role), f.name) for f, spec, name, _ in flagged_fields(cls)
-            if for_role in spec.roles and getattr(args, _dest(role_flag(spec, name, for_role))) is not None]
+    out = []
+    for f, spec, name, _ in flagged_fields(cls):
+        if for_role in spec.roles:
+            option = role_flag(spec, name, for_role)
+            raw = getattr(args, _dest(option))
+            if raw != (_flag_default(f, spec) if spec.role_only else None):
+                out.append((option, f.name))
+    return out
 
 
 def check(cls, obj, field_name: str, ok: bool, message: str) -> None:

@@ -26,7 +26,12 @@ def _at_least(args, flag: str, low, *, strict: bool = False, optional: bool = Fa
 def check_values(args) -> None:
     """Ranges and combinations of the flags that are read before their config is built (pure: no
     files, no devices); the configs check their other fields themselves."""
+    from puzzle.data.tokenizers import BYTE_NAMES
+
     _at_least(args, "--critic-lr", 0, optional=True)
+    if args.tokenizer_model and args.tokenizer_type in BYTE_NAMES:
+        fail("--tokenizer-model", f"--tokenizer-type {args.tokenizer_type} reads no files (got "
+                                  f"{args.tokenizer_model!r}); use --tokenizer-type HuggingFaceTokenizer")
     _at_least(args, "--seq-length", 1)
     for flag in ("--global-batch-size", "--max-prompt-length", "--max-position-embeddings"):
         _at_least(args, flag, 1, optional=True)

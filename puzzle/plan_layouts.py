@@ -88,10 +88,14 @@ def read_plan_document(doc: dict, strict: bool = False) -> PlanLayouts:
     return PlanLayouts(homes=homes, actor_generation=gen, placements=placements)
 
 
-def layouts_as_flags(layouts: PlanLayouts) -> List[str]:
-    """The train_ppo.py flags that give the same layouts (printed at start; launching another run)."""
+def layouts_as_flags(layouts: PlanLayouts, roles=None) -> List[str]:
+    """The train_ppo.py flags that give the same layouts (printed at start; launching another run)
+    to a run that builds ``roles`` (default: every role of the plan; a flag of a role the run does
+    not build is refused)."""
     flags: List[str] = []
     for role, home in layouts.homes.items():
+        if roles is not None and role not in roles:
+            continue
         flags += [f"--{role}-tensor-model-parallel-size", str(home.T),
                   f"--{role}-pipeline-model-parallel-size", str(home.P),
                   f"--{role}-data-parallel-size", str(home.D), f"--{role}-rank-offset", str(home.offset)]

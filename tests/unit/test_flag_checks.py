@@ -60,6 +60,20 @@ BAD = [
     (["--ckpt-step", "3"], "--ckpt-step: needs --load DIR"),
     (["--top-p", "0"], "--top-p: must be in (0, 1]"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+    # accepted flags that would change nothing are refused
+    (["--num-query-groups", "2"], "--num-query-groups: needs --group-query-attention"),
+    (["--advantage-estimator", "grpo", "--n-samples-per-prompt", "2", "--critic-lr", "1e-4"],
+     "--critic-lr: the run builds no critic model (--advantage-estimator grpo has no critic)"),
+    (["--advantage-estimator", "rloo", "--n-samples-per-prompt", "2", "--critic-rank-offset", "1"],
+     "--critic-rank-offset: the run builds no critic model"),
+    (["--kl-coef", "0", "--ref-num-layers", "3"], "--ref-num-layers: the run builds no ref model"),
+    (["--reward-tensor-model-parallel-size", "2"], "--reward-tensor-model-parallel-size: the run builds no reward"),
+    (["--position-embedding-type", "learned_absolute", "--rotary-base", "500"],
+     "--rotary-base: needs --position-embedding-type rope"),
+    (["--tokenizer-model", "tok"], "--tokenizer-model: --tokenizer-type ByteLevelTokenizer reads no files"),
+    (["--vocab-size", "100"], "--vocab-size: 100 is smaller than the tokenizer's vocabulary (259)"),
+    (["--reward-timeout", "5", "--reward-fn", "", "--reward-model", "random"], "--reward-timeout: needs --reward-fn"),
+    (["--reward-workers", "2", "--reward-fn", "", "--reward-model", "random"], "--reward-workers: needs --reward-fn"),
     (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3 (see train_ppo.py --help)"),
 ]
 
@@ -109,3 +123,10 @@ def test_accepted_values_are_kept(tmp_path):
     assert (ops.exit_signal_handler, ops.exit_duration_in_mins, ops.exit_interval) == (True, 0.5, 3)
     assert (ops.distributed_timeout_minutes, ops.skip_nonfinite_iterations, ops.keep_last_checkpoints) == (0.1, 2, 2)
     assert os.path.isdir(tmp_path / "ck") and not os.listdir(tmp_path / "ck")  # created, probe removed
+
+
+def test_vocab_size_sets_the_model_vocabulary():
+    """--vocab-size: the model's rows before padding (at least the tokenizer's), as in Megatron-LM."""
+    cfg = validate_args(parse_args(BASE + ["--vocab-size", "300"]), 1, 259)
+    assert {r.arch.vocab_size for r in cfg.roles.values()} == {300}
+    assert validate_args(parse_args(BASE), 1, 259).roles["actor"].arch.vocab_size == 259
