@@ -6,6 +6,11 @@ flagged fields of a class into argparse arguments (grouped by topic), ``from_arg
 config from the parsed namespace; the config's own ``__post_init__`` then checks it, with
 messages that start with the flag's name (``check`` below). The way Megatron-LM fills its
 TransformerConfig from the fields of the dataclass.
+
+One field, one definition, also where a flag has more than one name: ``aliases`` (further option
+strings), ``switches`` (store-true flags that set the field to a value: ``--bf16``,
+``--use-flash-attn``) and role flags (``roles``: ``--critic-num-layers`` overrides
+``--num-layers`` for the critic; ``from_args(cls, args, for_role="critic")`` reads them).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
-
 
 
 class ArgumentError(ValueError):
@@ -70,6 +74,11 @@ def _dest(name: str) -> str:
     return name[2:].replace("-", "_")
 
 
+def _flag_default(f, spec: FlagSpec):
+    """The flag's argparse default (the field's unless FlagSpec.flag_default says otherwise)."""
+    return f.default if spec.flag_default is _FIELD_DEFAULT else spec.flag_default
+
+
 def flagged_fields(cls):
     """(field, FlagSpec, flag name, argparse dest) of every flagged field of ``cls``."""
     for f in dataclasses.fields(cls):
@@ -85,13 +94,13 @@ def role_flag(spec: FlagSpec, name: str, role: str) -> str:
     return spec.role_name.format(role=role, flag=name[2:])
 
 
-def flag_name(cls, field_name: str, role: Optional[str] = None) -> str:
-    """The flag of one field (of ``role``'s flags when the field has one; for messages)."""
+def flag_name(cls, field_name: str) -> str:
+    """The flag of one field (for messages)."""
     for f, spec, name, _ in flagged_fields(cls):
         if f.name == field_name:
             if spec.kind == "switches":
                 return "/".join(option for option, _, _ in spec.switches)
-            return role_flag(spec, name, role) if role in spec.roles else name
+            return name
     raise KeyError(field_name)
 
 
@@ -117,22 +126,20 @@ def add_dataclass_args(parser, cls, choices: Optional[dict] = None) -> None:
     choices = choices or {}
     for f, spec, name, _ in flagged_fields(cls):
         g = _group(parser, spec.group)
-        for option, _, text in spec.switches:
-            g.add_argument(option, action="store_true", help=text)
         options = (name,) + spec.aliases
         typ = spec.type or (None if spec.choices or f.name in choices else type(f.default))
-        default = f.default if spec.flag_default is _FIELD_DEFAULT else spec.flag_default
+        default = _flag_default(f, spec)
         kwargs = dict(type=typ, choices=choices.get(f.name, spec.choices))
-        if spec.kind == "switches":
-            pass
-        elif spec.role_only:
-            pass
+        if spec.kind == "switches" or spec.role_only:
+            pass  # no flag of the field's own name
         elif spec.kind == "store_true" or spec.kind == "negated":
             g.add_argument(*options, action="store_true", help=spec.help)
         elif spec.kind == "boolean_optional":
             g.add_argument(*options, action=argparse.BooleanOptionalAction, default=default, help=spec.help)
         else:
             g.add_argument(*options, default=default, help=spec.help, **kwargs)
+        for option, _, text in spec.switches:
+            g.add_argument(option, action="store_true", help=text)
         for role in spec.roles:
             rg = _group(parser, spec.role_group.format(role=role)) if spec.role_group else g
             rg.add_argument(role_flag(spec, name, role), default=default if spec.role_only else None,
@@ -184,10 +191,6 @@ def from_args(cls, args, for_role: Optional[str] = None, fallback=None, **overri
               for f, spec, name, dest in flagged_fields(cls) if f.name not in overrides}
     kwargs.update(overrides)
     return cls(**kwargs)
-
-
-def _flag_default(f, spec):
-    return f.default if spec.flag_default is _FIELD_DEFAULT else spec.flag_default
 
 
 def flags_given(cls, args) -> dict:
