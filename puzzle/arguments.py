@@ -280,6 +280,33 @@ _ABSENT = {"critic": "--advantage-estimator {advantage_estimator} has no critic"
            "reward": "no reward model: the reward comes from --reward-fn"}
 
 
+#: (config, field, what the field needs, message): a flag given without what it needs would change nothing
+_NEEDS = (
+    (PPOParams, "kl_horizon", lambda a, roles: a.kl_target is not None, "needs --kl-target (the adaptive KL "
+                                                                         "controller's horizon)"),
+    (PPOParams, "kl_target", lambda a, roles: a.kl_coef > 0, "needs --kl-coef > 0 (it adapts the reward's KL "
+                                                            "penalty, starting from --kl-coef)"),
+    (PPOParams, "kl_loss_coef", lambda a, roles: a.use_kl_loss, "needs --use-kl-loss"),
+    (PPOParams, "kl_loss_type", lambda a, roles: a.use_kl_loss, "needs --use-kl-loss"),
+    (PPOParams, "max_num_gen_batches", lambda a, roles: a.filter_groups, "needs --filter-groups"),
+    (PPOParams, "overlong_penalty_factor", lambda a, roles: a.overlong_buffer_len > 0,
+     "needs --overlong-buffer-len > 0"),
+    (PPOParams, "lam", lambda a, roles: "critic" in roles, "GAE's lambda: needs a critic (--advantage-estimator gae)"),
+    (PPOParams, "value_clip_eps", lambda a, roles: "critic" in roles, "clips the critic's values: needs a critic "
+                                                                      "(--advantage-estimator gae)"),
+    (OptimConfig, "min_lr", lambda a, roles: a.lr_decay_style != "constant",
+     "needs --lr-decay-style linear or cosine (a constant learning rate never decays to it)"),
+)
+
+
+def _check_needs(args, present: List[str]) -> None:
+    given = {(config, field): flag for config in (PPOParams, OptimConfig)
+             for field, flag in flags_given(config, args).items()}
+    for config, field, ok, message in _NEEDS:
+        if (config, field) in given and not ok(args, present):
+            _fail(given[config, field], message)
+
+
 def _check_absent_roles(args, present: List[str]) -> None:
     """A role flag (--critic-lr, --ref-num-layers, --hf-critic-path, ...) of a role the run does not
     build would be ignored: refused."""
@@ -354,6 +381,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     roles = {}
     present = role_set(args)
     _check_absent_roles(args, present)
+    _check_needs(args, present)
     for role in ("actor", "critic", "ref", "reward"):
         if role not in present:
             continue
