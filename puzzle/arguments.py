@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-from puzzle.config import ROLE_PREFIXED, ROLES, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
+from puzzle.config import ROLES, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
 from puzzle.config_flags import (add_dataclass_args, field_value, flag, flagged_fields, flags_given, from_args,
                                  role_flags_given)
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)

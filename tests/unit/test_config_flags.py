@@ -84,3 +84,23 @@ def test_run_config_checks_its_fields():
             RunConfig(**base, **kwargs)
         assert str(e.value).startswith(flag + ":")
     assert flag_name(RunConfig, "recompute") == "--recompute-activations"
+
+
+def test_model_arch_defaults_are_megatron_lms_and_llama_is_named():
+    a = ModelArch(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert (a.normalization, a.position_embedding_type, a.swiglu, a.untie_embeddings_and_output_weights,
+            a.add_bias_linear) == ("LayerNorm", "learned_absolute", False, False, True)
+    assert (a.ffn_hidden_size, a.num_query_groups, a.kv_channels) == (256, 4, 16)
+    llama = ModelArch.llama(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert (llama.normalization, llama.position_embedding_type, llama.swiglu,
+            llama.untie_embeddings_and_output_weights, llama.add_bias_linear) == ("RMSNorm", "rope", True, True, False)
+    # the command line's defaults build the same model as the dataclass's
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128"])
+    assert from_args(ModelArch, args, vocab_size=256) == a
+
+
+def test_aliases_fill_the_same_field():
+    for argv, field, value in ((["--ppo-mini-batch-size", "4"], "mini_batch_size", 4),
+                               (["--global-batch-size", "4", "--ppo-mini-batch-size", "8"], "mini_batch_size", 8),
+                               (["--clip-eps-low", "0.1"], "clip_eps", 0.1)):
+        assert field_value(PPOParams, parse_args(argv), field) == value
