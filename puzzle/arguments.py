@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 from typing import List, Optional
 
 from puzzle.config import ROLES, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
-from puzzle.config_flags import (add_dataclass_args, field_value, flag, flagged_fields, flags_given, from_args,
-                                 role_flags_given)
+from puzzle.config_flags import (add_dataclass_args, field_value, flag, flag_name, flagged_fields, flags_given,
+                                 from_args, role_flags_given)
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
 from puzzle.plan_layouts import GENERATION, LayoutFlags, PlanLayouts, layouts_as_flags, read_plan_document
@@ -127,14 +127,21 @@ def _arch_for(args, role: str, vocab_size: int):
         _fail("--rope-scaling-factor", "the llama3 RoPE parameters need --use-rope-scaling")
     if args.rotary_base is not None and args.position_embedding_type != "rope":
         _fail("--rotary-base", "needs --position-embedding-type rope")
+    overrides = {} if args.group_query_attention else {"num_query_groups": None}
+    return _role_config(ModelArch, args, role, vocab_size=args.vocab_size or vocab_size, **overrides)
+
+
+def _role_config(cls, args, role: str, **kwargs):
+    """``from_args`` for one role; the error of a field the role set with its own flag names that
+    flag (--critic-hidden-size, not --hidden-size)."""
     try:
-        overrides = {} if args.group_query_attention else {"num_query_groups": None}
-        return from_args(ModelArch, args, for_role=role, vocab_size=args.vocab_size or vocab_size, **overrides)
-    except ArgumentError as e:  # "--flag: ...": the role's own flag where it gave one
+        return from_args(cls, args, for_role=role, **kwargs)
+    except ArgumentError as e:
         flag, _, message = str(e).partition(": ")
-        own_flags = dict((f"--{field.replace('_', '-')}", given) for given, field in
-                         role_flags_given(ModelArch, args, role)) if role != "actor" else {}
-        _fail(own_flags.get(flag, flag), message if role == "actor" else f"{role}: {message}")
+        own = {flag_name(cls, field): option for option, field in role_flags_given(cls, args, role)}
+        if flag in own:
+            _fail(own[flag], message)
+        _fail(flag, message if role == "actor" else f"{role}: {message}")
 
 
 def _check_generation_device(args, attention_backend: str, transformer_impl: str) -> None:
@@ -217,9 +224,7 @@ def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str, *,
     """The role's plan on ranks offset.. (D given, or all the ranks of ``size`` / the rest)."""
     from puzzle.parallel.plan import ParallelPlan, PlanError
 
-    if P < 1 or T < 1:
-        _fail(flags, f"{role} parallel sizes must be >= 1 (P={P}, T={T})")
-    if offset < 0 or offset >= world_size:
+    if offset >= world_size:
         _fail(flags, f"{role} rank offset {offset} is outside the world of {world_size} ranks")
     avail = size if size is not None else world_size - offset
     if D is None:
@@ -386,7 +391,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         if role not in present:
             continue
         arch = _arch_for(args, role, vocab_size)
-        layout = from_args(LayoutFlags, args, for_role=role)
+        layout = _role_config(LayoutFlags, args, role)
         P, T = layout.pipeline_model_parallel_size, layout.tensor_model_parallel_size
         offset, D = layout.rank_offset, layout.data_parallel_size
         flags = (f"--{role}-tensor-model-parallel-size/--{role}-pipeline-model-parallel-size"
@@ -403,7 +408,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
             _fail(flags, str(e))
         gen_plan = None
         if role == "actor":
-            gen = from_args(LayoutFlags, args, for_role=GENERATION, fallback=LayoutFlags(
+            gen = _role_config(LayoutFlags, args, GENERATION, fallback=LayoutFlags(
                 tensor_model_parallel_size=T, pipeline_model_parallel_size=P))
             gP, gT = gen.pipeline_model_parallel_size, gen.tensor_model_parallel_size
             if home is not None and layouts.actor_generation is not None:
@@ -415,7 +420,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                 check_layout(arch, gen_plan, "actor (generation layout)")
             except PlanError as e:
                 _fail(gflags, str(e))
-        lr = from_args(OptimConfig, args, for_role=role).lr  # --critic-lr, else --lr
+        lr = _role_config(OptimConfig, args, role).lr  # --critic-lr, else --lr
         roles[role] = from_args(RoleSpec, args, for_role=ROLES[role].weights_from, role=role, arch=arch,
                                 plan=plan, gen_plan=gen_plan, trainable=ROLES[role].trainable, lr=lr)
     what = (f"rollout batch {args.rollout_batch_size}" if N == 1 else

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from puzzle.config import PARALLEL_GROUP, PLACEMENTS, ROLE_PREFIXED
-from puzzle.config_flags import fail, flag
+from puzzle.config_flags import check_at_least, fail, flag
 from puzzle.parallel.plan import ParallelPlan, PlanError
 
 #: stage of a plan document -> the flag its placement replaces
@@ -42,6 +42,12 @@ class LayoutFlags:
         role_help="{role}: D (default: the ranks from its offset to the end / (P*T)).")
     rank_offset: int = flag(0, PARALLEL_GROUP, roles=_ROLES, role_only=True,
                             role_help="{role}: first rank of its layout (disjoint placement).")
+
+    def __post_init__(self):
+        cls = LayoutFlags
+        check_at_least(cls, self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        check_at_least(cls, self, 1, "data_parallel_size", optional=True)
+        check_at_least(cls, self, 0, "rank_offset")
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ BAD = [
     (["--ckpt-step", "3"], "--ckpt-step: needs --load DIR"),
     (["--top-p", "0"], "--top-p: must be in (0, 1]"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+    (["--critic-tensor-model-parallel-size", "0"], "--critic-tensor-model-parallel-size: must be >= 1"),
+    (["--actor-gen-pipeline-model-parallel-size", "0"], "--actor-gen-pipeline-model-parallel-size: must be >= 1"),
+    (["--critic-rank-offset", "-1"], "--critic-rank-offset: must be >= 0"),
+    (["--critic-hidden-size", "65"], "--critic-hidden-size: hidden_size=65 is not divisible"),
     # accepted flags that would change nothing are refused
     (["--num-query-groups", "2"], "--num-query-groups: needs --group-query-attention"),
     (["--advantage-estimator", "grpo", "--n-samples-per-prompt", "2", "--critic-lr", "1e-4"],
