@@ -537,7 +537,9 @@ def resolve_world_size(args) -> int:
         if args.world_size < 1:
             _fail("--world-size", f"must be >= 1 (got {args.world_size})")
         return args.world_size
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    from puzzle.parallel import launcher
+
+    return launcher.world_size()
 
 
 def resolve_vocab_size(args) -> int:

@@ -66,7 +66,6 @@ FORMAT = 1
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 TRAINER_STATE = "trainer_state.json"
-FAIL_ENV = "PUZZLE_TEST_FAIL_SAVE_AT"  # "rank:iteration": raise half way through that save (tests)
 _FINGERPRINT_RTOL = 1e-6
 
 
@@ -346,10 +345,11 @@ def _on_cpu() -> bool:
 
 
 # ---- save ------------------------------------------------------------------------------------------
-def _maybe_fail(rank: int, iteration: int) -> None:
-    spec = os.environ.get(FAIL_ENV)
-    if spec and spec == f"{rank}:{iteration}":
-        raise RuntimeError(f"{FAIL_ENV}={spec}: simulated failure in the middle of saving iteration {iteration}")
+def _maybe_fail(faults, rank: int, iteration: int) -> None:
+    """The test fault config.FaultInjection.fail_save_at: this rank dies half way through this save."""
+    if faults.fail_save_at == (rank, iteration):
+        raise RuntimeError(f"injected fault (rank {rank}): simulated failure in the middle of saving "
+                           f"iteration {iteration}")
 
 
 def _log(msg: str) -> None:
@@ -402,7 +402,7 @@ def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None)
     for role in trainable:
         sd = _role_sharded_state_dict(trainer.engines[role], is_loading=False, with_optimizer=True)
         dist_checkpointing.save(sd, os.path.join(tmp, role))
-        _maybe_fail(rank, it)
+        _maybe_fail(trainer.cfg.faults, rank, it)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     meta = run_metadata(trainer.cfg)
     meta["fingerprints"] = {r: weight_fingerprint(e) for r, e in trainer.engines.items()

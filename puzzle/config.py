@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from puzzle.config_flags import check, check_at_least, fail, flag
 
@@ -322,6 +322,16 @@ class Operations:
 
 
 @dataclass(frozen=True)
+class FaultInjection:
+    """Faults a test injects into a real run; not a flag, empty in every ordinary run. The
+    command-line layer fills it from the test environment (puzzle.cli.fault_injection_from_env)."""
+
+    nonfinite_grads: Tuple[Tuple[str, int], ...] = ()  # (role, iteration): a NaN gradient of that role
+    fail_save_at: Optional[Tuple[int, int]] = None     # (rank, iteration): that rank raises half way
+    #                                                    through saving that iteration
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs below the command line (the trainer, checkpointing, the data
     loading of the CLI); built by puzzle.arguments.validate_args."""
@@ -389,6 +399,7 @@ class RunConfig:
     sequence_parallel: bool = flag(
         False, "training", "Megatron sequence parallelism within each model's tensor-parallel group (T > 1).")
     ops: Operations = Operations()
+    faults: FaultInjection = FaultInjection()
 
     def __post_init__(self):
         cls = RunConfig

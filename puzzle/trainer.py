@@ -338,7 +338,7 @@ class PPOTrainer:
             if role not in self.engines:  # no critic for critic-free estimators
                 continue
             eng = self.engines[role]
-            nonfinite.inject_for_test(role, eng, self.iteration)
+            nonfinite.inject_for_test(role, eng, self.iteration, self.cfg.faults)
             last = eng.member and eng.layout.is_last_stage and eng.layout.t == 0
             checks.append((role, eng, outs[i] if last else [], keys))
         found = nonfinite.find(checks)

@@ -109,3 +109,21 @@ def test_accepted_values_are_kept(tmp_path):
     assert (ops.exit_signal_handler, ops.exit_duration_in_mins, ops.exit_interval) == (True, 0.5, 3)
     assert (ops.distributed_timeout_minutes, ops.skip_nonfinite_iterations, ops.keep_last_checkpoints) == (0.1, 2, 2)
     assert os.path.isdir(tmp_path / "ck") and not os.listdir(tmp_path / "ck")  # created, probe removed
+
+
+def test_test_faults_are_read_once_by_the_command_line(monkeypatch, capsys):
+    """The fault-injection variables of the tests become RunConfig.faults; a malformed one is an
+    error before anything starts; an ordinary run has no faults."""
+    from puzzle.config import FaultInjection
+
+    got = cli.fault_injection_from_env({cli.NONFINITE_ENV: "critic:2,actor:10", cli.FAIL_SAVE_ENV: "1:5"})
+    assert got == FaultInjection(nonfinite_grads=(("critic", 2), ("actor", 10)), fail_save_at=(1, 5))
+    assert cli.fault_injection_from_env({}) == FaultInjection()
+    for env, message in (({cli.NONFINITE_ENV: "critic"}, "expected role:iteration"),
+                         ({cli.FAIL_SAVE_ENV: "one:5"}, "expected rank:iteration"),
+                         ({cli.FAIL_SAVE_ENV: "0:1,1:2"}, "one rank:iteration")):
+        with pytest.raises(ValueError, match=message):
+            cli.fault_injection_from_env(env)
+    monkeypatch.setenv(cli.FAIL_SAVE_ENV, "x")
+    assert cli.run(BASE) == 2
+    assert capsys.readouterr().err.startswith(f"error: ${cli.FAIL_SAVE_ENV}: expected rank:iteration")
