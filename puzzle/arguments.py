@@ -480,11 +480,9 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                 check_layout(arch, gen_plan, "actor (generation layout)")
             except PlanError as e:
                 _fail(gflags, str(e))
-        trainable = ROLES[role].trainable
         lr = args.lr if role == "actor" else (args.critic_lr if args.critic_lr is not None else args.lr)
         hf = _hf_dir_for(args, role)
-        roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan,
-                               trainable=trainable, lr=lr, hf_path=hf)
+        roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan, lr=lr, hf_path=hf)
     what = (f"rollout batch {args.rollout_batch_size}" if N == 1 else
             f"rollout batch {args.rollout_batch_size} prompts x {N} samples = {samples}")
     if samples % mini:

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 import puzzle
 from puzzle.config import ROLES
-from puzzle.models.param_names import drop_extra_state
+from puzzle.models.param_names import HEAD_LOCAL_NAME, drop_extra_state
 from puzzle.parallel.device import runtime
 
 FORMAT = 1
@@ -108,7 +108,7 @@ def _role_source(cfg, role: str) -> dict:
     """Where a model's initial weights come from (its Role: seed offset, HF checkpoint)."""
     spec = cfg.roles[role]
     return {"hf_path": os.path.abspath(spec.hf_path) if spec.hf_path else None,
-            "seed": cfg.seed + spec.description.seed_offset}
+            "seed": spec.init_seed(cfg.seed)}
 
 
 def run_metadata(cfg) -> dict:
@@ -293,7 +293,7 @@ def weight_fingerprint(engine) -> list:
         for name, p in engine.module.named_parameters():
             if lay.d != 0 or (lay.t != 0 and not getattr(p, "tensor_model_parallel", False)):
                 continue  # DP replicas and TP-replicated tensors (norms, scalar heads) count once
-            if (name == "output_layer.weight" and not arch.untie_embeddings_and_output_weights
+            if (name == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights
                     and ROLES[engine.role].head == "lm" and not lay.is_first_stage):
                 continue  # the last stage's tied copy of the word embeddings
             x = p.detach().double()

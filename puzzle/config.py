@@ -43,8 +43,6 @@ ROLES = {r.name: r for r in (
          allow_missing_head=True),
     Role("reward", head="score", seed_offset=2, trainable=False, weights_from="reward"),
 )}
-#: role -> head (kept for the model builders that only need the head)
-HEADS = {name: r.head for name, r in ROLES.items()}
 #: --attention-backend values (Megatron-LM's names; see puzzle/models/attention_backend.py)
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 #: RunConfig.precision: fp32 (default), bf16 or fp16 parameters and activations, as Megatron-LM's
@@ -148,20 +146,27 @@ class ModelArch:
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """One role model: its shape, its layout(s) and whether it trains."""
+    """One role model of a run: its shape, its layout(s), its learning rate and weights."""
 
     role: str
     arch: ModelArch
     plan: "object"                 # ParallelPlan for scoring and training
     gen_plan: "object" = None      # actor only: generation layout (None = same as plan)
-    trainable: bool = False
     lr: float = 0.0
     hf_path: Optional[str] = None  # HF checkpoint to load the weights from
 
     @property
     def description(self) -> Role:
-        """The role's fixed properties (head, seed offset, weight source)."""
+        """The role's fixed properties (head, seed offset, whether it trains, weight source)."""
         return ROLES[self.role]
+
+    @property
+    def trainable(self) -> bool:
+        return self.description.trainable
+
+    def init_seed(self, seed: int) -> int:
+        """The seed of this model's initial weights under --seed ``seed``."""
+        return seed + self.description.seed_offset
 
 
 _PPO = "PPO"

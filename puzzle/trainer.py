@@ -44,7 +44,7 @@ class PPOTrainer:
         for role, spec in cfg.roles.items():
             optim = replace(cfg.optim, lr=spec.lr) if spec.trainable else None
             # the reference starts as the actor: same shape and seed -> the same weights
-            seed = cfg.seed + spec.description.seed_offset
+            seed = spec.init_seed(cfg.seed)
             self.engines[role] = ModelEngine(role, spec.arch, layout_for(spec.plan),
                                              trainable=spec.trainable, optim=optim, seed=seed,
                                              recompute=cfg.recompute, bf16=cfg.bf16, fp16=cfg.fp16,
