@@ -291,7 +291,7 @@ def _hf_dir_for(args, role: str) -> Optional[str]:
 
 def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: str):
     """The checkpoint's architecture; a shape flag that disagrees with it is an error naming both."""
-    from puzzle.models.hf_llama import arch_from_hf_dir
+    from puzzle.models.hf_checkpoint import arch_from_hf_dir
 
     cfg_path = os.path.join(hf_dir, "config.json")
     try:

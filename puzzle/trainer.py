@@ -51,7 +51,7 @@ class PPOTrainer:
                                              transformer_impl=cfg.transformer_impl,
                                              sequence_parallel=cfg.sequence_parallel)
             if spec.hf_path and self.engines[role].member:
-                from puzzle.models.hf_llama import load_hf_into_model
+                from puzzle.models.hf_checkpoint import load_hf_into_model
 
                 # each rank reads only its own shards; a critic from an LM keeps its fresh head
                 load_hf_into_model(self.engines[role].module, spec.arch, role, spec.hf_path,

@@ -94,7 +94,7 @@ def _prompts(b, lo, hi, vocab, seed):
 def _hf_model(full, arch, dev, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from puzzle.models.hf_llama import hf_tensors_from_full
+    from puzzle.models.hf_checkpoint import hf_tensors_from_full
     from puzzle.models.hf_mapping import hf_config_from_arch
 
     cfg = hf_config_from_arch(arch)
@@ -174,7 +174,7 @@ def _worker(args):
     import torch
     import torch.distributed as dist
 
-    from puzzle.models.hf_llama import gather_full_state
+    from puzzle.models.hf_checkpoint import gather_full_state
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.rollout import SamplingParams, generate

@@ -1,5 +1,5 @@
-"""HF import/export of the LLaMA-family decoders (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) for role
-models at any (P, D, T) layout.
+"""HF checkpoints of the LLaMA-family decoders (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3): import into
+and export from role models at any (P, D, T) layout.
 
 Import (``load_hf_into_model``): every rank opens the safetensors files lazily (``safe_open``,
 through ``model.safetensors.index.json`` when sharded) and reads ONLY the rows/columns of its own
