@@ -50,7 +50,7 @@ def run(argv) -> int:
     return _train(cfg, tokenizer, dataset)
 
 
-def fault_injection_from_env(environ) -> "FaultInjection":
+def fault_injection_from_env(environ):
     """The faults the tests ask for ($PUZZLE_TEST_NONFINITE_AT, $PUZZLE_TEST_FAIL_SAVE_AT), read
     once here and carried by RunConfig.faults; none in an ordinary run."""
     from puzzle.config import FaultInjection

@@ -154,9 +154,6 @@ class RoutingTable:
         """Bytes crossing between ranks (local copies excluded)."""
         return sum(o.nbytes for o in self.ops if not o.is_local)
 
-    def max_rank_bytes_received(self) -> int:
-        return max((self.bytes_received(r) for r in self.dst.ranks), default=0)
-
     def bytes_lacking(self, rank: int) -> int:
         """Bytes of the rank's destination-layout shards that it does not hold in the source
         layout: the least any routing must deliver to it (computed independently of ops)."""

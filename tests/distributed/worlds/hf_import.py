@@ -131,7 +131,8 @@ def _run(eng, with_values=False):
     store = []
     if eng.member:
         tok = _tokens()
-        eng.forward_batch(_forward_step(store, with_values), iter(tok.split(1)), B, S, 1)
+        with torch.no_grad():
+            eng.forward_backward(_forward_step(store, with_values), iter(tok.split(1)), B, S, 1, forward_only=True)
     lay = eng.layout
     if eng.member and lay.is_last_stage and lay.t == 0:
         return torch.cat(store)
