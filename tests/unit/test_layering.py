@@ -8,7 +8,7 @@ hide an arrow. The layers, from the bottom:
     1  models                                             (GPTModel builders, parameter layout/names)
     2  training, rollout, pipeline, switch, algorithms, data
     3  trainer, checkpointing, generation_stage, reward_functions, metrics, run_control
-    4  cli, arguments, flag_checks, tools, bench, plan    (command line and tools)
+    4  cli, arguments, flag_checks, tools, bench, plan_search  (command line and tools)
 
 A module may import its own layer or any layer below. Below the command line (layers 0-3) nothing
 reads the environment but the launcher's contract (``ENV_READERS``: torchrun's RANK, WORLD_SIZE,
