@@ -12,10 +12,11 @@ hide an arrow. The layers, from the bottom:
 
 A module may import its own layer or any layer below. Below the command line (layers 0-3) nothing
 reads the environment but the launcher's contract (``ENV_READERS``: torchrun's RANK, WORLD_SIZE,
-LOCAL_RANK), and nothing imports argparse but the flag definitions (``ARGPARSE_USERS``). ``plan_search/`` (the plan search) is in the top
-layer because its commands read the command line, but its cost model, memory model and search are
-pure: they import only config, parallel and plan_search itself, and nothing in plan_search/ reaches models,
-training, rollout, pipeline, switch or torch.distributed.
+LOCAL_RANK), and nothing imports argparse but the flag definitions (``ARGPARSE_USERS``).
+``plan_search/`` (the plan search) is in the top layer because its commands read the command line,
+but its cost model, memory model and search are pure: they import only config, parallel and
+plan_search itself, and nothing in plan_search/ reaches models, training, rollout, pipeline, switch
+or torch.distributed.
 """
 
 from __future__ import annotations
