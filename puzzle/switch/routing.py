@@ -187,13 +187,6 @@ class RoutingTable:
                 held += _covered(own, k, 0, spec.global_shape[k]) * _unit_bytes(spec, self.dtype_bytes)
         return self.model_bytes() - held
 
-    def summary(self) -> str:
-        lines = [f"switch {self.src} -> {self.dst}: {len(self.ops)} ops, {self.total_bytes()} bytes moved"]
-        for r in self.dst.ranks:
-            lines.append(f"  rank {r}: recv {self.bytes_received(r)} (lacking {self.bytes_lacking(r)}), "
-                         f"sent {self.bytes_sent(r)}, allgather {self.allgather_bytes(r)}")
-        return "\n".join(lines)
-
 
 # ---- construction --------------------------------------------------------------------------------
 def _check_plans(specs: Sequence[ParamSpec], src: ParallelPlan, dst: ParallelPlan) -> None:
