@@ -80,12 +80,14 @@ def imports_of(source: str, module: str, is_package: bool, known: Set[str]) -> L
 
 
 def environment_reads(source: str) -> List[int]:
-    """Lines that read or write the process environment: ``os.environ``, ``os.getenv``,
-    ``os.putenv``, ``os.unsetenv``, or ``environ`` / ``getenv`` imported from os."""
+    """Lines that read or write the process environment or the command line: ``os.environ``,
+    ``os.getenv``, ``os.putenv``, ``os.unsetenv``, ``sys.argv``, or ``environ`` / ``getenv``
+    imported from os."""
     out = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" \
-                and node.attr in ("environ", "environb", "getenv", "putenv", "unsetenv"):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and (
+                node.value.id == "os" and node.attr in ("environ", "environb", "getenv", "putenv", "unsetenv")
+                or node.value.id == "sys" and node.attr == "argv"):
             out.append(node.lineno)
         elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(
                 a.name in ("environ", "environb", "getenv", "putenv", "unsetenv") for a in node.names):
@@ -156,15 +158,17 @@ def test_parser_sees_function_local_and_relative_imports():
 
 
 def test_environment_reads_are_found():
-    src = "import os\nfrom os import environ\nx = os.environ.get('A')\ny = os.getenv('B')\nz = os.path.join('c')\n"
-    assert environment_reads(src) == [2, 3, 4]
+    src = "import os\nfrom os import environ\nx = os.environ.get('A')\ny = os.getenv('B')\nz = os.path.join('c')\n" \
+          "a = sys.argv[1:]\nb = sys.path\n"
+    assert environment_reads(src) == [2, 3, 4, 6]
 
 
 def test_below_the_command_line_nothing_reads_the_environment():
-    """Flags reach the code through RunConfig; only the launcher's contract reads os.environ."""
+    """Flags reach the code through RunConfig; only the launcher's contract reads os.environ, and
+    nothing reads sys.argv."""
     bad = [f"{m}:{line}" for m, p in sorted(PATHS.items()) if m != "puzzle" and layer(m) < len(LAYERS) - 1
            and m not in ENV_READERS for line in environment_reads(p.read_text())]
-    assert not bad, "reads os.environ below the command-line layer: " + ", ".join(bad)
+    assert not bad, "reads os.environ or sys.argv below the command-line layer: " + ", ".join(bad)
     assert all(m in GRAPH and environment_reads(PATHS[m].read_text()) for m in ENV_READERS)
 
 
