@@ -294,7 +294,7 @@ def weight_fingerprint(engine) -> list:
             if lay.d != 0 or (lay.t != 0 and not getattr(p, "tensor_model_parallel", False)):
                 continue  # DP replicas and TP-replicated tensors (norms, scalar heads) count once
             if (name == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights
-                    and ROLES[engine.role].head == "lm" and not lay.is_first_stage):
+                    and ROLES[engine.role].lm_head and not lay.is_first_stage):
                 continue  # the last stage's tied copy of the word embeddings
             x = p.detach().double()
             acc += torch.stack([x.sum(), (x * x).sum()])

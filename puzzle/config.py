@@ -26,6 +26,11 @@ class Role:
     allow_missing_head: bool = False  # an HF checkpoint without a value/score head keeps a fresh one
 
     @property
+    def lm_head(self) -> bool:
+        """Whether the model ends in the vocabulary logits (else a scalar value / score head)."""
+        return self.head == "lm"
+
+    @property
     def hf_path_flag(self) -> str:
         return f"--hf-{self.weights_from}-path"
 

@@ -86,7 +86,7 @@ def report(metrics: List[dict], cfg, skip: int, bandwidth: float, matmul: float,
     context = ppo.max_prompt_length + R // 2  # the KV cache's mean length over the decode
     bound = decode_bound_tokens_per_s(actor, gen_mbs, context, bandwidth) * gen_D
     seq = ppo.max_prompt_length + mean("response_length_mean")
-    train_flops = sum(6 * shapes[r].param_count(ROLES[r].head == "lm") * B * seq * ppo.ppo_epochs
+    train_flops = sum(6 * shapes[r].param_count(ROLES[r].lm_head) * B * seq * ppo.ppo_epochs
                       for r in shapes if ROLES[r].trainable)
     out = {
         "gpu": gpu, "iterations": len(metrics), "skipped_warmup": skip,

@@ -168,13 +168,13 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
         post_process=layout.is_last_stage,
         parallel_output=True,
         # critic/reward replace the LM head with a scalar head: nothing to tie
-        share_embeddings_and_output_weights=ROLES[role].head == "lm" and not arch.untie_embeddings_and_output_weights,
+        share_embeddings_and_output_weights=ROLES[role].lm_head and not arch.untie_embeddings_and_output_weights,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=arch.rotary_base,
         pg_collection=layout.pg_collection,
     )
     apply_rope_scaling(model, arch)
-    if ROLES[role].head != "lm" and layout.is_last_stage:
+    if not ROLES[role].lm_head and layout.is_last_stage:
         model.output_layer = ScalarHead(arch.hidden_size, config.params_dtype, layout.tp_group,
                                         config.sequence_parallel)
     model.puzzle_layout = layout

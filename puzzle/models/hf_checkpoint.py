@@ -128,7 +128,7 @@ def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_d
     plan = layout.plan
     ckpt = HFCheckpoint(hf_dir)
     head = _head_name(ckpt)
-    lm = ROLES[role].head == "lm"
+    lm = ROLES[role].lm_head
     if not lm and head is None and not allow_missing_head:
         raise KeyError(f"{hf_dir}: {role} needs a value/score head ({' or '.join(HEAD_NAMES)}) in the "
                        f"checkpoint; pass allow_missing_head=True to keep the initialised head")

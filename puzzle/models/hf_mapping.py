@@ -110,7 +110,7 @@ def hf_entries(arch, role: str = "actor", *, prefix: str = "model.", head_name: 
             kind, names = per_layer[parts[3]]
             hf = tuple(f"{m}layers.{parts[2]}.{n}" for n in names)
         out.append(HFEntry(spec.name, hf, kind, spec.global_shape))
-    assert ROLES[role].head == "lm" or out[-1].ours == "value_head.weight"
+    assert ROLES[role].lm_head or out[-1].ours == "value_head.weight"
     return out
 
 
@@ -327,7 +327,7 @@ def hf_config_from_arch(arch, role: str = "actor", dtype: str = "float32", **ext
     mt = arch.hf_model_type
     if mt not in FAMILIES:
         raise ValueError(f"cannot export model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
-    lm = ROLES[role].head == "lm"
+    lm = ROLES[role].lm_head
     rope = {"rope_theta": float(arch.rotary_base), "rope_type": "default"}
     if arch.use_rope_scaling:
         rope.update(rope_type="llama3", factor=arch.rope_scaling_factor,

@@ -49,7 +49,7 @@ HEAD_SPEC_NAME = "value_head.weight"
 def is_scalar_head(name: str, role: str) -> bool:
     """Whether the module parameter ``name`` is the scalar (value / score) head of ``role``: it
     sits in GPTModel's ``output_layer`` slot and is the spec ``value_head.weight``."""
-    return name == HEAD_LOCAL_NAME and ROLES[role].head != "lm"
+    return name == HEAD_LOCAL_NAME and not ROLES[role].lm_head
 
 # (canonical suffix, transformer_engine suffix) of the per-layer parameters that differ
 _TE_RENAMES = (

@@ -111,7 +111,7 @@ def ppo_roles(actor: ModelShape, critic: Optional[ModelShape], ref: Optional[Mod
     """actor/critic/ref/reward; ref mirrors the actor and reward the critic (else the actor) unless
     given. ``critic=None``: a run without a critic (critic-free estimators), no critic role."""
     shapes = {"actor": actor, "ref": ref or actor, "reward": reward or critic or actor, "critic": critic}
-    return {name: ModelRole(name, shape, ROLES[name].trainable, ROLES[name].head == "lm")
+    return {name: ModelRole(name, shape, ROLES[name].trainable, ROLES[name].lm_head)
             for name, shape in shapes.items() if shape is not None}
 
 
