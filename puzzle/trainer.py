@@ -169,7 +169,7 @@ class PPOTrainer:
                                     eos_ids=tuple(self.tokenizer.eos_ids))
             out = generate(engine, mine, params, seed=self.cfg.seed * 100003 + self.iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
-                           cuda_graphs=ppo.cuda_graph_generation,
+                           cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
                            sample_offset=round_ * B + layout.d * share)
             Lp = out.tokens.shape[1] - R
             responses, lengths = out.tokens[:, Lp:], out.response_lengths

@@ -13,7 +13,9 @@ for the SDPA (``local``) and megatron unfused backends, their ratios to transfor
 taken in turn in the same run.
 
 On a CUDA device (bf16; ``--model 1b`` is a 1.1B LLaMA shape): also ``puzzle_local_graphs``
-(``--cuda-graph-generation``), the measured device memory bandwidth (a large device-to-device
+(``--cuda-graph-generation``) and ``puzzle_compiled_graphs`` (with ``--compile-generation``, a
+second copy of the model with its own graphs; ``rows_equal_compiled_eager``: the fraction of rows
+whose greedy tokens equal the eager kernels'), the measured device memory bandwidth (a large device-to-device
 copy, read + write bytes / time) and ``decode_bound_ratio`` = (weight bytes + KV bytes read per
 decode step, summed over the steps) / bandwidth / measured generation time: 1.0 is the memory
 bound. Without a GPU, that figure is not produced.
@@ -191,6 +193,9 @@ def _worker(args):
     backends = ["local"] if cuda else ["local", "unfused"]
     engines = {be: ModelEngine("actor", replace(arch, attention_backend=be), layout, trainable=False,
                                seed=7, bf16=cuda) for be in backends}
+    if cuda:
+        engines["compiled"] = ModelEngine("actor", replace(arch, attention_backend="local"), layout,
+                                          trainable=False, seed=7, bf16=True)
     full = gather_full_state(engines["local"].module, arch, "actor")
     hf = _hf_model(full, arch, dev, torch.bfloat16 if cuda else torch.float32) if rank == 0 else None
     from puzzle.bench.gpu_report import measure_bandwidth
@@ -206,13 +211,15 @@ def _worker(args):
                "dtype": "bfloat16" if cuda else "float32", "batch": b, "new_tokens": n_new,
                "prompt_lengths": [lo, hi]}
         toks = {}
-        variants = [(be, False) for be in backends] + ([("local", True)] if cuda else [])
+        variants = [(be, False, False) for be in backends]
+        if cuda:  # CUDA graphs; then through torch.compile (a second model: its own graphs)
+            variants += [("local", True, False), ("compiled", True, True)]
         times = {}
         for i in range(args.repeats + 1):  # in turn: warm-up pass first
-            for be, graphs in variants:
+            for be, graphs, compiled in variants:
                 name = be + ("_graphs" if graphs else "")
-                t, out = _once(lambda: generate(engines[be], prompts, params, seed=0, cuda_graphs=graphs),
-                               dev)
+                t, out = _once(lambda: generate(engines[be], prompts, params, seed=0, cuda_graphs=graphs,
+                                                compile_graphs=compiled), dev)
                 toks[name] = torch.tensor([r for r in out.responses()])
                 if i:
                     times.setdefault(name, []).append(t)
@@ -238,12 +245,14 @@ def _worker(args):
             if "local_graphs" in toks:  # CUDA graphs against the same loop run eagerly
                 row["tokens_equal_graphs_eager"] = bool(torch.equal(toks["local_graphs"], toks["local"]))
                 row["graph_captures"] = engines["local"].module._puzzle_decode_graphs.captures
+                same = (toks["compiled_graphs"] == toks["local"]).all(dim=1)
+                row["rows_equal_compiled_eager"] = round(float(same.float().mean()), 3)
             if cuda:
                 elem = 2
                 need = _decode_bytes(engines["local"].module, arch, prompts, n_new, elem, world)
                 row["bandwidth_GBps"] = round(bw / 1e9, 1)
                 row["decode_bytes_per_rank"] = int(need)
-                for name in ("local", "local_graphs"):
+                for name in ("local", "local_graphs", "compiled_graphs"):
                     row[f"decode_bound_ratio_{name}"] = round(need / bw / statistics.median(times[name]), 3)
             elif not all(row[f"tokens_equal_{n}"] for n in times if n != "hf"):
                 raise AssertionError(f"greedy tokens differ from transformers at batch {b}: {row}")

@@ -183,6 +183,10 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
 
         init_layout_independent(model, arch, role, head_seed)
     model.puzzle_device = runtime().device  # every input of a model call must live here
+    if config.params_dtype != torch.float32:
+        # --bf16/--fp16 as in Megatron-LM (its Float16Module): every parameter in that precision,
+        # the torch norms too (they are built in float32); fp32 main copies live in the optimizer
+        return model.to(device=model.puzzle_device, dtype=config.params_dtype)
     return model.to(model.puzzle_device)
 
 
