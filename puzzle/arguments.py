@@ -183,7 +183,7 @@ def _hf_dir_for(args, role: str) -> Optional[str]:
 
 def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: str):
     """The checkpoint's architecture; a shape flag that disagrees with it is an error naming both."""
-    from puzzle.models.hf_llama import arch_from_hf_dir
+    from puzzle.models.hf_checkpoint import arch_from_hf_dir
 
     cfg_path = os.path.join(hf_dir, "config.json")
     try:
@@ -422,7 +422,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                 _fail(gflags, str(e))
         lr = _role_config(OptimConfig, args, role).lr  # --critic-lr, else --lr
         roles[role] = from_args(RoleSpec, args, for_role=ROLES[role].weights_from, role=role, arch=arch,
-                                plan=plan, gen_plan=gen_plan, trainable=ROLES[role].trainable, lr=lr)
+                                plan=plan, gen_plan=gen_plan, lr=lr)
     what = (f"rollout batch {args.rollout_batch_size}" if N == 1 else
             f"rollout batch {args.rollout_batch_size} prompts x {N} samples = {samples}")
     if samples % mini:
@@ -476,7 +476,9 @@ def resolve_world_size(args) -> int:
         if args.world_size < 1:
             _fail("--world-size", f"must be >= 1 (got {args.world_size})")
         return args.world_size
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    from puzzle.parallel import launcher
+
+    return launcher.world_size()
 
 
 def resolve_vocab_size(args) -> int:

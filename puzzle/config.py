@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from puzzle.config_flags import check, check_at_least, fail, flag
 
@@ -24,6 +24,11 @@ class Role:
     trainable: bool
     weights_from: str      # whose HF checkpoint flag gives its weights: --hf-<weights_from>-path
     allow_missing_head: bool = False  # an HF checkpoint without a value/score head keeps a fresh one
+
+    @property
+    def lm_head(self) -> bool:
+        """Whether the model ends in the vocabulary logits (else a scalar value / score head)."""
+        return self.head == "lm"
 
     @property
     def hf_path_flag(self) -> str:
@@ -43,8 +48,6 @@ ROLES = {r.name: r for r in (
          allow_missing_head=True),
     Role("reward", head="score", seed_offset=2, trainable=False, weights_from="reward"),
 )}
-#: role -> head (kept for the model builders that only need the head)
-HEADS = {name: r.head for name, r in ROLES.items()}
 #: --attention-backend values (Megatron-LM's names; see puzzle/models/attention_backend.py)
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 #: RunConfig.precision: fp32 (default), bf16 or fp16 parameters and activations, as Megatron-LM's
@@ -186,13 +189,12 @@ LLAMA_CHOICES = dict(normalization="RMSNorm", swiglu=True, position_embedding_ty
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """One role model: its shape, its layout(s) and whether it trains."""
+    """One role model of a run: its shape, its layout(s), its learning rate and weights."""
 
     role: str
     arch: ModelArch
     plan: "object"                 # ParallelPlan for scoring and training
     gen_plan: "object" = None      # actor only: generation layout (None = same as plan)
-    trainable: bool = False
     lr: float = 0.0
     hf_path: Optional[str] = flag(  # HF checkpoint to load the weights from: --hf-<weights_from>-path
         None, "data", type=str, roles=("actor", "critic", "reward"), role_only=True, role_name="--hf-{role}-path",
@@ -203,8 +205,16 @@ class RoleSpec:
 
     @property
     def description(self) -> Role:
-        """The role's fixed properties (head, seed offset, weight source)."""
+        """The role's fixed properties (head, seed offset, whether it trains, weight source)."""
         return ROLES[self.role]
+
+    @property
+    def trainable(self) -> bool:
+        return self.description.trainable
+
+    def init_seed(self, seed: int) -> int:
+        """The seed of this model's initial weights under --seed ``seed``."""
+        return seed + self.description.seed_offset
 
 
 _PPO = "PPO"
@@ -381,6 +391,16 @@ class Operations:
 
 
 @dataclass(frozen=True)
+class FaultInjection:
+    """Faults a test injects into a real run; not a flag, empty in every ordinary run. The
+    command-line layer fills it from the test environment (puzzle.cli.fault_injection_from_env)."""
+
+    nonfinite_grads: Tuple[Tuple[str, int], ...] = ()  # (role, iteration): a NaN gradient of that role
+    fail_save_at: Optional[Tuple[int, int]] = None     # (rank, iteration): that rank raises half way
+    #                                                    through saving that iteration
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs below the command line (the trainer, checkpointing, the data
     loading of the CLI); built by puzzle.arguments.validate_args."""
@@ -455,6 +475,7 @@ class RunConfig:
     sequence_parallel: bool = flag(
         False, "training", "Megatron sequence parallelism within each model's tensor-parallel group (T > 1).")
     ops: Operations = Operations()
+    faults: FaultInjection = FaultInjection()
 
     def __post_init__(self):
         cls = RunConfig

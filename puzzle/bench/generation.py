@@ -96,7 +96,7 @@ def _prompts(b, lo, hi, vocab, seed):
 def _hf_model(full, arch, dev, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from puzzle.models.hf_llama import hf_tensors_from_full
+    from puzzle.models.hf_checkpoint import hf_tensors_from_full
     from puzzle.models.hf_mapping import hf_config_from_arch
 
     cfg = hf_config_from_arch(arch)
@@ -176,7 +176,7 @@ def _worker(args):
     import torch
     import torch.distributed as dist
 
-    from puzzle.models.hf_llama import gather_full_state
+    from puzzle.models.hf_checkpoint import gather_full_state
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.rollout import SamplingParams, generate

@@ -246,16 +246,6 @@ class PromptBatch:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def left_padded(self, pad_id: int):
-        """(tokens [b, L] long, lengths [b] long), prompts right-aligned (left padding)."""
-        import torch
-
-        L = max(len(p) for p in self.prompts)
-        tokens = torch.full((len(self.prompts), L), int(pad_id), dtype=torch.long)
-        for i, p in enumerate(self.prompts):
-            tokens[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-        return tokens, torch.tensor([len(p) for p in self.prompts], dtype=torch.long)
-
 
 class PromptLoader:
     """Deterministic, resumable, DP-sharded prompt iterator (infinite: epochs repeat reshuffled).

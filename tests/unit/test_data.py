@@ -202,12 +202,6 @@ def test_loader_resumes_from_state_at_any_dp_size():
         PromptLoader(_ids(25), 4, seed=10).load_state_dict(state)
 
 
-def test_left_padded_batch(byte_tok):
-    batch = next(PromptLoader([[1, 2, 3], [4]], 2, shuffle=False))
-    tokens, lengths = batch.left_padded(byte_tok.pad_id)
-    assert tokens.tolist() == [[1, 2, 3], [256, 256, 4]] and lengths.tolist() == [3, 1]
-
-
 def test_hub_dataset_name(monkeypatch, byte_tok):
     """A name that is not a local path goes to datasets.load_dataset (faked: no network here)."""
     import datasets

@@ -142,3 +142,21 @@ def test_vocab_size_sets_the_model_vocabulary():
     cfg = validate_args(parse_args(BASE + ["--vocab-size", "300"]), 1, 259)
     assert {r.arch.vocab_size for r in cfg.roles.values()} == {300}
     assert validate_args(parse_args(BASE), 1, 259).roles["actor"].arch.vocab_size == 259
+
+
+def test_test_faults_are_read_once_by_the_command_line(monkeypatch, capsys):
+    """The fault-injection variables of the tests become RunConfig.faults; a malformed one is an
+    error before anything starts; an ordinary run has no faults."""
+    from puzzle.config import FaultInjection
+
+    got = cli.fault_injection_from_env({cli.NONFINITE_ENV: "critic:2,actor:10", cli.FAIL_SAVE_ENV: "1:5"})
+    assert got == FaultInjection(nonfinite_grads=(("critic", 2), ("actor", 10)), fail_save_at=(1, 5))
+    assert cli.fault_injection_from_env({}) == FaultInjection()
+    for env, message in (({cli.NONFINITE_ENV: "critic"}, "expected role:iteration"),
+                         ({cli.FAIL_SAVE_ENV: "one:5"}, "expected rank:iteration"),
+                         ({cli.FAIL_SAVE_ENV: "0:1,1:2"}, "one rank:iteration")):
+        with pytest.raises(ValueError, match=message):
+            cli.fault_injection_from_env(env)
+    monkeypatch.setenv(cli.FAIL_SAVE_ENV, "x")
+    assert cli.run(BASE) == 2
+    assert capsys.readouterr().err.startswith(f"error: ${cli.FAIL_SAVE_ENV}: expected rank:iteration")

@@ -31,7 +31,9 @@ def _logprobs_at(plan: ParallelPlan, role="actor"):
     mine = tokens[layout.d * share:(layout.d + 1) * share]
     store = []
     mbs = 1
-    eng.forward_batch(lm_nll_step(ARCH.vocab_size, store), iter(mine.split(mbs)), share // mbs, S, mbs)
+    with torch.no_grad():
+        eng.forward_backward(lm_nll_step(ARCH.vocab_size, store), iter(mine.split(mbs)), share // mbs, S, mbs,
+                             forward_only=True)
     if not layout.is_last_stage or layout.t != 0:
         return None
     return {"d": layout.d, "lp": torch.cat(store).tolist()}

@@ -149,13 +149,13 @@ def check_forward_only():
     """Frozen models (scoring) at P=4: time-shared outputs == sequential outputs."""
     plan = ParallelPlan(4, 1, 1)
     lay, a, b = _engines(plan, False)
-    outs = {}
+    outs, stats = {}, time_sharing_executor.ExecStats()
     for placement in ("sequential", "time-sharing"):
         stores = ([], [])
         ctxs = _contexts(plan, lay, a, b, 3, 5, stores)
         with torch.no_grad():
             if placement == "time-sharing":
-                time_sharing_executor.run_time_shared(ctxs, forward_only=True)
+                time_sharing_executor.run_time_shared(ctxs, forward_only=True, stats=stats)
             else:
                 run_stage(ctxs, forward_only=True, placement=placement)
         outs[placement] = stores
@@ -163,7 +163,7 @@ def check_forward_only():
     return {"n": [len(s[0]), len(s[1]), len(t[0]), len(t[1])],
             "equal": all(len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
                          for x, y in zip(s, t)),
-            "stage": time_sharing_executor.last_stats.stage, "mode": time_sharing_executor.last_stats.mode}
+            "stage": stats.stage, "mode": stats.mode}
 
 
 def check_unequal_p():
