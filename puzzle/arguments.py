@@ -299,6 +299,11 @@ _NEEDS = (
     (PPOParams, "lam", lambda a, roles: "critic" in roles, "GAE's lambda: needs a critic (--advantage-estimator gae)"),
     (PPOParams, "value_clip_eps", lambda a, roles: "critic" in roles, "clips the critic's values: needs a critic "
                                                                       "(--advantage-estimator gae)"),
+    (PPOParams, "kl_estimator", lambda a, roles: "ref" in roles, "needs a reference model (--kl-coef > 0 or "
+                                                                  "--use-kl-loss)"),
+    *((PPOParams, field, lambda a, roles: not a.greedy, "is ignored by --greedy (argmax decoding; log-probs at "
+                                                        "temperature 1): drop one of them")
+      for field in ("temperature", "top_k", "top_p")),
     (OptimConfig, "min_lr", lambda a, roles: a.lr_decay_style != "constant",
      "needs --lr-decay-style linear or cosine (a constant learning rate never decays to it)"),
 )

@@ -84,6 +84,8 @@ BAD = [
     (["--overlong-penalty-factor", "2"], "--overlong-penalty-factor: needs --overlong-buffer-len > 0"),
     (["--advantage-estimator", "grpo", "--n-samples-per-prompt", "2", "--lam", "0.9"], "--lam: GAE's lambda: needs"),
     (["--min-lr", "1e-7"], "--min-lr: needs --lr-decay-style linear or cosine"),
+    (["--greedy", "--top-p", "0.9"], "--top-p: is ignored by --greedy"),
+    (["--kl-coef", "0", "--kl-estimator", "mse"], "--kl-estimator: needs a reference model"),
     (["--reward-timeout", "5", "--reward-fn", "", "--reward-model", "random"], "--reward-timeout: needs --reward-fn"),
     (["--reward-workers", "2", "--reward-fn", "", "--reward-model", "random"], "--reward-workers: needs --reward-fn"),
     (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3 (see train_ppo.py --help)"),
