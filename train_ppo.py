@@ -8,12 +8,13 @@ import sys
 
 def main(argv=None) -> int:
     import logging
-    import os
     import warnings
+
+    from puzzle.parallel import launcher
 
     # megatron-core warns at import that the optional TE/Apex kernels are absent (README explains)
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*")
-    if int(os.environ.get("RANK", "0")) != 0:  # warnings (megatron-core's, torch's): once, from rank 0
+    if launcher.rank() != 0:  # warnings (megatron-core's, torch's): once, from rank 0
         warnings.simplefilter("ignore")
         logging.getLogger("megatron").setLevel(logging.ERROR)
     import megatron_patches

@@ -1,9 +1,11 @@
 """Megatron-style command line: argparse groups by topic, ``validate_args`` -> a frozen RunConfig.
 
-The flags of RunConfig, PPOParams, OptimConfig and Operations are declared on their fields
-(puzzle/config.py, ``flag(...)``) and added here by ``add_dataclass_args``; the model-shape,
-layout and plan flags, which become per-role ModelArch and ParallelPlan objects, are declared in
-the ``_add_<topic>_args`` functions below.
+Every flag is declared once, on the config field it fills (``flag(...)``, puzzle/config_flags.py):
+the model shape on ModelArch, the layouts on LayoutFlags (puzzle/plan_layouts.py), the algorithm
+on PPOParams, the optimizer on OptimConfig, the rest of the run on RunConfig, Operations and
+RoleSpec; the flags that steer only this command (dry runs, plans) on CommandOptions below.
+``build_parser`` turns them into argparse groups; ``validate_args`` builds the configs (each checks
+itself) and checks what needs several of them.
 
 Megatron-LM flag names keep their meaning (model shape, batch, optimizer, parallelism, logging,
 checkpoints). Critic, reward and reference models take role-prefixed overrides of the model-shape
@@ -17,26 +19,40 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import List, Optional
 
-from puzzle.config import ROLES, Operations, OptimConfig, PPOParams, RunConfig
-from puzzle.config_flags import add_dataclass_args, from_args
+from puzzle.config import ROLES, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
+from puzzle.config_flags import (add_dataclass_args, field_value, flag, flag_name, flagged_fields, flags_given,
+                                 from_args, role_flags_given)
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
-from puzzle.plan_layouts import PlanLayouts, layouts_as_flags, read_plan_document
+from puzzle.plan_layouts import GENERATION, LayoutFlags, PlanLayouts, layouts_as_flags, read_plan_document
 
-ROLE_PREFIXED = ("critic", "reward", "ref")
+_PLAN = "plan"
 
-# (flag, type, default, help) of model-shape flags that roles may override with a prefix
-_MODEL_FLAGS = [
-    ("num-layers", int, None, "Number of transformer layers."),
-    ("hidden-size", int, None, "Transformer hidden size."),
-    ("ffn-hidden-size", int, None, "MLP hidden size (default 4 * hidden size)."),
-    ("num-attention-heads", int, None, "Number of attention heads."),
-    ("num-query-groups", int, None, "Query groups for grouped-query attention."),
-    ("kv-channels", int, None, "Projection size per head (default hidden / heads)."),
-]
+
+@dataclass(frozen=True)
+class CommandOptions:
+    """The flags that steer this command itself (what it runs and plans for), not the run."""
+
+    group_query_attention: bool = flag(False, "model", "Use grouped-query attention (reads --num-query-groups).")
+    dry_run: bool = flag(False, _PLAN, "Validate every flag, print the layouts and a per-device memory estimate, "
+                                       "exit without allocating.")
+    plan_file: Optional[str] = flag(
+        None, _PLAN, "Use the layouts and placements of a plan written by search_plan.py --save-plan (they "
+        "replace layout flags given on the command line).", type=str)
+    plan: str = flag("flags", _PLAN, "auto: search the plan at start with --profile; flags: the layout flags as "
+                                     "given.", choices=("auto", "flags"))
+    profile: Optional[str] = flag(
+        None, _PLAN, "Device profile for planning and memory estimates: a JSON file from python -m "
+        "puzzle.tools.profile, or a bundled name (default a100_80gb).", type=str)
+    world_size: Optional[int] = flag(
+        None, _PLAN, "World size to plan for in --dry-run / search_plan.py (default: $WORLD_SIZE).", type=int)
+
+
+#: the configs whose fields declare the flags, in the order of their groups in --help
+FLAG_CONFIGS = (ModelArch, LayoutFlags, OptimConfig, PPOParams, RoleSpec, RunConfig, Operations, CommandOptions)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,146 +63,17 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(f"{message} (see {self.prog} --help)")
 
 
-def _add_model_args(parser):
-    g = parser.add_argument_group("model")
-    for flag, typ, default, text in _MODEL_FLAGS:
-        g.add_argument(f"--{flag}", type=typ, default=default, help=f"Actor/reference: {text}")
-    g.add_argument("--group-query-attention", action="store_true", help="Use grouped-query attention.")
-    g.add_argument("--seq-length", type=int, default=None, help="Maximum sequence length (prompt + response).")
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (LLaMA).")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--add-qkv-bias", action="store_true", help="Biases on the q/k/v projections only (Qwen2).")
-    g.add_argument("--qk-layernorm", action="store_true", help="Per-head norm of queries and keys (Qwen3).")
-    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.x RoPE frequency scaling.")
-    g.add_argument("--rope-scaling-factor", type=float, default=None, help="Llama-3.x RoPE scaling factor (default 8).")
-    g.add_argument("--rope-low-freq-factor", type=float, default=None, help="Llama-3.x RoPE low_freq_factor (default 1).")
-    g.add_argument("--rope-high-freq-factor", type=float, default=None, help="Llama-3.x RoPE high_freq_factor (default 4).")
-    g.add_argument("--rope-original-max-position-embeddings", type=int, default=None,
-                   help="Llama-3.x RoPE original_max_position_embeddings (default 8192).")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"],
-                   default="auto", help="Core attention (Megatron-LM's names): flash/fused/unfused = "
-                   "transformer-engine kernels (unfused without TE: megatron-core's own), local = "
-                   "torch SDPA, auto = TE if present, else SDPA on CUDA, else unfused on CPU.")
-    for role in ROLE_PREFIXED:
-        rg = parser.add_argument_group(f"{role} model (overrides; default: the actor's)")
-        for flag, typ, _, text in _MODEL_FLAGS:
-            rg.add_argument(f"--{role}-{flag}", type=typ, default=None, help=f"{role}: {text}")
-
-
-def _add_parallel_args(parser):
-    g = parser.add_argument_group("parallelism (per role; D = world / (P * T))")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Actor training T (default for every role).")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Actor training P (default for every role).")
-    for role in ("actor",) + ROLE_PREFIXED:
-        g.add_argument(f"--{role}-tensor-model-parallel-size", type=int, default=None)
-        g.add_argument(f"--{role}-pipeline-model-parallel-size", type=int, default=None)
-        g.add_argument(f"--{role}-data-parallel-size", type=int, default=None,
-                       help=f"{role}: D (default: the ranks from its offset to the end / (P*T)).")
-        g.add_argument(f"--{role}-rank-offset", type=int, default=0,
-                       help=f"{role}: first rank of its layout (disjoint placement).")
-    g.add_argument("--actor-gen-tensor-model-parallel-size", type=int, default=None,
-                   help="Actor generation-layout T (default: its training layout).")
-    g.add_argument("--actor-gen-pipeline-model-parallel-size", type=int, default=None,
-                   help="Actor generation-layout P (default: its training layout).")
-
-
-def _add_training_args(parser):
-    g = parser.add_argument_group("training")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="Samples per optimizer step (= the PPO mini-batch; default: the rollout batch).")
-    g.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
-    g.add_argument("--bf16", action="store_true",
-                   help="bf16 parameters and activations; fp32 main parameters and gradients in the optimizer.")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
-                   help="Transformer layer implementation (Megatron-LM's flag): transformer_engine where TE "
-                        "imports on a CUDA machine, else local (said once at start).")
-
-
-def _add_ppo_args(parser):
-    g = parser.add_argument_group("PPO")
-    g.add_argument("--ppo-mini-batch-size", type=int, default=None, help="Alias of --global-batch-size.")
-    g.add_argument("--max-prompt-length", type=int, default=None, help="Prompt budget (default: seq length - max new tokens).")
-    g.add_argument("--clip-eps", type=float, default=0.2)
-
-
-def _add_algorithm_args(parser):
+def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argparse.ArgumentParser:
+    """``raise_errors``: an unknown or malformed flag raises ArgumentError instead of exiting."""
     from puzzle.algorithms import KL_KINDS, LOSS_AGG_MODES
     from puzzle.algorithms.advantage_estimators import ESTIMATORS
 
-    g = parser.add_argument_group("advantage estimators, GRPO family and DAPO (docs/grpo.md)")
-    g.add_argument("--advantage-estimator", choices=list(ESTIMATORS), default="gae",
-                   help="gae (PPO, with a critic) or a critic-free estimator.")
-    g.add_argument("--kl-loss-type", choices=list(KL_KINDS), default="low_var_kl")
-    g.add_argument("--clip-eps-low", type=float, default=None, help="Lower ratio clip (default --clip-eps).")
-    g.add_argument("--clip-eps-high", type=float, default=None,
-                   help="Upper ratio clip (DAPO clip-higher; default --clip-eps-low).")
-    g.add_argument("--loss-agg-mode", choices=list(LOSS_AGG_MODES), default="token-mean",
-                   help="How the actor's per-token losses are aggregated over the mini-batch.")
-
-
-def _add_reward_fn_args(parser):
-    parser.add_argument_group("reward functions (--reward-fn; docs/grpo.md)")  # RunConfig's, PPOParams' fields
-
-
-def _add_data_args(parser):
-    g = parser.add_argument_group("data")
-    g.add_argument("--hf-actor-path", type=str, default=None,
-                   help="HF checkpoint dir (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) for the actor and the "
-                        "reference; its config.json sets their shape.")
-    g.add_argument("--hf-critic-path", type=str, default=None,
-                   help="HF checkpoint dir for the critic backbone (+ score/v_head when present).")
-    g.add_argument("--hf-reward-path", type=str, default=None,
-                   help="HF checkpoint dir of the reward model (backbone + score head).")
-
-
-def _add_logging_args(parser):
-    parser.add_argument_group("logging and checkpoints")  # its flags: RunConfig's and Operations' fields
-
-
-def _add_operations_args(parser):
-    parser.add_argument_group("preemption, time limits, hangs and non-finite steps")  # Operations' fields
-
-
-def _add_plan_args(parser):
-    g = parser.add_argument_group("plan")
-    g.add_argument("--dry-run", action="store_true",
-                   help="Validate every flag, print the layouts and a per-device memory estimate, exit "
-                        "without allocating.")
-    g.add_argument("--plan-file", type=str, default=None,
-                   help="Use the layouts and placements of a plan written by search_plan.py --save-plan "
-                        "(they replace layout flags given on the command line).")
-    g.add_argument("--plan", choices=["auto", "flags"], default="flags",
-                   help="auto: search the plan at start with --profile; flags: the layout flags as given.")
-    g.add_argument("--profile", type=str, default=None,
-                   help="Device profile for planning and memory estimates: a JSON file from "
-                        "python -m puzzle.tools.profile, or a bundled name (default a100_80gb).")
-    g.add_argument("--world-size", type=int, default=None,
-                   help="World size to plan for in --dry-run / search_plan.py (default: $WORLD_SIZE).")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="Vocabulary size when the tokenizer files are not at hand (dry runs, planning).")
-
-
-def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argparse.ArgumentParser:
-    """``raise_errors``: an unknown or malformed flag raises ArgumentError instead of exiting."""
+    registered = {"advantage_estimator": list(ESTIMATORS), "kl_loss_type": list(KL_KINDS),
+                  "loss_agg_mode": list(LOSS_AGG_MODES)}
     cls = _Parser if raise_errors else argparse.ArgumentParser
     parser = cls(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
-    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_ppo_args,
-                _add_algorithm_args, _add_reward_fn_args, _add_data_args, _add_logging_args,
-                _add_operations_args, _add_plan_args):
-        add(parser)
-    for cls in (RunConfig, PPOParams, OptimConfig, Operations):  # flags declared on config fields
-        add_dataclass_args(parser, cls)
+    for config in FLAG_CONFIGS:
+        add_dataclass_args(parser, config, choices=registered)
     return parser
 
 
@@ -207,61 +94,63 @@ def role_value(args, role: str, flag: str):
     return getattr(args, attr)
 
 
+#: the model-shape flags a role may override (--critic-num-layers): flag -> ModelArch field
+_SHAPE_FLAGS = {name[2:]: f.name for f, spec, name, _ in flagged_fields(ModelArch) if spec.roles}
+#: the llama3 RoPE parameters (flags left unset: Megatron-LM's defaults)
+_ROPE_FIELDS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                "rope_original_max_position_embeddings")
+
+
 def _arch_for(args, role: str, vocab_size: int):
     """The role's ModelArch: from its HF ``config.json`` when one is at hand (flags may only
     repeat it; a critic/reward without a checkpoint of its own takes the actor's shape, as its
     model flags default to the actor's, unless role-prefixed shape flags describe it), else from
     the model flags."""
-    from puzzle.config import ModelArch
-
     own = _hf_dir_for(args, role)
     hf, source_flag = (own, ROLES[role].hf_path_flag) if own else \
         (args.hf_actor_path, "--hf-actor-path")
-    own_shape_flags = role != "actor" and any(getattr(args, f"{role}_{f.replace('-', '_')}", None) is not None
-                                              for f, *_ in _MODEL_FLAGS)
+    own_shape_flags = role != "actor" and role_flags_given(ModelArch, args, role)
     if hf and os.path.isfile(os.path.join(hf, "config.json")) and (own or not own_shape_flags):
         return _arch_from_hf(args, role, vocab_size, hf, source_flag)
 
-    def v(flag):
-        return role_value(args, role, flag)
-
-    num_layers, hidden, heads = v("num-layers"), v("hidden-size"), v("num-attention-heads")
-    for flag, value in (("num-layers", num_layers), ("hidden-size", hidden), ("num-attention-heads", heads)):
-        if value is None:
+    for flag in ("num-layers", "hidden-size", "num-attention-heads"):
+        if role_value(args, role, flag) is None:
             _fail(f"--{flag}", "is required (or --hf-actor-path/--hf-critic-path/--hf-reward-path DIR "
                                "with a config.json)")
-    groups = v("num-query-groups") if args.group_query_attention else None
+    groups = role_value(args, role, "num-query-groups")
     if args.group_query_attention and groups is None:
         _fail("--num-query-groups", "is required with --group-query-attention")
-    prefix = ROLES[role].flag_prefix
-    if _rope_scaling_kwargs(args) and not args.use_rope_scaling:
+    if groups is not None and not args.group_query_attention:
+        _fail(f"--{ROLES[role].flag_prefix}num-query-groups", "needs --group-query-attention (without it "
+              "every attention head has its own keys and values, as in Megatron-LM)")
+    if _rope_flags_given(args) and not args.use_rope_scaling:
         _fail("--rope-scaling-factor", "the llama3 RoPE parameters need --use-rope-scaling")
+    if args.rotary_base is not None and args.position_embedding_type != "rope":
+        _fail("--rotary-base", "needs --position-embedding-type rope")
+    overrides = {} if args.group_query_attention else {"num_query_groups": None}
+    return _role_config(ModelArch, args, role, vocab_size=args.vocab_size or vocab_size, **overrides)
+
+
+def _role_config(cls, args, role: str, **kwargs):
+    """``from_args`` for one role; the error of a field the role set with its own flag names that
+    flag (--critic-hidden-size, not --hidden-size)."""
     try:
-        return ModelArch(
-            num_layers=num_layers, hidden_size=hidden, ffn_hidden_size=v("ffn-hidden-size"),
-            num_attention_heads=heads, num_query_groups=groups, vocab_size=vocab_size,
-            kv_channels=v("kv-channels"), add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-            use_rope_scaling=args.use_rope_scaling, **_rope_scaling_kwargs(args),
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
-            normalization=args.normalization, norm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
-            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-            untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-            add_bias_linear=not args.disable_bias_linear, attention_dropout=args.attention_dropout,
-            hidden_dropout=args.hidden_dropout, init_method_std=args.init_method_std,
-            attention_backend=args.attention_backend,
-        )
-    except ValueError as e:
-        _fail(f"--{prefix}num-layers/--{prefix}hidden-size/--{prefix}num-attention-heads", f"{role}: {e}")
+        return from_args(cls, args, for_role=role, **kwargs)
+    except ArgumentError as e:
+        flag, _, message = str(e).partition(": ")
+        own = {flag_name(cls, field): option for option, field in role_flags_given(cls, args, role)}
+        if flag in own:
+            _fail(own[flag], message)
+        _fail(flag, message if role == "actor" else f"{role}: {message}")
 
 
-def _check_generation_device(args, transformer_impl: str) -> None:
+def _check_generation_device(args, attention_backend: str, transformer_impl: str) -> None:
     """--attention-backend and --cuda-graph-generation against this machine (before any group)."""
     from puzzle.models.attention_backend import resolve_attention_backend
     from puzzle.parallel.device import accelerator_available
 
     try:
-        resolve_attention_backend(args.attention_backend, te=transformer_impl == "transformer_engine",
+        resolve_attention_backend(attention_backend, te=transformer_impl == "transformer_engine",
                                   cuda=accelerator_available())
     except ValueError as e:
         raise ArgumentError(str(e)) from None
@@ -269,20 +158,23 @@ def _check_generation_device(args, transformer_impl: str) -> None:
         _fail("--cuda-graph-generation", "needs a CUDA device (this run uses the CPU)")
 
 
-# Megatron-LM's rope-scaling flags and ours for the other three llama3 parameters -> ModelArch fields
-_ROPE_FLAGS = (("rope_scaling_factor", "rope_scaling_factor"), ("rope_low_freq_factor", "rope_low_freq_factor"),
-               ("rope_high_freq_factor", "rope_high_freq_factor"),
-               ("rope_original_max_position_embeddings", "rope_original_max_position_embeddings"))
-# model-shape flag -> (ModelArch field, HF config.json field)
-_SHAPE_FIELDS = {"num-layers": ("num_layers", "num_hidden_layers"), "hidden-size": ("hidden_size", "hidden_size"),
-                 "ffn-hidden-size": ("ffn_hidden_size", "intermediate_size"),
-                 "num-attention-heads": ("num_attention_heads", "num_attention_heads"),
-                 "num-query-groups": ("num_query_groups", "num_key_value_heads"),
-                 "kv-channels": ("kv_channels", "head_dim")}
+# model-shape flag -> HF config.json field
+_HF_SHAPE_FIELDS = {"num-layers": "num_hidden_layers", "hidden-size": "hidden_size",
+                    "ffn-hidden-size": "intermediate_size", "num-attention-heads": "num_attention_heads",
+                    "num-query-groups": "num_key_value_heads", "kv-channels": "head_dim"}
 
 
-def _rope_scaling_kwargs(args) -> dict:
-    return {field: getattr(args, attr) for attr, field in _ROPE_FLAGS if getattr(args, attr) is not None}
+#: ModelArch fields an HF checkpoint decides: a flag given for one must agree with it (the shape
+#: flags are compared per role above; seq length, vocabulary and position bounds below)
+_HF_DECIDES = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type", "rotary_base",
+               "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+               "use_rope_scaling") + _ROPE_FIELDS
+#: ModelArch fields that are the run's, not the checkpoint's
+_RUN_FIELDS = ("attention_dropout", "hidden_dropout", "attention_backend", "init_method_std")
+
+
+def _rope_flags_given(args) -> List[str]:
+    return [field for field in _ROPE_FIELDS if getattr(args, field) is not None]
 
 
 def _hf_dir_for(args, role: str) -> Optional[str]:
@@ -291,7 +183,7 @@ def _hf_dir_for(args, role: str) -> Optional[str]:
 
 def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: str):
     """The checkpoint's architecture; a shape flag that disagrees with it is an error naming both."""
-    from puzzle.models.hf_llama import arch_from_hf_dir
+    from puzzle.models.hf_checkpoint import arch_from_hf_dir
 
     cfg_path = os.path.join(hf_dir, "config.json")
     try:
@@ -300,24 +192,31 @@ def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: s
     except (ValueError, OSError) as e:
         _fail(flag_of_role, str(e))
     prefix = ROLES[role].flag_prefix
-    for flag, (field, hf_field) in _SHAPE_FIELDS.items():
-        given = role_value(args, role, flag)
+    for flag, hf_field in _HF_SHAPE_FIELDS.items():
+        field, given = _SHAPE_FLAGS[flag], role_value(args, role, flag)
         if given is not None and given != getattr(arch, field):
             _fail(f"--{prefix}{flag}", f"{given} conflicts with {cfg_path} ({hf_field}={getattr(arch, field)}); "
                                        f"drop the flag: {flag_of_role} sets the {role} shape")
-    for attr in ("add_qkv_bias", "qk_layernorm", "use_rope_scaling"):
-        if getattr(args, attr) and not getattr(arch, attr):
-            _fail("--" + attr.replace("_", "-"), f"conflicts with {cfg_path}, whose model has no {attr}")
-    for attr, field in _ROPE_FLAGS:
-        given = getattr(args, attr)
-        if given is not None and (not arch.use_rope_scaling or given != getattr(arch, field)):
-            _fail("--" + attr.replace("_", "-"), f"{given} conflicts with {cfg_path} "
-                                                 f"(use_rope_scaling={arch.use_rope_scaling}, {field}="
-                                                 f"{getattr(arch, field)})")
+    given = flags_given(ModelArch, args)
+    for field, flag in given.items():
+        value, theirs = field_value(ModelArch, args, field), getattr(arch, field)
+        if field in _HF_DECIDES and (value != theirs or field in _ROPE_FIELDS and not arch.use_rope_scaling):
+            what = f"whose model has no {field}" if theirs is False else f"({field}={theirs})"
+            if field in _ROPE_FIELDS:
+                what = f"(use_rope_scaling={arch.use_rope_scaling}, {field}={theirs})"
+            _fail(flag, f"{'' if value is True else f'{value} '}conflicts with {cfg_path} {what}; drop the flag: "
+                        f"{flag_of_role} sets the {role} model")
+    if "max_position_embeddings" in given and args.max_position_embeddings > arch.max_position_embeddings:
+        _fail("--max-position-embeddings", f"{args.max_position_embeddings} exceeds the "
+                                           f"{arch.max_position_embeddings} of {cfg_path}")
+    if "vocab_size" in given and args.vocab_size != arch.vocab_size:
+        _fail("--vocab-size", f"{args.vocab_size} conflicts with {cfg_path} (vocab_size={arch.vocab_size})")
     if vocab_size > arch.vocab_size:
         _fail("--tokenizer-model", f"the tokenizer has {vocab_size} tokens, more than the {arch.vocab_size} "
                                    f"rows of {cfg_path} (vocab_size)")
-    return arch
+    # the run's choices apply on top of the checkpoint (dropout, attention kernel, init of fresh heads)
+    return replace(arch, **{field: field_value(ModelArch, args, field) for field in _RUN_FIELDS
+                            if field in given or field != "init_method_std"})
 
 
 def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str, *,
@@ -325,9 +224,7 @@ def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str, *,
     """The role's plan on ranks offset.. (D given, or all the ranks of ``size`` / the rest)."""
     from puzzle.parallel.plan import ParallelPlan, PlanError
 
-    if P < 1 or T < 1:
-        _fail(flags, f"{role} parallel sizes must be >= 1 (P={P}, T={T})")
-    if offset < 0 or offset >= world_size:
+    if offset >= world_size:
         _fail(flags, f"{role} rank offset {offset} is outside the world of {world_size} ranks")
     avail = size if size is not None else world_size - offset
     if D is None:
@@ -377,9 +274,61 @@ def role_set(args) -> List[str]:
         roles.append("critic")
     if args.kl_coef > 0 or args.use_kl_loss:
         roles.append("ref")
-    if args.reward_model:
+    if args.reward_model or args.hf_reward_path:
         roles.append("reward")
     return roles
+
+
+#: why a run has no model of a role (its role flags are then refused)
+_ABSENT = {"critic": "--advantage-estimator {advantage_estimator} has no critic",
+           "ref": "no reference model: --kl-coef 0 and no --use-kl-loss",
+           "reward": "no reward model: the reward comes from --reward-fn"}
+
+
+#: (config, field, what the field needs, message): a flag given without what it needs would change nothing
+_NEEDS = (
+    (PPOParams, "kl_horizon", lambda a, roles: a.kl_target is not None, "needs --kl-target (the adaptive KL "
+                                                                         "controller's horizon)"),
+    (PPOParams, "kl_target", lambda a, roles: a.kl_coef > 0, "needs --kl-coef > 0 (it adapts the reward's KL "
+                                                            "penalty, starting from --kl-coef)"),
+    (PPOParams, "kl_loss_coef", lambda a, roles: a.use_kl_loss, "needs --use-kl-loss"),
+    (PPOParams, "kl_loss_type", lambda a, roles: a.use_kl_loss, "needs --use-kl-loss"),
+    (PPOParams, "max_num_gen_batches", lambda a, roles: a.filter_groups, "needs --filter-groups"),
+    (PPOParams, "overlong_penalty_factor", lambda a, roles: a.overlong_buffer_len > 0,
+     "needs --overlong-buffer-len > 0"),
+    (PPOParams, "lam", lambda a, roles: "critic" in roles, "GAE's lambda: needs a critic (--advantage-estimator gae)"),
+    (PPOParams, "value_clip_eps", lambda a, roles: "critic" in roles, "clips the critic's values: needs a critic "
+                                                                      "(--advantage-estimator gae)"),
+    (PPOParams, "kl_estimator", lambda a, roles: "ref" in roles, "needs a reference model (--kl-coef > 0 or "
+                                                                  "--use-kl-loss)"),
+    *((PPOParams, field, lambda a, roles: not a.greedy, "is ignored by --greedy (argmax decoding; log-probs at "
+                                                        "temperature 1): drop one of them")
+      for field in ("temperature", "top_k", "top_p")),
+    (OptimConfig, "min_lr", lambda a, roles: a.lr_decay_style != "constant",
+     "needs --lr-decay-style linear or cosine (a constant learning rate never decays to it)"),
+)
+
+
+def _check_needs(args, present: List[str]) -> None:
+    given = {(config, field): flag for config in (PPOParams, OptimConfig)
+             for field, flag in flags_given(config, args).items()}
+    for config, field, ok, message in _NEEDS:
+        if (config, field) in given and not ok(args, present):
+            _fail(given[config, field], message)
+
+
+def _check_absent_roles(args, present: List[str]) -> None:
+    """A role flag (--critic-lr, --ref-num-layers, --hf-critic-path, ...) of a role the run does not
+    build would be ignored: refused."""
+    for role, why in _ABSENT.items():
+        if role in present:
+            continue
+        given = [flag for config in (ModelArch, LayoutFlags, OptimConfig) for flag, _ in
+                 role_flags_given(config, args, role)]
+        if ROLES[role].weights_from == role:
+            given += [flag for flag, _ in role_flags_given(RoleSpec, args, role)]
+        if given:
+            _fail(given[0], f"the run builds no {role} model ({why.format(**vars(args))})")
 
 
 def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = True,
@@ -394,7 +343,6 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     args = argparse.Namespace(**vars(args))
     layouts = layouts or PlanLayouts()
     from puzzle import flag_checks
-    from puzzle.config import RoleSpec
     from puzzle.models.builders import check_layout
     from puzzle.parallel.plan import PlanError
 
@@ -403,8 +351,9 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     optim = from_args(OptimConfig, args)  # the configs that check themselves
     ops = from_args(Operations, args)
     flag_checks.check_values(args)
-    if args.bf16 and args.fp16:
-        _fail("--bf16/--fp16", "choose one")
+    if args.vocab_size is not None and args.vocab_size < vocab_size:
+        _fail("--vocab-size", f"{args.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})")
+    precision = field_value(RunConfig, args, "precision")  # --bf16/--fp16: one of them
     if check_paths:  # this machine: writable outputs, a GPU for --fp16, optional logging packages
         flag_checks.check_environment(args)
     if args.max_new_tokens < 1:
@@ -427,16 +376,13 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     if args.reward_fn and args.reward_model:
         _fail("--reward-fn", f"give one reward source, not both --reward-fn and a reward model "
                              f"({args.reward_model})")
+    if "reward_timeout" in flags_given(RunConfig, args) and not args.reward_fn:
+        _fail("--reward-timeout", "needs --reward-fn (it bounds the reward function's calls)")
     flag_checks.check_algorithm_args(args)
     N = args.n_samples_per_prompt
     samples = args.rollout_batch_size * N
-    mini = args.ppo_mini_batch_size or args.global_batch_size or samples
-    ppo = from_args(
-        PPOParams, args, mini_batch_size=mini, max_prompt_length=max_prompt,
-        clip_eps=args.clip_eps_low if args.clip_eps_low is not None else args.clip_eps,
-        clip_eps_high=args.clip_eps_high if args.clip_eps_high is not None else args.clip_eps_low,
-        advantage_estimator=args.advantage_estimator, kl_loss_type=args.kl_loss_type,
-        loss_agg_mode=args.loss_agg_mode)
+    mini = args.global_batch_size or samples
+    ppo = from_args(PPOParams, args, mini_batch_size=mini, max_prompt_length=max_prompt)
     for flag in ("save", "load"):
         path = getattr(args, flag)
         if path is not None and (not path or os.path.exists(path) and not os.path.isdir(path)):
@@ -444,19 +390,17 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
 
     roles = {}
     present = role_set(args)
+    _check_absent_roles(args, present)
+    _check_needs(args, present)
     for role in ("actor", "critic", "ref", "reward"):
         if role not in present:
             continue
         arch = _arch_for(args, role, vocab_size)
-        P = role_value(args, role, "pipeline-model-parallel-size")
-        T = role_value(args, role, "tensor-model-parallel-size")
-        if role == "actor":
-            P = args.actor_pipeline_model_parallel_size or P
-            T = args.actor_tensor_model_parallel_size or T
+        layout = _role_config(LayoutFlags, args, role)
+        P, T = layout.pipeline_model_parallel_size, layout.tensor_model_parallel_size
+        offset, D = layout.rank_offset, layout.data_parallel_size
         flags = (f"--{role}-tensor-model-parallel-size/--{role}-pipeline-model-parallel-size"
                  if role != "actor" else "--tensor-model-parallel-size/--pipeline-model-parallel-size")
-        offset = getattr(args, f"{role}_rank_offset")
-        D = getattr(args, f"{role}_data_parallel_size")
         home = layouts.homes.get(role)
         if home is not None:
             P, T, offset, D = home.P, home.T, home.offset, home.D
@@ -469,8 +413,9 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
             _fail(flags, str(e))
         gen_plan = None
         if role == "actor":
-            gP = args.actor_gen_pipeline_model_parallel_size or P
-            gT = args.actor_gen_tensor_model_parallel_size or T
+            gen = _role_config(LayoutFlags, args, GENERATION, fallback=LayoutFlags(
+                tensor_model_parallel_size=T, pipeline_model_parallel_size=P))
+            gP, gT = gen.pipeline_model_parallel_size, gen.tensor_model_parallel_size
             if home is not None and layouts.actor_generation is not None:
                 gP, gT = layouts.actor_generation.P, layouts.actor_generation.T
             gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
@@ -480,11 +425,9 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                 check_layout(arch, gen_plan, "actor (generation layout)")
             except PlanError as e:
                 _fail(gflags, str(e))
-        trainable = ROLES[role].trainable
-        lr = args.lr if role == "actor" else (args.critic_lr if args.critic_lr is not None else args.lr)
-        hf = _hf_dir_for(args, role)
-        roles[role] = RoleSpec(role=role, arch=arch, plan=plan, gen_plan=gen_plan,
-                               trainable=trainable, lr=lr, hf_path=hf)
+        lr = _role_config(OptimConfig, args, role).lr  # --critic-lr, else --lr
+        roles[role] = from_args(RoleSpec, args, for_role=ROLES[role].weights_from, role=role, arch=arch,
+                                plan=plan, gen_plan=gen_plan, lr=lr)
     what = (f"rollout batch {args.rollout_batch_size}" if N == 1 else
             f"rollout batch {args.rollout_batch_size} prompts x {N} samples = {samples}")
     if samples % mini:
@@ -521,7 +464,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     from puzzle.models.builders import resolve_transformer_impl
 
     impl, impl_note = resolve_transformer_impl(args.transformer_impl)
-    _check_generation_device(args, impl)
+    _check_generation_device(args, roles["actor"].arch.attention_backend, impl)
     if args.sequence_parallel and impl == "local" and any(r.plan.T > 1 for r in roles.values()):
         _fail("--sequence-parallel", "needs --transformer-impl transformer_engine (TE on a CUDA machine): "
                                      "megatron-core's local layer spec normalises with torch norms, which "
@@ -529,15 +472,18 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops,
-        reward_timeout=args.reward_timeout or None, precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        transformer_impl=impl, transformer_impl_note=impl_note)
+        reward_timeout=args.reward_timeout or None, precision=precision, transformer_impl=impl,
+        transformer_impl_note=impl_note)
+
 
 def resolve_world_size(args) -> int:
     if args.world_size is not None:
         if args.world_size < 1:
             _fail("--world-size", f"must be >= 1 (got {args.world_size})")
         return args.world_size
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    from puzzle.parallel import launcher
+
+    return launcher.world_size()
 
 
 def resolve_vocab_size(args) -> int:
@@ -561,6 +507,7 @@ def config_for_planning(args, layouts: Optional[PlanLayouts] = None):
                          layouts=layouts)
 
 
-def plan_flags(doc: dict, strict: bool = False) -> List[str]:
-    """The layout and placement flags of a plan document (see puzzle.plan_layouts)."""
-    return layouts_as_flags(read_plan_document(doc, strict=strict))
+def plan_flags(doc: dict, strict: bool = False, roles=None) -> List[str]:
+    """The layout and placement flags of a plan document for a run that builds ``roles`` (default:
+    all of the plan's; see puzzle.plan_layouts)."""
+    return layouts_as_flags(read_plan_document(doc, strict=strict), roles)

@@ -59,14 +59,13 @@ import torch.distributed as dist
 
 import puzzle
 from puzzle.config import ROLES
-from puzzle.models.param_names import drop_extra_state
+from puzzle.models.param_names import HEAD_LOCAL_NAME, drop_extra_state
 from puzzle.parallel.device import runtime
 
 FORMAT = 1
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 TRAINER_STATE = "trainer_state.json"
-FAIL_ENV = "PUZZLE_TEST_FAIL_SAVE_AT"  # "rank:iteration": raise half way through that save (tests)
 _FINGERPRINT_RTOL = 1e-6
 
 
@@ -109,7 +108,7 @@ def _role_source(cfg, role: str) -> dict:
     """Where a model's initial weights come from (its Role: seed offset, HF checkpoint)."""
     spec = cfg.roles[role]
     return {"hf_path": os.path.abspath(spec.hf_path) if spec.hf_path else None,
-            "seed": cfg.seed + spec.description.seed_offset}
+            "seed": spec.init_seed(cfg.seed)}
 
 
 def run_metadata(cfg) -> dict:
@@ -294,8 +293,8 @@ def weight_fingerprint(engine) -> list:
         for name, p in engine.module.named_parameters():
             if lay.d != 0 or (lay.t != 0 and not getattr(p, "tensor_model_parallel", False)):
                 continue  # DP replicas and TP-replicated tensors (norms, scalar heads) count once
-            if (name == "output_layer.weight" and not arch.untie_embeddings_and_output_weights
-                    and ROLES[engine.role].head == "lm" and not lay.is_first_stage):
+            if (name == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights
+                    and ROLES[engine.role].lm_head and not lay.is_first_stage):
                 continue  # the last stage's tied copy of the word embeddings
             x = p.detach().double()
             acc += torch.stack([x.sum(), (x * x).sum()])
@@ -346,10 +345,11 @@ def _on_cpu() -> bool:
 
 
 # ---- save ------------------------------------------------------------------------------------------
-def _maybe_fail(rank: int, iteration: int) -> None:
-    spec = os.environ.get(FAIL_ENV)
-    if spec and spec == f"{rank}:{iteration}":
-        raise RuntimeError(f"{FAIL_ENV}={spec}: simulated failure in the middle of saving iteration {iteration}")
+def _maybe_fail(faults, rank: int, iteration: int) -> None:
+    """The test fault config.FaultInjection.fail_save_at: this rank dies half way through this save."""
+    if faults.fail_save_at == (rank, iteration):
+        raise RuntimeError(f"injected fault (rank {rank}): simulated failure in the middle of saving "
+                           f"iteration {iteration}")
 
 
 def _log(msg: str) -> None:
@@ -402,7 +402,7 @@ def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None)
     for role in trainable:
         sd = _role_sharded_state_dict(trainer.engines[role], is_loading=False, with_optimizer=True)
         dist_checkpointing.save(sd, os.path.join(tmp, role))
-        _maybe_fail(rank, it)
+        _maybe_fail(trainer.cfg.faults, rank, it)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     meta = run_metadata(trainer.cfg)
     meta["fingerprints"] = {r: weight_fingerprint(e) for r, e in trainer.engines.items()

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
+
+from puzzle.parallel import launcher
+
+#: environment variables through which the tests inject faults into a real run (config.FaultInjection)
+NONFINITE_ENV = "PUZZLE_TEST_NONFINITE_AT"  # "role:iteration[,role:iteration]": a NaN gradient
+FAIL_SAVE_ENV = "PUZZLE_TEST_FAIL_SAVE_AT"  # "rank:iteration": that rank raises half way through the save
 
 
 def run(argv) -> int:
@@ -11,7 +18,7 @@ def run(argv) -> int:
     from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
 
-    rank = int(os.environ.get("RANK", "0"))
+    rank = launcher.rank()
     if rank != 0 and any(a in ("-h", "--help") for a in argv):
         return 0  # the usage text once, from rank 0
     try:  # everything is checked before torch.distributed starts and before any allocation
@@ -19,11 +26,12 @@ def run(argv) -> int:
         layouts = _plan_layouts(args)
         if args.dry_run:
             return _dry_run(args, layouts, rank)
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = launcher.world_size()
         if args.world_size is not None and args.world_size != world_size:
             raise ArgumentError(f"--world-size: {args.world_size} but the job has {world_size} ranks")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         cfg = validate_args(args, world_size, tokenizer.vocab_size, layouts=layouts)
+        cfg = replace(cfg, faults=fault_injection_from_env(os.environ))
         if cfg.reward_fn:
             from puzzle.reward_functions import load_reward_fn
 
@@ -42,15 +50,35 @@ def run(argv) -> int:
     return _train(cfg, tokenizer, dataset)
 
 
+def fault_injection_from_env(environ):
+    """The faults the tests ask for ($PUZZLE_TEST_NONFINITE_AT, $PUZZLE_TEST_FAIL_SAVE_AT), read
+    once here and carried by RunConfig.faults; none in an ordinary run."""
+    from puzzle.config import FaultInjection
+
+    def pairs(name: str, first):
+        out = []
+        for item in filter(None, environ.get(name, "").split(",")):
+            head, sep, iteration = item.rpartition(":")
+            if not sep or not iteration.isdigit() or not (head.isdigit() if first is int else head):
+                raise ValueError(f"${name}: expected {'role' if first is str else 'rank'}:iteration, got {item!r}")
+            out.append((first(head), int(iteration)))
+        return tuple(out)
+
+    saves = pairs(FAIL_SAVE_ENV, int)
+    if len(saves) > 1:
+        raise ValueError(f"${FAIL_SAVE_ENV}: one rank:iteration (got {len(saves)})")
+    return FaultInjection(nonfinite_grads=pairs(NONFINITE_ENV, str), fail_save_at=saves[0] if saves else None)
+
+
 def _error_once(message: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launcher.rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 def _plan_layouts(args):
     """--plan-file / --plan auto: the plan's layouts and placements (PlanLayouts), which replace the
     layout flags given on the command line (or by a launch script); None without a plan."""
-    from puzzle.arguments import ArgumentError, config_for_planning
+    from puzzle.arguments import ArgumentError, config_for_planning, role_set
     from puzzle.plan_layouts import layouts_as_flags, read_plan_document
 
     if args.plan_file and args.plan == "auto":
@@ -79,8 +107,8 @@ def _plan_layouts(args):
     else:
         return None
     layouts = read_plan_document(doc)
-    if int(os.environ.get("RANK", "0")) == 0:  # the flags that give the same layouts
-        print("plan: " + " ".join(layouts_as_flags(layouts)), flush=True)
+    if launcher.rank() == 0:  # the flags that give the same layouts
+        print("plan: " + " ".join(layouts_as_flags(layouts, role_set(args))), flush=True)
     return layouts
 
 

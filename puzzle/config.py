@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from puzzle.config_flags import check, check_at_least, fail, flag
 
@@ -24,6 +24,11 @@ class Role:
     trainable: bool
     weights_from: str      # whose HF checkpoint flag gives its weights: --hf-<weights_from>-path
     allow_missing_head: bool = False  # an HF checkpoint without a value/score head keeps a fresh one
+
+    @property
+    def lm_head(self) -> bool:
+        """Whether the model ends in the vocabulary logits (else a scalar value / score head)."""
+        return self.head == "lm"
 
     @property
     def hf_path_flag(self) -> str:
@@ -43,8 +48,6 @@ ROLES = {r.name: r for r in (
          allow_missing_head=True),
     Role("reward", head="score", seed_offset=2, trainable=False, weights_from="reward"),
 )}
-#: role -> head (kept for the model builders that only need the head)
-HEADS = {name: r.head for name, r in ROLES.items()}
 #: --attention-backend values (Megatron-LM's names; see puzzle/models/attention_backend.py)
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 #: RunConfig.precision: fp32 (default), bf16 or fp16 parameters and activations, as Megatron-LM's
@@ -52,41 +55,73 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+_MODEL = "model"
+#: roles whose model-shape and layout flags have prefixed overrides (--critic-num-layers)
+ROLE_PREFIXED = ("critic", "reward", "ref")
+
+
+def _shape_flag(default, text: str, **more):
+    """A model-shape flag of the actor and reference, with --critic-/--reward-/--ref- overrides."""
+    return flag(default, _MODEL, f"Actor/reference: {text}", type=int, flag_default=None, roles=ROLE_PREFIXED,
+                role_help="{role}: " + text, role_group="{role} model (overrides; default: the actor's)", **more)
+
+
 @dataclass(frozen=True)
 class ModelArch:
-    """Architecture of one role model (LLaMA options by default)."""
+    """Architecture of one role model. The defaults are Megatron-LM's (LayerNorm, learned absolute
+    positions, GeLU MLP of 4 * hidden, tied embeddings, biases); ``ModelArch.llama(...)`` takes the
+    LLaMA choices (LLAMA_CHOICES)."""
 
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size, as in Megatron-LM
-    num_attention_heads: int = 4
-    num_query_groups: Optional[int] = None  # None = multi-head attention (groups = heads)
-    vocab_size: int = 256
-    make_vocab_size_divisible_by: int = 128
-    seq_length: int = 128
-    max_position_embeddings: Optional[int] = None
-    normalization: str = "RMSNorm"
-    norm_epsilon: float = 1e-5
-    swiglu: bool = True
-    position_embedding_type: str = "rope"
-    rotary_base: int = 10000
-    untie_embeddings_and_output_weights: bool = True
-    add_bias_linear: bool = False
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    init_method_std: float = 0.02
-    kv_channels: Optional[int] = None  # projection size per head; None = hidden / heads
-    add_qkv_bias: bool = False         # q/k/v biases only (Qwen2); add_bias_linear adds them all
-    qk_layernorm: bool = False         # per-head norm of queries and keys (Qwen3)
+    num_layers: int = _shape_flag(2, "Number of transformer layers.")
+    hidden_size: int = _shape_flag(64, "Transformer hidden size.")
+    ffn_hidden_size: Optional[int] = _shape_flag(None, "MLP hidden size (default 4 * hidden size).")
+    num_attention_heads: int = _shape_flag(4, "Number of attention heads.")
+    num_query_groups: Optional[int] = _shape_flag(  # None = multi-head attention (groups = heads)
+        None, "Query groups for grouped-query attention.")
+    vocab_size: int = flag(
+        256, _MODEL, "The model's vocabulary before padding (default: the tokenizer's; not smaller). Stands in "
+        "for the tokenizer's when its files are not at hand (dry runs, planning).", type=int, flag_default=None)
+    make_vocab_size_divisible_by: int = flag(128, _MODEL)
+    seq_length: int = flag(128, _MODEL, "Maximum sequence length (prompt + response).", flag_default=None)
+    max_position_embeddings: Optional[int] = flag(None, _MODEL, type=int)
+    # flag_default None: an HF checkpoint decides these unless the flag is given (then they must agree)
+    normalization: str = flag("LayerNorm", _MODEL, choices=("LayerNorm", "RMSNorm"), flag_default=None)
+    norm_epsilon: float = flag(1e-5, _MODEL, type=float, flag_default=None)
+    swiglu: bool = flag(False, _MODEL, "SwiGLU MLP (LLaMA).")
+    position_embedding_type: str = flag("learned_absolute", _MODEL, choices=("learned_absolute", "rope"),
+                                        flag_default=None)
+    rotary_base: int = flag(10000, _MODEL, "RoPE base (--position-embedding-type rope).", type=int,
+                            flag_default=None)
+    untie_embeddings_and_output_weights: bool = flag(False, _MODEL)
+    add_bias_linear: bool = flag(True, _MODEL, name="--disable-bias-linear", kind="negated")
+    attention_dropout: float = flag(0.0, _MODEL)
+    hidden_dropout: float = flag(0.0, _MODEL)
+    init_method_std: float = flag(0.02, _MODEL, type=float, flag_default=None)
+    kv_channels: Optional[int] = _shape_flag(None, "Projection size per head (default hidden / heads).")
+    add_qkv_bias: bool = flag(False, _MODEL, "Biases on the q/k/v projections only (Qwen2); "
+                              "--disable-bias-linear keeps them.")
+    qk_layernorm: bool = flag(False, _MODEL, "Per-head norm of queries and keys (Qwen3).")
     # Llama-3.x RoPE frequency scaling (HF rope_type "llama3"); defaults are Megatron-LM's
-    use_rope_scaling: bool = False
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int = 8192
+    use_rope_scaling: bool = flag(False, _MODEL, "Llama-3.x RoPE frequency scaling.")
+    rope_scaling_factor: float = flag(8.0, _MODEL, "Llama-3.x RoPE scaling factor (default 8).", flag_default=None)
+    rope_low_freq_factor: float = flag(
+        1.0, _MODEL, "Llama-3.x RoPE low_freq_factor (default 1).", flag_default=None)
+    rope_high_freq_factor: float = flag(
+        4.0, _MODEL, "Llama-3.x RoPE high_freq_factor (default 4).", flag_default=None)
+    rope_original_max_position_embeddings: int = flag(
+        8192, _MODEL, "Llama-3.x RoPE original_max_position_embeddings (default 8192).", flag_default=None)
     sliding_window: Optional[int] = None  # attention window of the checkpoint (None = full)
     hf_model_type: str = "llama"       # the HF family an export writes (llama, qwen2, qwen3, mistral)
-    attention_backend: str = "auto"  # auto | flash | fused | unfused | local (--attention-backend)
+    attention_backend: str = flag(
+        "auto", _MODEL, "Core attention (Megatron-LM's names): flash/fused/unfused = transformer-engine "
+        "kernels (unfused without TE: megatron-core's own), local = torch SDPA, auto = TE if present, else "
+        "SDPA on CUDA, else unfused on CPU.", choices=ATTENTION_BACKENDS, flag_default=None,
+        switches=(("--use-flash-attn", "flash", "Megatron-LM's older name of --attention-backend flash."),))
+
+    @classmethod
+    def llama(cls, **fields) -> "ModelArch":
+        """A LLaMA-architecture model: LLAMA_CHOICES, then ``fields``."""
+        return cls(**{**LLAMA_CHOICES, **fields})
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -98,40 +133,41 @@ class ModelArch:
         explicit_kv_channels = self.kv_channels is not None
         if not explicit_kv_channels:
             object.__setattr__(self, "kv_channels", self.hidden_size // max(self.num_attention_heads, 1))
-        errors = []
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "num_query_groups", "vocab_size", "seq_length"):
-            if getattr(self, name) < 1:
-                errors.append(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if not explicit_kv_channels and self.hidden_size % self.num_attention_heads:
-            errors.append(f"hidden_size={self.hidden_size} is not divisible by "
-                          f"num_attention_heads={self.num_attention_heads}")
-        if self.num_attention_heads % self.num_query_groups:
-            errors.append(f"num_attention_heads={self.num_attention_heads} is not divisible by "
-                          f"num_query_groups={self.num_query_groups}")
-        if self.normalization not in ("RMSNorm", "LayerNorm"):
-            errors.append(f"normalization must be RMSNorm or LayerNorm (got {self.normalization!r})")
-        if self.position_embedding_type not in ("rope", "learned_absolute"):
-            errors.append("position_embedding_type must be rope or learned_absolute "
-                          f"(got {self.position_embedding_type!r})")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            errors.append(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} "
-                          f"(got {self.attention_backend!r})")
-        if self.kv_channels < 1:
-            errors.append(f"kv_channels must be >= 1 (got {self.kv_channels})")
-        if self.use_rope_scaling and (self.rope_scaling_factor <= 0 or self.rope_original_max_position_embeddings < 1
-                                      or self.rope_high_freq_factor <= self.rope_low_freq_factor):
-            errors.append("rope scaling needs factor > 0, original_max_position_embeddings >= 1 and "
-                          f"high_freq_factor > low_freq_factor (got {self.rope_scaling_factor}, "
-                          f"{self.rope_original_max_position_embeddings}, {self.rope_high_freq_factor}, "
-                          f"{self.rope_low_freq_factor})")
-        if self.use_rope_scaling and self.position_embedding_type != "rope":
-            errors.append("use_rope_scaling needs position_embedding_type rope")
+        cls = ModelArch
+        check_at_least(cls, self, 1, "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                       "num_query_groups", "seq_length", "max_position_embeddings", "make_vocab_size_divisible_by",
+                       "rotary_base")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 (got {self.vocab_size})")
+        check(cls, self, "hidden_size", explicit_kv_channels or self.hidden_size % self.num_attention_heads == 0,
+              f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads} "
+              "(or give --kv-channels)")
+        check(cls, self, "num_query_groups", self.num_attention_heads % self.num_query_groups == 0,
+              f"num_attention_heads={self.num_attention_heads} is not divisible by num_query_groups="
+              f"{self.num_query_groups}")
+        check(cls, self, "normalization", self.normalization in ("RMSNorm", "LayerNorm"),
+              f"must be RMSNorm or LayerNorm (got {self.normalization!r})")
+        check(cls, self, "position_embedding_type", self.position_embedding_type in ("rope", "learned_absolute"),
+              f"must be rope or learned_absolute (got {self.position_embedding_type!r})")
+        check(cls, self, "attention_backend", self.attention_backend in ATTENTION_BACKENDS,
+              f"must be one of {', '.join(ATTENTION_BACKENDS)} (got {self.attention_backend!r})")
+        check_at_least(cls, self, 1, "kv_channels")
+        check_at_least(cls, self, 0, "init_method_std")
+        check_at_least(cls, self, 0, "norm_epsilon", strict=True)
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            check(cls, self, name, 0.0 <= value < 1.0, f"must lie in [0, 1) (got {value})")
+        if self.use_rope_scaling:
+            check(cls, self, "position_embedding_type", self.position_embedding_type == "rope",
+                  "--use-rope-scaling needs rope")
+            check_at_least(cls, self, 0, "rope_scaling_factor", strict=True)
+            check_at_least(cls, self, 1, "rope_original_max_position_embeddings")
+            check(cls, self, "rope_high_freq_factor", self.rope_high_freq_factor > self.rope_low_freq_factor,
+                  f"{self.rope_high_freq_factor} must exceed --rope-low-freq-factor {self.rope_low_freq_factor}")
         if self.sliding_window is not None and self.sliding_window < self.seq_length:
-            errors.append(f"sliding_window={self.sliding_window} is shorter than seq_length={self.seq_length}: "
-                          "sliding-window attention is not implemented (use a seq_length <= the window)")
-        if errors:
-            raise ValueError("invalid model architecture: " + "; ".join(errors))
+            check(cls, self, "seq_length", False,
+                  f"sliding_window={self.sliding_window} is shorter than seq_length={self.seq_length}: "
+                  "sliding-window attention is not implemented (use a seq_length <= the window)")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -146,22 +182,39 @@ class ModelArch:
         return -(-self.vocab_size // multiple) * multiple
 
 
+#: the LLaMA architecture choices that differ from Megatron-LM's defaults (ModelArch.llama)
+LLAMA_CHOICES = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                     untie_embeddings_and_output_weights=True, add_bias_linear=False)
+
+
 @dataclass(frozen=True)
 class RoleSpec:
-    """One role model: its shape, its layout(s) and whether it trains."""
+    """One role model of a run: its shape, its layout(s), its learning rate and weights."""
 
     role: str
     arch: ModelArch
     plan: "object"                 # ParallelPlan for scoring and training
     gen_plan: "object" = None      # actor only: generation layout (None = same as plan)
-    trainable: bool = False
     lr: float = 0.0
-    hf_path: Optional[str] = None  # HF checkpoint to load the weights from
+    hf_path: Optional[str] = flag(  # HF checkpoint to load the weights from: --hf-<weights_from>-path
+        None, "data", type=str, roles=("actor", "critic", "reward"), role_only=True, role_name="--hf-{role}-path",
+        role_help={"actor": "HF checkpoint dir (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) for the actor and the "
+                            "reference; its config.json sets their shape.",
+                   "critic": "HF checkpoint dir for the critic backbone (+ score/v_head when present).",
+                   "reward": "HF checkpoint dir of the reward model (backbone + score head)."})
 
     @property
     def description(self) -> Role:
-        """The role's fixed properties (head, seed offset, weight source)."""
+        """The role's fixed properties (head, seed offset, whether it trains, weight source)."""
         return ROLES[self.role]
+
+    @property
+    def trainable(self) -> bool:
+        return self.description.trainable
+
+    def init_seed(self, seed: int) -> int:
+        """The seed of this model's initial weights under --seed ``seed``."""
+        return seed + self.description.seed_offset
 
 
 _PPO = "PPO"
@@ -174,16 +227,24 @@ class PPOParams:
     family and DAPO in docs/grpo.md). Fields without a flag are derived by validate_args."""
 
     rollout_batch_size: int = flag(8, _PPO, "Prompts per PPO iteration.")
-    mini_batch_size: int = 8  # --global-batch-size / --ppo-mini-batch-size (default: the samples)
+    mini_batch_size: int = flag(
+        8, "training", "Samples per optimizer step (= the PPO mini-batch; default: the rollout batch); "
+        "--ppo-mini-batch-size: its alias.", name="--global-batch-size", aliases=("--ppo-mini-batch-size",),
+        type=int, flag_default=None)
     micro_batch_size: int = flag(1, "training", "Samples per micro-batch (scoring and training).")
     generation_micro_batch_size: Optional[int] = flag(
         None, _PPO, "Prompts per generation micro-batch (default: all of a DP rank's prompts). Smaller than "
         "a rank's prompts at P=1: finished rows take waiting prompts.", type=int)
     cuda_graph_generation: bool = flag(
         False, _PPO, "Replay each decode step from a CUDA graph captured per batch-size bucket (GPU only).")
+    compile_generation: bool = flag(
+        False, _PPO, "With --cuda-graph-generation: run the captured decode steps through torch.compile "
+        "(fused elementwise kernels; compiled once per run, ~30 s for 1B; bf16 tokens may differ from "
+        "the eager kernels').")
     ppo_epochs: int = flag(1, _PPO, "Passes over each rollout batch.")
     max_new_tokens: int = flag(16, _PPO)
-    max_prompt_length: int = 32  # --max-prompt-length (default: seq length - max new tokens)
+    max_prompt_length: int = flag(32, _PPO, "Prompt budget (default: seq length - max new tokens).", type=int,
+                                  flag_default=None)
     temperature: float = flag(1.0, _PPO)
     top_k: int = flag(0, _PPO)
     top_p: float = flag(1.0, _PPO)
@@ -194,13 +255,15 @@ class PPOParams:
     kl_estimator: str = flag("k1", _PPO, choices=("k1", "abs", "mse", "low_var_kl"))
     gamma: float = flag(1.0, _PPO)
     lam: float = flag(0.95, _PPO)
-    clip_eps: float = 0.2  # --clip-eps-low, else --clip-eps
+    clip_eps: float = flag(0.2, _PPO, "Ratio clip; --clip-eps-low: its name as the lower clip of DAPO's "
+                           "clip-higher (--clip-eps-high).", aliases=("--clip-eps-low",))
     value_clip_eps: Optional[float] = flag(0.2, _PPO)
     entropy_coef: float = flag(0.0, _PPO)
     reward_clip: Optional[float] = flag(None, _PPO, type=float)
     whiten_advantages: bool = flag(True, _PPO, name="--no-whiten-advantages", kind="negated")
     # the GRPO family (docs/grpo.md); defaults are PPO's
-    advantage_estimator: str = "gae"  # --advantage-estimator (its choices are puzzle.algorithms')
+    # choices of these three: the registries of puzzle.algorithms (given when the parser is built)
+    advantage_estimator: str = flag("gae", _ALGO, "gae (PPO, with a critic) or a critic-free estimator.")
     n_samples_per_prompt: int = flag(
         1, _ALGO, "Responses generated per prompt (the group of grpo/rloo); samples per iteration = "
         "rollout batch x N.")
@@ -209,9 +272,11 @@ class PPOParams:
         kind="boolean_optional")
     use_kl_loss: bool = flag(False, _ALGO, "KL to the reference as a loss term of the actor.")
     kl_loss_coef: float = flag(0.001, _ALGO)
-    kl_loss_type: str = "low_var_kl"  # --kl-loss-type
-    clip_eps_high: Optional[float] = None  # None: clip_eps (symmetric); --clip-eps-high
-    loss_agg_mode: str = "token-mean"  # --loss-agg-mode
+    kl_loss_type: str = flag("low_var_kl", _ALGO)
+    clip_eps_high: Optional[float] = flag(
+        None, _ALGO, "Upper ratio clip (DAPO clip-higher; default --clip-eps-low).", type=float)
+    loss_agg_mode: str = flag(
+        "token-mean", _ALGO, "How the actor's per-token losses are aggregated over the mini-batch.")
     filter_groups: bool = flag(
         False, _ALGO, "DAPO dynamic sampling: drop groups whose rewards are all equal and generate more "
         "until the batch is full.")
@@ -234,9 +299,12 @@ class PPOParams:
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             fail("--gamma/--lam", "must lie in [0, 1]")
         check_at_least(cls, self, 0, "kl_target", "reward_clip", strict=True, optional=True)
-        check_at_least(cls, self, 0, "value_clip_eps", strict=True)
+        check_at_least(cls, self, 0, "value_clip_eps", "clip_eps", strict=True)
+        check_at_least(cls, self, 0, "clip_eps_high", strict=True, optional=True)
         check(cls, self, "overlong_buffer_len", 0 <= self.overlong_buffer_len <= self.max_new_tokens,
               f"must be in [0, --max-new-tokens {self.max_new_tokens}] (got {self.overlong_buffer_len})")
+        check(cls, self, "compile_generation", self.cuda_graph_generation or not self.compile_generation,
+              "needs --cuda-graph-generation")
 
     @property
     def num_samples(self) -> int:
@@ -245,7 +313,7 @@ class PPOParams:
 
 
 _TRAINING = "training"
-_PARALLEL = "parallelism (per role; D = world / (P * T))"
+PARALLEL_GROUP = "parallelism (per role; D = world / (P * T))"
 
 
 @dataclass(frozen=True)
@@ -253,7 +321,8 @@ class OptimConfig:
     """Adam, its learning-rate schedule and gradient clipping (Megatron-LM's flags and defaults,
     but --adam-beta2 0.95); the actor's, and the critic's with its own --critic-lr."""
 
-    lr: float = flag(1e-5, _TRAINING, "Actor learning rate.")
+    lr: float = flag(1e-5, _TRAINING, "Actor learning rate.", roles=("critic",),
+                     role_help="Critic learning rate (default: --lr).")
     min_lr: float = flag(0.0, _TRAINING)
     lr_decay_style: str = flag("constant", _TRAINING, choices=("constant", "linear", "cosine"))
     lr_warmup_iters: int = flag(0, _TRAINING)
@@ -263,7 +332,7 @@ class OptimConfig:
     adam_beta2: float = flag(0.95, _TRAINING)
     adam_eps: float = flag(1e-8, _TRAINING)
     clip_grad: float = flag(1.0, _TRAINING)
-    use_distributed_optimizer: bool = flag(False, _PARALLEL)
+    use_distributed_optimizer: bool = flag(False, PARALLEL_GROUP)
 
     def __post_init__(self):
         cls = OptimConfig
@@ -322,6 +391,16 @@ class Operations:
 
 
 @dataclass(frozen=True)
+class FaultInjection:
+    """Faults a test injects into a real run; not a flag, empty in every ordinary run. The
+    command-line layer fills it from the test environment (puzzle.cli.fault_injection_from_env)."""
+
+    nonfinite_grads: Tuple[Tuple[str, int], ...] = ()  # (role, iteration): a NaN gradient of that role
+    fail_save_at: Optional[Tuple[int, int]] = None     # (rank, iteration): that rank raises half way
+    #                                                    through saving that iteration
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs below the command line (the trainer, checkpointing, the data
     loading of the CLI); built by puzzle.arguments.validate_args."""
@@ -372,23 +451,31 @@ class RunConfig:
                           kind="negated")
     ckpt_step: Optional[int] = flag(
         None, _LOGGING, "Resume this iteration of --load instead of its latest one.", type=int)
-    precision: str = "fp32"      # the one precision setting (--bf16 / --fp16): parameters, activations, optimizer
+    precision: str = flag(  # the one precision setting: parameters, activations, optimizer
+        "fp32", "training", kind="switches", switches=(
+            ("--bf16", "bf16", "bf16 parameters and activations; fp32 main parameters and gradients in the "
+                               "optimizer."),
+            ("--fp16", "fp16", None)))
     recompute: bool = flag(False, "training", name="--recompute-activations")
     switch_segments: int = flag(
-        1, _PARALLEL, "Segments of the actor's training->generation weight switch overlapped with the "
+        1, PARALLEL_GROUP, "Segments of the actor's training->generation weight switch overlapped with the "
         "optimizer step.")
     ranks_per_node: Optional[int] = flag(
-        None, _PARALLEL, "Ranks per node (switch prefers same-node sources).", type=int)
+        None, PARALLEL_GROUP, "Ranks per node (switch prefers same-node sources).", type=int)
     score_placement: str = flag(
-        "sequential", _PARALLEL, "How the scoring stage's models share the devices.", choices=PLACEMENTS)
+        "sequential", PARALLEL_GROUP, "How the scoring stage's models share the devices.", choices=PLACEMENTS)
     train_placement: str = flag(
-        "sequential", _PARALLEL, "How the training stage's models (actor, critic) share the devices.",
+        "sequential", PARALLEL_GROUP, "How the training stage's models (actor, critic) share the devices.",
         choices=PLACEMENTS)
-    transformer_impl: str = "local"            # resolved --transformer-impl: "transformer_engine" only where TE runs
+    transformer_impl: str = flag(  # resolved: "transformer_engine" only where TE runs
+        "local", "training", "Transformer layer implementation (Megatron-LM's flag): transformer_engine where "
+        "TE imports on a CUDA machine, else local (said once at start).", choices=("transformer_engine", "local"),
+        flag_default="transformer_engine")
     transformer_impl_note: Optional[str] = None  # why the requested impl was replaced, if it was
     sequence_parallel: bool = flag(
         False, "training", "Megatron sequence parallelism within each model's tensor-parallel group (T > 1).")
     ops: Operations = Operations()
+    faults: FaultInjection = FaultInjection()
 
     def __post_init__(self):
         cls = RunConfig
@@ -396,6 +483,8 @@ class RunConfig:
             fail("--bf16/--fp16", f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
         check_at_least(cls, self, 1, "train_iters", "log_interval", "switch_segments")
         check_at_least(cls, self, 0, "reward_workers")
+        check(cls, self, "reward_workers", not self.reward_workers or bool(self.reward_fn),
+              "needs --reward-fn (a reward model scores in the scoring stage, in the rank's process)")
         check_at_least(cls, self, 0, "reward_timeout", optional=True)
         check(cls, self, "bad_reward_value", math.isfinite(self.bad_reward_value),
               f"must be a finite number (got {self.bad_reward_value})")

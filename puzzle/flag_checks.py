@@ -23,24 +23,17 @@ def _at_least(args, flag: str, low, *, strict: bool = False, optional: bool = Fa
         fail(flag, f"must be {'>' if strict else '>='} {low} (got {value})")
 
 
-def _in_unit_interval(args, flag: str):
-    value = getattr(args, flag.lstrip("-").replace("-", "_"))
-    if not 0.0 <= value < 1.0:
-        fail(flag, f"must lie in [0, 1) (got {value})")
-
-
 def check_values(args) -> None:
-    """Ranges and combinations of the flags that no config checks itself (pure: no files, no devices)."""
-    _at_least(args, "--init-method-std", 0)
+    """Ranges and combinations of the flags that are read before their config is built (pure: no
+    files, no devices); the configs check their other fields themselves."""
+    from puzzle.data.tokenizers import BYTE_NAMES
+
     _at_least(args, "--critic-lr", 0, optional=True)
-    for flag in ("--attention-dropout", "--hidden-dropout"):
-        _in_unit_interval(args, flag)
-    for flag in ("--norm-epsilon", "--clip-eps"):
-        _at_least(args, flag, 0, strict=True)
-    for flag in ("--make-vocab-size-divisible-by", "--seq-length", "--rotary-base"):
-        _at_least(args, flag, 1)
-    for flag in ("--global-batch-size", "--ppo-mini-batch-size", "--max-prompt-length",
-                 "--max-position-embeddings"):
+    if args.tokenizer_model and args.tokenizer_type in BYTE_NAMES:
+        fail("--tokenizer-model", f"--tokenizer-type {args.tokenizer_type} reads no files (got "
+                                  f"{args.tokenizer_model!r}); use --tokenizer-type HuggingFaceTokenizer")
+    _at_least(args, "--seq-length", 1)
+    for flag in ("--global-batch-size", "--max-prompt-length", "--max-position-embeddings"):
         _at_least(args, flag, 1, optional=True)
     for flag, lr in (("--lr", args.lr), ("--critic-lr", args.critic_lr)):
         if lr is not None and args.min_lr > lr:
@@ -112,7 +105,3 @@ def check_algorithm_args(args) -> None:
     if spec.needs_greedy_baseline and not args.reward_fn:
         fail("--advantage-estimator", "remax scores its greedy baseline in the generation stage: it needs "
                                        "--reward-fn, not a reward model")
-    for flag in ("clip_eps", "clip_eps_low", "clip_eps_high"):
-        v = getattr(args, flag)
-        if v is not None and not v > 0:
-            fail("--" + flag.replace("_", "-"), f"must be > 0 (got {v})")

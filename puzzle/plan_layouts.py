@@ -11,12 +11,43 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from puzzle.config import PLACEMENTS
-from puzzle.config_flags import fail
+from puzzle.config import PARALLEL_GROUP, PLACEMENTS, ROLE_PREFIXED
+from puzzle.config_flags import check_at_least, fail, flag
 from puzzle.parallel.plan import ParallelPlan, PlanError
 
 #: stage of a plan document -> the flag its placement replaces
 PLACEMENT_FLAGS = {"scoring": "--score-placement", "training": "--train-placement"}
+
+
+_ROLES = ("actor",) + ROLE_PREFIXED
+#: --actor-gen-...: the actor's generation layout (unset: its training layout)
+GENERATION = "actor-gen"
+
+
+@dataclass(frozen=True)
+class LayoutFlags:
+    """The layout flags of one role (``from_args(LayoutFlags, args, role=...)``): the unprefixed
+    flags give every role's default, ``--<role>-...`` override them, the actor's generation layout
+    (role ``actor-gen``) defaults to the actor's training layout. D = None: the ranks from the
+    offset to the end / (P * T)."""
+
+    tensor_model_parallel_size: int = flag(
+        1, PARALLEL_GROUP, "Actor training T (default for every role).", roles=_ROLES + (GENERATION,),
+        role_help={GENERATION: "Actor generation-layout T (default: its training layout)."})
+    pipeline_model_parallel_size: int = flag(
+        1, PARALLEL_GROUP, "Actor training P (default for every role).", roles=_ROLES + (GENERATION,),
+        role_help={GENERATION: "Actor generation-layout P (default: its training layout)."})
+    data_parallel_size: Optional[int] = flag(
+        None, PARALLEL_GROUP, type=int, roles=_ROLES, role_only=True,
+        role_help="{role}: D (default: the ranks from its offset to the end / (P*T)).")
+    rank_offset: int = flag(0, PARALLEL_GROUP, roles=_ROLES, role_only=True,
+                            role_help="{role}: first rank of its layout (disjoint placement).")
+
+    def __post_init__(self):
+        cls = LayoutFlags
+        check_at_least(cls, self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        check_at_least(cls, self, 1, "data_parallel_size", optional=True)
+        check_at_least(cls, self, 0, "rank_offset")
 
 
 @dataclass(frozen=True)
@@ -63,10 +94,14 @@ def read_plan_document(doc: dict, strict: bool = False) -> PlanLayouts:
     return PlanLayouts(homes=homes, actor_generation=gen, placements=placements)
 
 
-def layouts_as_flags(layouts: PlanLayouts) -> List[str]:
-    """The train_ppo.py flags that give the same layouts (printed at start; launching another run)."""
+def layouts_as_flags(layouts: PlanLayouts, roles=None) -> List[str]:
+    """The train_ppo.py flags that give the same layouts (printed at start; launching another run)
+    to a run that builds ``roles`` (default: every role of the plan; a flag of a role the run does
+    not build is refused)."""
     flags: List[str] = []
     for role, home in layouts.homes.items():
+        if roles is not None and role not in roles:
+            continue
         flags += [f"--{role}-tensor-model-parallel-size", str(home.T),
                   f"--{role}-pipeline-model-parallel-size", str(home.P),
                   f"--{role}-data-parallel-size", str(home.D), f"--{role}-rank-offset", str(home.offset)]

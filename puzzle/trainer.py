@@ -44,14 +44,14 @@ class PPOTrainer:
         for role, spec in cfg.roles.items():
             optim = replace(cfg.optim, lr=spec.lr) if spec.trainable else None
             # the reference starts as the actor: same shape and seed -> the same weights
-            seed = cfg.seed + spec.description.seed_offset
+            seed = spec.init_seed(cfg.seed)
             self.engines[role] = ModelEngine(role, spec.arch, layout_for(spec.plan),
                                              trainable=spec.trainable, optim=optim, seed=seed,
                                              recompute=cfg.recompute, bf16=cfg.bf16, fp16=cfg.fp16,
                                              transformer_impl=cfg.transformer_impl,
                                              sequence_parallel=cfg.sequence_parallel)
             if spec.hf_path and self.engines[role].member:
-                from puzzle.models.hf_llama import load_hf_into_model
+                from puzzle.models.hf_checkpoint import load_hf_into_model
 
                 # each rank reads only its own shards; a critic from an LM keeps its fresh head
                 load_hf_into_model(self.engines[role].module, spec.arch, role, spec.hf_path,
@@ -169,7 +169,7 @@ class PPOTrainer:
                                     eos_ids=tuple(self.tokenizer.eos_ids))
             out = generate(engine, mine, params, seed=self.cfg.seed * 100003 + self.iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
-                           cuda_graphs=ppo.cuda_graph_generation,
+                           cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
                            sample_offset=round_ * B + layout.d * share)
             Lp = out.tokens.shape[1] - R
             responses, lengths = out.tokens[:, Lp:], out.response_lengths
@@ -338,7 +338,7 @@ class PPOTrainer:
             if role not in self.engines:  # no critic for critic-free estimators
                 continue
             eng = self.engines[role]
-            nonfinite.inject_for_test(role, eng, self.iteration)
+            nonfinite.inject_for_test(role, eng, self.iteration, self.cfg.faults)
             last = eng.member and eng.layout.is_last_stage and eng.layout.t == 0
             checks.append((role, eng, outs[i] if last else [], keys))
         found = nonfinite.find(checks)

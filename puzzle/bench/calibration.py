@@ -38,14 +38,19 @@ class PlanFlagsError(ValueError):
     """A SearchResult that train_ppo.py cannot run as such."""
 
 
+#: the models the tiny run builds (its reward is --reward-fn: no reward model)
+TINY_ROLES = ("actor", "critic", "ref")
+
+
 def plan_flags(result, strict: bool = False) -> List[str]:
-    """train_ppo.py flags for a SearchResult (see puzzle.arguments.plan_flags, which reads the same
-    plan as a document: the layout flags of every role, --actor-gen-*, and the placements)."""
+    """The tiny run's train_ppo.py flags for a SearchResult (see puzzle.arguments.plan_flags, which
+    reads the same plan as a document: the layout flags of its roles, --actor-gen-*, and the
+    placements)."""
     from puzzle.arguments import ArgumentError
     from puzzle.arguments import plan_flags as flags_of_document
 
     try:
-        return flags_of_document(result.to_dict(), strict=strict)
+        return flags_of_document(result.to_dict(), strict=strict, roles=TINY_ROLES)
     except ArgumentError as e:
         raise PlanFlagsError(str(e)) from None
 

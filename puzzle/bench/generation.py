@@ -13,7 +13,9 @@ for the SDPA (``local``) and megatron unfused backends, their ratios to transfor
 taken in turn in the same run.
 
 On a CUDA device (bf16; ``--model 1b`` is a 1.1B LLaMA shape): also ``puzzle_local_graphs``
-(``--cuda-graph-generation``), the measured device memory bandwidth (a large device-to-device
+(``--cuda-graph-generation``) and ``puzzle_compiled_graphs`` (with ``--compile-generation``, a
+second copy of the model with its own graphs; ``rows_equal_compiled_eager``: the fraction of rows
+whose greedy tokens equal the eager kernels'), the measured device memory bandwidth (a large device-to-device
 copy, read + write bytes / time) and ``decode_bound_ratio`` = (weight bytes + KV bytes read per
 decode step, summed over the steps) / bandwidth / measured generation time: 1.0 is the memory
 bound. Without a GPU, that figure is not produced.
@@ -41,20 +43,20 @@ def _arch(model: str):
     from puzzle.config import ModelArch
 
     if model == "1b":  # TinyLlama-1.1B's shape
-        return ModelArch(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32,
-                         num_query_groups=4, vocab_size=32000, seq_length=1024,
-                         untie_embeddings_and_output_weights=True, add_bias_linear=False)
-    return ModelArch(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
-                     num_query_groups=4, vocab_size=1024, seq_length=256,
-                     untie_embeddings_and_output_weights=True, add_bias_linear=False)
+        return ModelArch.llama(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32,
+                               num_query_groups=4, vocab_size=32000, seq_length=1024,
+                               untie_embeddings_and_output_weights=True, add_bias_linear=False)
+    return ModelArch.llama(num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
+                           num_query_groups=4, vocab_size=1024, seq_length=256,
+                           untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
 def _tiny_run_arch():
     from puzzle.config import ModelArch
 
-    return ModelArch(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                     num_query_groups=2, vocab_size=259, seq_length=64,
-                     untie_embeddings_and_output_weights=True, add_bias_linear=False)
+    return ModelArch.llama(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                           num_query_groups=2, vocab_size=259, seq_length=64,
+                           untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
 def _sync(dev):
@@ -94,7 +96,7 @@ def _prompts(b, lo, hi, vocab, seed):
 def _hf_model(full, arch, dev, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from puzzle.models.hf_llama import hf_tensors_from_full
+    from puzzle.models.hf_checkpoint import hf_tensors_from_full
     from puzzle.models.hf_mapping import hf_config_from_arch
 
     cfg = hf_config_from_arch(arch)
@@ -174,7 +176,7 @@ def _worker(args):
     import torch
     import torch.distributed as dist
 
-    from puzzle.models.hf_llama import gather_full_state
+    from puzzle.models.hf_checkpoint import gather_full_state
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.rollout import SamplingParams, generate
@@ -191,6 +193,9 @@ def _worker(args):
     backends = ["local"] if cuda else ["local", "unfused"]
     engines = {be: ModelEngine("actor", replace(arch, attention_backend=be), layout, trainable=False,
                                seed=7, bf16=cuda) for be in backends}
+    if cuda:
+        engines["compiled"] = ModelEngine("actor", replace(arch, attention_backend="local"), layout,
+                                          trainable=False, seed=7, bf16=True)
     full = gather_full_state(engines["local"].module, arch, "actor")
     hf = _hf_model(full, arch, dev, torch.bfloat16 if cuda else torch.float32) if rank == 0 else None
     from puzzle.bench.gpu_report import measure_bandwidth
@@ -206,13 +211,15 @@ def _worker(args):
                "dtype": "bfloat16" if cuda else "float32", "batch": b, "new_tokens": n_new,
                "prompt_lengths": [lo, hi]}
         toks = {}
-        variants = [(be, False) for be in backends] + ([("local", True)] if cuda else [])
+        variants = [(be, False, False) for be in backends]
+        if cuda:  # CUDA graphs; then through torch.compile (a second model: its own graphs)
+            variants += [("local", True, False), ("compiled", True, True)]
         times = {}
         for i in range(args.repeats + 1):  # in turn: warm-up pass first
-            for be, graphs in variants:
+            for be, graphs, compiled in variants:
                 name = be + ("_graphs" if graphs else "")
-                t, out = _once(lambda: generate(engines[be], prompts, params, seed=0, cuda_graphs=graphs),
-                               dev)
+                t, out = _once(lambda: generate(engines[be], prompts, params, seed=0, cuda_graphs=graphs,
+                                                compile_graphs=compiled), dev)
                 toks[name] = torch.tensor([r for r in out.responses()])
                 if i:
                     times.setdefault(name, []).append(t)
@@ -238,12 +245,14 @@ def _worker(args):
             if "local_graphs" in toks:  # CUDA graphs against the same loop run eagerly
                 row["tokens_equal_graphs_eager"] = bool(torch.equal(toks["local_graphs"], toks["local"]))
                 row["graph_captures"] = engines["local"].module._puzzle_decode_graphs.captures
+                same = (toks["compiled_graphs"] == toks["local"]).all(dim=1)
+                row["rows_equal_compiled_eager"] = round(float(same.float().mean()), 3)
             if cuda:
                 elem = 2
                 need = _decode_bytes(engines["local"].module, arch, prompts, n_new, elem, world)
                 row["bandwidth_GBps"] = round(bw / 1e9, 1)
                 row["decode_bytes_per_rank"] = int(need)
-                for name in ("local", "local_graphs"):
+                for name in ("local", "local_graphs", "compiled_graphs"):
                     row[f"decode_bound_ratio_{name}"] = round(need / bw / statistics.median(times[name]), 3)
             elif not all(row[f"tokens_equal_{n}"] for n in times if n != "hf"):
                 raise AssertionError(f"greedy tokens differ from transformers at batch {b}: {row}")

@@ -70,6 +70,7 @@ def decode_bound_tokens_per_s(actor, gen_mbs: int, context: int, bandwidth: floa
 
 
 def report(metrics: List[dict], cfg, skip: int, bandwidth: float, matmul: float, gpu: str) -> Dict:
+    from puzzle.config import ROLES
     from puzzle.plan_search.command import shapes_from_config, stage_memory_estimate
     from puzzle.plan_search.profile_data import load_profile
 
@@ -85,8 +86,8 @@ def report(metrics: List[dict], cfg, skip: int, bandwidth: float, matmul: float,
     context = ppo.max_prompt_length + R // 2  # the KV cache's mean length over the decode
     bound = decode_bound_tokens_per_s(actor, gen_mbs, context, bandwidth) * gen_D
     seq = ppo.max_prompt_length + mean("response_length_mean")
-    train_flops = sum(6 * shapes[r].param_count(r == "actor") * B * seq * ppo.ppo_epochs
-                      for r in ("actor", "critic") if r in shapes)
+    train_flops = sum(6 * shapes[r].param_count(ROLES[r].lm_head) * B * seq * ppo.ppo_epochs
+                      for r in shapes if ROLES[r].trainable)
     out = {
         "gpu": gpu, "iterations": len(metrics), "skipped_warmup": skip,
         "stage_seconds": {k: mean(f"time_{k}") for k in ("generate", "score", "train")},

@@ -45,9 +45,9 @@ MBS, SEQ = 1, 64
 def _arch():
     from puzzle.config import ModelArch
 
-    return ModelArch(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
-                     num_query_groups=4, vocab_size=1024, make_vocab_size_divisible_by=128, seq_length=SEQ,
-                     untie_embeddings_and_output_weights=True)
+    return ModelArch.llama(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
+                           num_query_groups=4, vocab_size=1024, make_vocab_size_divisible_by=128, seq_length=SEQ,
+                           untie_embeddings_and_output_weights=True)
 
 
 def _timed(fn, repeats):

@@ -39,9 +39,9 @@ def _arch(hidden: int, P: int):
     from puzzle.config import ModelArch
 
     layers = max(NUM_LAYERS, P) // P * P
-    return ModelArch(num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * hidden,
-                     num_attention_heads=8, num_query_groups=8, vocab_size=256,
-                     make_vocab_size_divisible_by=128, seq_length=SEQ)
+    return ModelArch.llama(num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * hidden,
+                           num_attention_heads=8, num_query_groups=8, vocab_size=256,
+                           make_vocab_size_divisible_by=128, seq_length=SEQ)
 
 
 def _rss_mb() -> float:

@@ -17,10 +17,6 @@ def make_records() -> List[dict]:
     return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10) if a + b <= 9]
 
 
-def bundled_arithmetic_path() -> str:
-    return str(PATH)
-
-
 if __name__ == "__main__":
     PATH.write_text("".join(json.dumps(r) + "\n" for r in make_records()))
     print(f"wrote {len(make_records())} records to {PATH}")

@@ -128,10 +128,18 @@ def _read_table(path: str, fmt: str, key: str, chat: bool, skip: bool, stats: Pr
             ds = datasets.load_dataset(path, split=split, cache_dir=cache_dir)
         elif os.path.isdir(path):
             ds = datasets.load_from_disk(path)
-            if isinstance(ds, datasets.DatasetDict):
-                ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+            if isinstance(ds, datasets.DatasetDict) and split in ds:
+                ds = ds[split]
+            elif isinstance(ds, datasets.DatasetDict) and split == "train":  # the default: the first split
+                ds = next(iter(ds.values()))
+            elif split != "train":
+                raise PromptDataError(f"--prompt-split {split!r}: {path} has "
+                                      + (f"the splits {', '.join(ds)}" if isinstance(ds, datasets.DatasetDict)
+                                         else "no splits"))
         else:
             ds = datasets.load_dataset(fmt, data_files=path, split="train", cache_dir=cache_dir)
+    except PromptDataError:
+        raise
     except Exception as e:
         what = f"the hub dataset (split {split!r})" if fmt == "hub" else fmt
         raise PromptDataError(f"{path}: cannot read as {what}: {e}") from e
@@ -191,6 +199,8 @@ def load_prompt_dataset(path: str, tokenizer, prompt_key: str = "prompt", *,
         if fmt is None:
             raise PromptDataError(f"{path}: unknown prompt file type {Path(path).suffix!r} "
                                   f"(expected {', '.join(FORMATS)} or a save_to_disk directory)")
+    if fmt != "hub" and not os.path.isdir(path) and split != "train":
+        raise PromptDataError(f"--prompt-split {split!r}: {path} is one file, without splits")
     if fmt == "json":
         values, origins, others = _read_jsonl(path, prompt_key, apply_chat_template, skip_bad_records, stats)
         if apply_chat_template:  # one Arrow type per column: strings become one user message
@@ -235,16 +245,6 @@ class PromptBatch:
 
     def __len__(self) -> int:
         return len(self.prompts)
-
-    def left_padded(self, pad_id: int):
-        """(tokens [b, L] long, lengths [b] long), prompts right-aligned (left padding)."""
-        import torch
-
-        L = max(len(p) for p in self.prompts)
-        tokens = torch.full((len(self.prompts), L), int(pad_id), dtype=torch.long)
-        for i, p in enumerate(self.prompts):
-            tokens[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-        return tokens, torch.tensor([len(p) for p in self.prompts], dtype=torch.long)
 
 
 class PromptLoader:

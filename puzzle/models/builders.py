@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from puzzle.config import HEADS, ModelArch
+from puzzle.config import ROLES, ModelArch
 from puzzle.models.attention_backend import attention_layer_spec, te_attention_config
 from puzzle.parallel.device import accelerator_available, runtime
 from puzzle.parallel.groups import Layout
@@ -148,8 +148,8 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
     With ``layout_independent_init`` the weights depend only on (seed, role arch), not on the
     layout (see puzzle/models/init.py); otherwise megatron's own per-shard initialisation.
     """
-    if role not in HEADS:
-        raise ValueError(f"unknown role {role!r}; expected one of {', '.join(HEADS)}")
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
     if not layout.member:
         return None
     from megatron.core.models.gpt import GPTModel
@@ -168,13 +168,13 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
         post_process=layout.is_last_stage,
         parallel_output=True,
         # critic/reward replace the LM head with a scalar head: nothing to tie
-        share_embeddings_and_output_weights=HEADS[role] == "lm" and not arch.untie_embeddings_and_output_weights,
+        share_embeddings_and_output_weights=ROLES[role].lm_head and not arch.untie_embeddings_and_output_weights,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=arch.rotary_base,
         pg_collection=layout.pg_collection,
     )
     apply_rope_scaling(model, arch)
-    if HEADS[role] != "lm" and layout.is_last_stage:
+    if not ROLES[role].lm_head and layout.is_last_stage:
         model.output_layer = ScalarHead(arch.hidden_size, config.params_dtype, layout.tp_group,
                                         config.sequence_parallel)
     model.puzzle_layout = layout
@@ -183,6 +183,10 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
 
         init_layout_independent(model, arch, role, head_seed)
     model.puzzle_device = runtime().device  # every input of a model call must live here
+    if config.params_dtype != torch.float32:
+        # --bf16/--fp16 as in Megatron-LM (its Float16Module): every parameter in that precision,
+        # the torch norms too (they are built in float32); fp32 main copies live in the optimizer
+        return model.to(device=model.puzzle_device, dtype=config.params_dtype)
     return model.to(model.puzzle_device)
 
 

@@ -70,7 +70,7 @@ class Piece:
 def hf_entries(arch, role: str = "actor", *, prefix: str = "model.", head_name: str = "score.weight"
                ) -> List[HFEntry]:
     """The mapping for one role model of shape ``arch`` (a puzzle.config.ModelArch)."""
-    from puzzle.config import HEADS
+    from puzzle.config import ROLES
     from puzzle.models.init import param_specs
 
     if arch.normalization != "RMSNorm" or not arch.swiglu or arch.add_bias_linear \
@@ -110,7 +110,7 @@ def hf_entries(arch, role: str = "actor", *, prefix: str = "model.", head_name: 
             kind, names = per_layer[parts[3]]
             hf = tuple(f"{m}layers.{parts[2]}.{n}" for n in names)
         out.append(HFEntry(spec.name, hf, kind, spec.global_shape))
-    assert HEADS[role] == "lm" or out[-1].ours == "value_head.weight"
+    assert ROLES[role].lm_head or out[-1].ours == "value_head.weight"
     return out
 
 
@@ -322,12 +322,12 @@ def arch_from_hf_config(config: dict, source: str = "config.json", **overrides):
 def hf_config_from_arch(arch, role: str = "actor", dtype: str = "float32", **extra) -> dict:
     """An HF ``config.json`` dict for ``arch`` in its family (``arch.hf_model_type``): the
     causal-LM class, or the sequence-classification class with num_labels=1 for critic/reward."""
-    from puzzle.config import HEADS
+    from puzzle.config import ROLES
 
     mt = arch.hf_model_type
     if mt not in FAMILIES:
         raise ValueError(f"cannot export model_type {mt!r} (supported: {', '.join(sorted(FAMILIES))})")
-    lm = HEADS[role] == "lm"
+    lm = ROLES[role].lm_head
     rope = {"rope_theta": float(arch.rotary_base), "rope_type": "default"}
     if arch.use_rope_scaling:
         rope.update(rope_type="llama3", factor=arch.rope_scaling_factor,

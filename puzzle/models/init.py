@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from puzzle.config import HEADS, ModelArch
+from puzzle.config import ROLES, ModelArch
 from puzzle.models.param_layout import global_name, gpt_param_specs, resolve_layers_per_stage, shard_slices
-from puzzle.models.param_names import HEAD_LOCAL_NAME, HEAD_SPEC_NAME, canonical_param_name
+from puzzle.models.param_names import HEAD_LOCAL_NAME, HEAD_SPEC_NAME, canonical_param_name, is_scalar_head
 
 
 def param_specs(arch: ModelArch, role: str):
@@ -30,7 +30,7 @@ def param_specs(arch: ModelArch, role: str):
         num_query_groups=arch.num_query_groups, padded_vocab_size=arch.padded_vocab_size,
         swiglu=arch.swiglu, add_bias_linear=arch.add_bias_linear,
         untie_embeddings=arch.untie_embeddings_and_output_weights,
-        normalization=arch.normalization, head=HEADS[role], kv_channels=arch.kv_channels,
+        normalization=arch.normalization, head=ROLES[role].head, kv_channels=arch.kv_channels,
         position_embedding_type=arch.position_embedding_type,
         max_sequence_length=arch.max_position_embeddings,
         add_qkv_bias=arch.add_qkv_bias, qk_layernorm=arch.qk_layernorm,
@@ -40,7 +40,7 @@ def param_specs(arch: ModelArch, role: str):
 def spec_name_of(local: str, role: str, arch: ModelArch, p: int, layers_per_stage) -> str:
     """The global canonical spec name of a module parameter on stage ``p``, whichever layer
     spec (local or transformer_engine) built it."""
-    if local == HEAD_LOCAL_NAME and HEADS[role] != "lm":
+    if is_scalar_head(local, role):
         return HEAD_SPEC_NAME
     if local == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"  # the last stage's copy of tied word embeddings

@@ -134,14 +134,6 @@ def shard_slices(spec: ParamSpec, T: int, t: int) -> List[Box]:
     return boxes
 
 
-def local_shape(spec: ParamSpec, T: int) -> Tuple[int, ...]:
-    """Shape of the local shard on each of the T ranks."""
-    shape = list(spec.global_shape)
-    if spec.split_dim is not None:
-        shape[spec.split_dim] //= T
-    return tuple(shape)
-
-
 # ---- the model ------------------------------------------------------------------------------
 def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
                     num_query_groups: Optional[int], padded_vocab_size: int, *, swiglu: bool = True,

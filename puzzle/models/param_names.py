@@ -37,13 +37,19 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from puzzle.config import HEADS
+from puzzle.config import ROLES
 
 IMPLS = ("local", "transformer_engine")
 
 # ScalarHead (builders.py) replaces GPTModel.output_layer; param_layout calls it value_head.
 HEAD_LOCAL_NAME = "output_layer.weight"
 HEAD_SPEC_NAME = "value_head.weight"
+
+
+def is_scalar_head(name: str, role: str) -> bool:
+    """Whether the module parameter ``name`` is the scalar (value / score) head of ``role``: it
+    sits in GPTModel's ``output_layer`` slot and is the spec ``value_head.weight``."""
+    return name == HEAD_LOCAL_NAME and not ROLES[role].lm_head
 
 # (canonical suffix, transformer_engine suffix) of the per-layer parameters that differ
 _TE_RENAMES = (
@@ -142,7 +148,7 @@ def table_params(module, role: str) -> Dict[str, object]:
         return {}
     out = {}
     for name, p in module.named_parameters():
-        if name == HEAD_LOCAL_NAME and HEADS[role] != "lm":
+        if is_scalar_head(name, role):
             name = HEAD_SPEC_NAME
         out[canonical_param_name(name)] = p.data
     return out

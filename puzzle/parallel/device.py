@@ -16,12 +16,14 @@ This is the only module that names the CUDA device type.
 
 from __future__ import annotations
 
-import os
+import datetime
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from puzzle.parallel import launcher
 
 
 def accelerator_available() -> bool:
@@ -34,14 +36,20 @@ def accelerator_available() -> bool:
 def local_device() -> torch.device:
     """This process's compute device, from torchrun's LOCAL_RANK."""
     if accelerator_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", launcher.local_rank())
     return torch.device("cpu")
+
+
+#: --distributed-timeout-minutes (Megatron-LM's default 10)
+DEFAULT_TIMEOUT_MINUTES = 10.0
 
 
 @dataclass
 class Runtime:
     device: torch.device
     object_group: Optional[Any] = None  # gloo group over the world (None: world of one / no dist)
+    # every process group's collective timeout (--distributed-timeout-minutes)
+    timeout: datetime.timedelta = datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
 
     @property
     def on_accelerator(self) -> bool:
@@ -79,12 +87,13 @@ class Runtime:
         return int(torch.cuda.max_memory_allocated(self.device)) if self.on_accelerator else 0
 
 
-_RUNTIME: Optional[Runtime] = None
+_RUNTIME: Optional[Runtime] = None  # the one Runtime of this process (see the module doc)
 
 
-def make_runtime(timeout=None) -> Runtime:
+def make_runtime(timeout: Optional[datetime.timedelta] = None) -> Runtime:
     """Create this process's Runtime (called once by init_distributed, collectively); ``timeout``
-    (a timedelta, --distributed-timeout-minutes) bounds the object group's collectives."""
+    (--distributed-timeout-minutes) bounds the collectives of the object group and of every group
+    made later (puzzle.parallel.groups)."""
     global _RUNTIME
     device = local_device()
     if device.type != "cpu":
@@ -93,6 +102,8 @@ def make_runtime(timeout=None) -> Runtime:
     if dist.is_initialized() and dist.get_world_size() > 1:
         group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     _RUNTIME = Runtime(device=device, object_group=group)
+    if timeout is not None:
+        _RUNTIME.timeout = timeout
     return _RUNTIME
 
 

@@ -16,21 +16,21 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from puzzle.parallel.device import accelerator_available, local_device, make_runtime
+from puzzle.parallel import launcher
+from puzzle.parallel.device import (DEFAULT_TIMEOUT_MINUTES, accelerator_available, local_device,
+                                    make_runtime, runtime)
 from puzzle.parallel.plan import ParallelPlan, PlanError
 
+# the groups and layouts of this process (process groups live as long as torch.distributed's world)
 _GROUPS: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
 _LAYOUTS: Dict[ParallelPlan, "Layout"] = {}
-# --distributed-timeout-minutes (Megatron-LM's default 10): every group's collective timeout
-DEFAULT_TIMEOUT_MINUTES = 10.0
-_TIMEOUT = datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
 
 
 def _group(ranks: List[int]) -> Optional[dist.ProcessGroup]:
     """The group of exactly these ranks (created once, collectively); None if this rank is not in it."""
     key = tuple(ranks)
     if key not in _GROUPS:
-        pg = dist.new_group(ranks=list(key), timeout=_TIMEOUT)
+        pg = dist.new_group(ranks=list(key), timeout=runtime().timeout)
         _GROUPS[key] = pg if dist.get_rank() in key else None
     return _GROUPS[key]
 
@@ -146,23 +146,16 @@ def init_distributed(backend: Optional[str] = None,
     group and of every group built here later, so a stuck rank ends the job instead of hanging it.
     Also performs the per-process megatron set-up that does not depend on a model layout.
     """
-    import os
-
-    global _TIMEOUT
-    _TIMEOUT = datetime.timedelta(minutes=timeout_minutes)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         if backend is None:
             backend = "nccl" if accelerator_available() else "gloo"
-        if "RANK" not in os.environ:  # plain `python script.py`: a world of one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-            os.environ.setdefault("LOCAL_RANK", "0")
+        if not launcher.launched():  # plain `python script.py`: a world of one
+            launcher.default_to_world_of_one(_free_port())
         if backend == "nccl":
             torch.cuda.set_device(local_device())
-        dist.init_process_group(backend=backend, timeout=_TIMEOUT)
-    make_runtime(timeout=_TIMEOUT)
+        dist.init_process_group(backend=backend, timeout=timeout)
+    make_runtime(timeout=timeout)
     from megatron.core import parallel_state
 
     # megatron's shared scratch buffer, used by its tensor-parallel layers

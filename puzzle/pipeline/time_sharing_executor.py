@@ -37,7 +37,7 @@ import torch
 from puzzle.pipeline.time_sharing_schedule import (Action, CommStep, ContextSpec, executor_program,
                                       peak_in_flight, sequential_schedule, time_shared_schedule)
 
-__all__ = ["ExecStats", "run_time_shared", "validate_stream", "sequential_peak", "last_stats"]
+__all__ = ["ExecStats", "run_time_shared", "validate_stream", "sequential_peak"]
 
 
 @dataclass
@@ -53,9 +53,6 @@ class ExecStats:
     expected_peak: int = 0             # schedule.peak_in_flight of the executed program
     sequential_peak: int = 0           # what sequential 1F1B holds on this stage
     order: List[str] = field(default_factory=list)  # executed compute actions, e.g. 'F0.1'
-
-
-last_stats: Optional[ExecStats] = None
 
 
 # ----------------------------------------------------------------------------- validation
@@ -155,13 +152,11 @@ def run_time_shared(contexts: Sequence[Any], forward_only: bool, *, time_shared:
     Returns each context's ``forward_data_store`` (the loss_func reports on the last stage, [] on
     other stages), like megatron's forward_backward_func.  Trainable contexts only accumulate and
     finalize gradients; zero them before and step the optimizers after.  ``time_shared=False`` runs
-    the sequential baseline program through the same executor.  ``stats`` (or the module attribute
-    ``last_stats``) receives the in-flight counters.
+    the sequential baseline program through the same executor.  ``stats`` receives the in-flight
+    counters.
     """
-    global last_stats
     validate_stream(contexts)
     st = stats if stats is not None else ExecStats()
-    last_stats = st
     if not contexts[0].engine.member:
         return [[] for _ in contexts]
     for c in contexts:

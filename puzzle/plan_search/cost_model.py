@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from puzzle.config import ROLES
 from puzzle.parallel.plan import ParallelPlan, PlanError
 from puzzle.plan_search.profile_data import Profile, layer_params
 
@@ -109,11 +110,9 @@ def ppo_roles(actor: ModelShape, critic: Optional[ModelShape], ref: Optional[Mod
               reward: Optional[ModelShape] = None) -> Dict[str, ModelRole]:
     """actor/critic/ref/reward; ref mirrors the actor and reward the critic (else the actor) unless
     given. ``critic=None``: a run without a critic (critic-free estimators), no critic role."""
-    roles = {"actor": ModelRole("actor", actor, True, True), "ref": ModelRole("ref", ref or actor, False, True),
-             "reward": ModelRole("reward", reward or critic or actor, False, False)}
-    if critic is not None:
-        roles["critic"] = ModelRole("critic", critic, True, False)
-    return roles
+    shapes = {"actor": actor, "ref": ref or actor, "reward": reward or critic or actor, "critic": critic}
+    return {name: ModelRole(name, shape, ROLES[name].trainable, ROLES[name].lm_head)
+            for name, shape in shapes.items() if shape is not None}
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ def _call_in_thread(reward: RewardFunction, samples: Sequence[Sample], timeout: 
 
 
 # ---- process pool ---------------------------------------------------------------------------------
-_WORKER_FN: Optional[RewardFunction] = None
+_WORKER_FN: Optional[RewardFunction] = None  # set in each pool worker process by its initializer only
 
 
 def _init_worker(spec: str) -> None:

@@ -14,6 +14,17 @@ need no recapture.
 Capture happens at a bucket's first use, with that step's real inputs: the warm-up runs and the
 captured run write the same keys and values to the same cache positions, so capturing changes
 nothing; the graph is then replayed for the step's output.
+
+Whole-step graphs. Once every prompt of a generation has its slot (no prompt waits for a free
+one, the usual case: one cache row per prompt), a decode step needs nothing from the host: the
+model call over every slot, the sampling (``sample_tokens(graph_safe=True)``) and the state
+update (lengths, step counts, last tokens, finished rows) are all tensor operations on static
+buffers. ``FusedDecode`` captures that whole step as one graph (per sampling setting), replays
+it ``check_every`` times between two host checks of "all rows finished", and copies the
+tokens back at the end. Finished rows keep computing values nobody reads (their state no longer
+changes), so the tokens equal the step-by-step loop's. ``compile`` runs the captured steps
+through ``torch.compile`` (inductor fuses the elementwise work between the matrix products;
+bf16 results may then round differently from the eager kernels).
 """
 
 from __future__ import annotations
@@ -62,9 +73,11 @@ class DecodeGraphs:
         self.captures = 0
         self.pool = None
         self.rope_tables = None  # (cos, sin) the graphs read: kept with them
+        self.compile = False     # run the captured steps through torch.compile (inductor)
+        self.fused: Dict[tuple, "FusedDecode"] = {}
 
     @classmethod
-    def for_model(cls, model, P: int, device: torch.device) -> "DecodeGraphs":
+    def for_model(cls, model, P: int, device: torch.device, compile_graphs: bool = False) -> "DecodeGraphs":
         if P != 1:
             raise ValueError(f"--cuda-graph-generation needs a generation layout with P=1 (got P={P})")
         graphs = getattr(model, "_puzzle_decode_graphs", None)
@@ -73,6 +86,8 @@ class DecodeGraphs:
                 raise ValueError(f"--cuda-graph-generation needs a CUDA device (the model is on {device})")
             graphs = cls(device)
             model._puzzle_decode_graphs = graphs
+        if graphs.compile != compile_graphs:
+            graphs.compile, graphs.key = compile_graphs, (0, 0)  # captured anew at the next cache()
         return graphs
 
     def cache(self, slots: int, width: int):
@@ -84,7 +99,7 @@ class DecodeGraphs:
         if key != self.key or self._cache is None:
             self.key, self.width = key, key[1]
             self._cache = StaticKVCache(slots, self.width)
-            self.graphs = {}
+            self.graphs, self.fused = {}, {}
             self.rope_tables = None
             self.buckets = graph_buckets(slots)
             self.ids = torch.zeros(slots, dtype=torch.long, device=self.device)
@@ -125,16 +140,112 @@ class DecodeGraphs:
         graph.replay()
         return out[:n]
 
-    def _capture(self, step):
+    def _capture(self, step, before_capture=None):
+        """(graph, output) of ``step``: two warm-up runs on a side stream, then the capture.
+        ``before_capture`` runs between them (undoes what the warm-ups changed)."""
         dev = self.device
+        if self.compile:
+            step = torch.compile(step, dynamic=False)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):
                 step()
         torch.cuda.current_stream(dev).wait_stream(side)
+        if before_capture is not None:
+            before_capture()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = step()
         self.captures += 1
         return graph, out
+
+    # -- whole-step graphs ---------------------------------------------------------------------
+    def fused_decode(self, sb, run, sample, key, seed: int, sample_offset: int, steps_left: int,
+                     vocab_ids: torch.Tensor, check_every: int = 8) -> int:
+        """Decode ``sb`` (every prompt in a slot) until its rows finish; returns the steps run.
+
+        ``run`` is the model call; ``sample(logits, sample_ids, steps, seed, vocab_ids)`` picks
+        the tokens without host syncs (``vocab_ids``: this rank's vocabulary ids, kept here); ``key`` names the sampling setting a captured graph bakes in (the
+        seed is read from a buffer); ``steps_left`` bounds the steps (max_new_tokens minus the
+        fewest tokens a live row has)."""
+        fd = self.fused.get(key)
+        if fd is None:
+            fd = self.fused[key] = FusedDecode(self, sb.slots, sb.max_new, sb.stop_ids, vocab_ids)
+        fd.model_call, fd.sample = run, sample
+        return fd.run(sb, seed, sample_offset, steps_left, check_every)
+
+
+class FusedDecode:
+    """One captured whole decode step (model call, sampling, state update) over every slot."""
+
+    STATE = ("lens", "count", "last", "active")
+
+    def __init__(self, graphs: DecodeGraphs, slots: int, max_new: int, stop_ids, vocab_ids):
+        dev = graphs.device
+        self.graphs, self.slots, self.max_new = graphs, slots, max_new
+        z = dict(dtype=torch.long, device=dev)
+        self.lens, self.count, self.last = (torch.zeros(slots, **z) for _ in range(3))
+        self.active = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.sample_ids = torch.zeros(slots, **z)
+        self.seed = torch.zeros(1, **z)
+        self.stop_ids, self.vocab_ids = stop_ids.clone(), vocab_ids.clone()
+        self.tokens = torch.zeros(slots, max_new + 1, **z)  # [slot, step]; column max_new: scratch
+        self.rows = torch.arange(slots, device=dev)
+        self.model_call = self.sample = None  # the running generation's (set per call)
+        self.graph = None
+
+    def step(self):
+        """One decode step of every slot, in place on the static buffers."""
+        n, width = self.slots, self.graphs.width
+        self.graphs._cache.decode(n, self.lens, width)
+        logits = self.model_call(self.last.unsqueeze(1), self.lens.unsqueeze(1), None, None)
+        tok = self.sample(logits, self.sample_ids, self.count, self.seed, self.vocab_ids)
+        act = self.active
+        self.tokens[self.rows, self.count] = tok  # a finished row writes past its response
+        inc = act.long()
+        self.count.add_(inc)
+        self.lens.add_(inc)
+        self.last.copy_(torch.where(act, tok, self.last))
+        done = (self.count >= self.max_new) | torch.isin(tok, self.stop_ids)
+        self.active.logical_and_(~done)
+
+    def run(self, sb, seed: int, sample_offset: int, steps_left: int, check_every: int) -> int:
+        for name in self.STATE:
+            getattr(self, name).copy_(getattr(sb, name))
+        self.sample_ids.copy_(sample_offset + sb.row)
+        self.seed.fill_(seed)
+        start, was_active = sb.count.clone(), sb.active.clone()
+        capture = self.graphs.capture
+        if capture and self.graph is None:
+            saved = [getattr(self, name).clone() for name in self.STATE]
+
+            def restore():
+                for name, t in zip(self.STATE, saved):
+                    getattr(self, name).copy_(t)
+
+            self.graph, _ = self.graphs._capture(self.step, restore)
+        steps = 0
+        while steps < steps_left:
+            for _ in range(min(check_every, steps_left - steps)):
+                self.graph.replay() if capture else self.step()
+                steps += 1
+            if not bool(self.active.any()):
+                break
+        self._write_back(sb, start, was_active)
+        return steps
+
+    def _write_back(self, sb, start: torch.Tensor, was_active: torch.Tensor) -> None:
+        """The tokens of this phase into the generation's results; the SlotBatch's state."""
+        for name in self.STATE:
+            getattr(sb, name).copy_(getattr(self, name))
+        live = was_active.nonzero().squeeze(1)
+        rows, first, end = sb.row[live], start[live], self.count[live]
+        cols = torch.arange(self.max_new, device=live.device).unsqueeze(0)
+        take = (cols >= first.unsqueeze(1)) & (cols < end.unsqueeze(1))
+        out = sb.results.out
+        out[rows] = torch.where(take, self.tokens[live, :self.max_new], out[rows])
+        sb.results.resp_len[rows] = end
+        free = (~sb.active).tolist()
+        sb.free = [i for i in range(sb.slots) if free[i]]
+        sb.done = not sb.queue and not any(not f for f in free)

@@ -337,14 +337,15 @@ def _check_prompts(prompts, vocab: int) -> None:
 
 def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int,
              micro_batch_size: Optional[int] = None, *, sample_offset: int = 0,
-             cuda_graphs: bool = False) -> GenerationOutput:
+             cuda_graphs: bool = False, compile_graphs: bool = False) -> GenerationOutput:
     """Generate continuations of this DP rank's ``prompts`` with the actor ``engine``.
 
     Call on every rank of the engine's layout, with the same prompts on all TP/PP ranks of one
     DP group. ``sample_offset`` is the index of the first prompt in the global batch (so DP
     splits do not change sampled tokens). ``micro_batch_size`` (KV-cache rows) defaults to the
     whole batch at P=1 and ceil(b / P) at P>1. ``cuda_graphs``: replay decode steps from CUDA
-    graphs (CUDA device, P=1). Returns the same GenerationOutput on every rank of the replica.
+    graphs (CUDA device, P=1), through torch.compile with ``compile_graphs``. Returns the same
+    GenerationOutput on every rank of the replica.
     """
     from puzzle.rollout.pipelined_generation import run_schedule
 
@@ -375,7 +376,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     if cuda_graphs:
         from puzzle.rollout.cuda_graphs import DecodeGraphs
 
-        graphs = DecodeGraphs.for_model(model, P, device)
+        graphs = DecodeGraphs.for_model(model, P, device, compile_graphs)
 
     order = service_order(prompts)
     results = Results(torch.zeros(b, params.max_new_tokens, dtype=torch.long, device=device),

@@ -3,7 +3,9 @@
 Work items are the model calls of a SlotBatch (puzzle/rollout/generation.py): a prefill of new
 prompts or a decode step; every stage plans the same next call from the same state.
 
-P = 1: SlotBatches run one after another, each to completion (one, refilled as rows finish).
+P = 1: SlotBatches run one after another, each to completion (one, refilled as rows finish). With
+CUDA graphs, once no prompt waits for a slot the remaining decode steps run as whole-step graphs
+(puzzle/rollout/cuda_graphs.py ``FusedDecode``).
 
 P > 1 (hybrid pipelined inference): every stage walks the same sequence of work items, pass by
 pass — pass j runs step j of every live micro-batch, in micro-batch order. A work item on stage p
@@ -28,7 +30,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from puzzle.rollout.sampling import SamplingParams, sample_tokens
+from puzzle.rollout.sampling import SamplingParams, sample_tokens, vocab_ids_of
 
 
 def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: int,
@@ -41,9 +43,20 @@ def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: 
         return sample_tokens(mb.select(logits), params, true_vocab=vocab, seed=seed,
                              sample_ids=mb.sample_ids(sample_offset), step=mb.steps(), tp_group=tp)
 
+    def sample_in_graph(logits, sample_ids, steps, seed_buffer, vocab_ids):
+        return sample_tokens(logits, params, true_vocab=vocab, seed=seed_buffer, sample_ids=sample_ids,
+                             step=steps, tp_group=tp, graph_safe=True, vocab_ids=vocab_ids)
+
     if layout.plan.P == 1:
         for mb in mbatches:
             while not mb.done:
+                if stepper.graphs is not None and not mb.queue:  # every prompt has its slot
+                    stepper.hooks.bind(mb.cache)
+                    left = mb.max_new - int(mb.count[mb.active].min())
+                    ids = vocab_ids_of(engine.arch.padded_vocab_size // layout.plan.T, tp, mb.device)
+                    stepper.forward_passes += stepper.graphs.fused_decode(
+                        mb, stepper.run, sample_in_graph, (params, vocab), seed, sample_offset, left, ids)
+                    continue
                 mb.next_call()
                 mb.advance(sample(mb, stepper(mb, None)))
         return

@@ -113,6 +113,12 @@ def vocab_start(local_vocab: int, group) -> int:
     return tp_rank(group) * local_vocab
 
 
+def vocab_ids_of(local_vocab: int, group, device) -> torch.Tensor:
+    """The global vocabulary ids of this rank's logit slice."""
+    start = vocab_start(local_vocab, group)
+    return torch.arange(start, start + local_vocab, dtype=torch.long, device=device)
+
+
 def mask_padding(logits: torch.Tensor, start: int, true_vocab: int) -> torch.Tensor:
     """-inf on ids >= true_vocab (float32 copy of this rank's slice)."""
     logits = logits.float()
@@ -159,12 +165,17 @@ def _order_key(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
-def top_p_filter(logits: torch.Tensor, p: float, group) -> torch.Tensor:
+#: rounds after which the bisection of top_p_filter has closed for any float32 logits
+TOP_P_ROUNDS = 33
+
+
+def top_p_filter(logits: torch.Tensor, p: float, group, fixed_rounds: bool = False) -> torch.Tensor:
     """Exact nucleus filter on vocab-parallel logits [n, V/T] (already temperature-scaled).
 
     Keeps token v iff ``sum_{u: l_u > l_v} softmax(l)_u < p``. Bisection over the integer key of
     the logits for the smallest key t with ``mass(l > t) < p``; every round all-gathers [n]
-    partial masses, so it ends after at most 33 rounds.
+    partial masses, so it ends after at most 33 rounds. ``fixed_rounds``: always run the 33
+    rounds (a closed row no longer moves), without a host sync: the form a CUDA graph can hold.
     """
     if p >= 1.0:
         return logits
@@ -180,9 +191,9 @@ def top_p_filter(logits: torch.Tensor, p: float, group) -> torch.Tensor:
     hi = _gather(torch.where(valid, keys, torch.full_like(keys, -big)).max(dim=-1).values,
                  group).max(dim=0).values
     lo = kmin - 1  # mass(l > lo) = Z >= target; mass(l > hi) = 0 < target
-    while True:
+    for _ in range(TOP_P_ROUNDS):  # closed after 33 rounds: hi - lo <= 2^32 + 1 at the start
         open_ = (hi - lo) > 1
-        if not bool(open_.any()):  # same decision on every TP rank (lo, hi are gathered)
+        if not fixed_rounds and not bool(open_.any()):  # same decision on every TP rank
             break
         mid = lo + (hi - lo) // 2
         above = keys > mid.unsqueeze(-1)
@@ -212,41 +223,58 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _absorb(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return _fmix32(h ^ _fmix32((x + 0x9E3779B9) & _M32))
+    # (x + 0x9E3779B9) mod 2^32, written with a constant that fits in int32 (a compiled kernel
+    # may add it to a 32-bit index)
+    return _fmix32(h ^ _fmix32((x - 0x61C88647) & _M32))
 
 
-def uniform_noise(seed: int, sample_ids: torch.Tensor, step: Union[int, torch.Tensor],
-                  start: int, end: int) -> torch.Tensor:
-    """Uniforms in (0, 1), float64 [n, end-start], a function of (seed, sample, step, vocab id) only."""
+def uniform_noise(seed: Union[int, torch.Tensor], sample_ids: torch.Tensor,
+                  step: Union[int, torch.Tensor], start: int, end: int,
+                  vocab_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Uniforms in (0, 1), float64 [n, end-start], a function of (seed, sample, step, vocab id) only.
+
+    ``seed``: an int, or a one-element int64 tensor holding it (a CUDA graph reads it from there,
+    so one capture serves every seed). ``vocab_ids``: ``arange(start, end)`` kept by the caller
+    (a captured, compiled step reads it from memory)."""
     sample_ids = torch.as_tensor(sample_ids, dtype=torch.long).reshape(-1, 1)
     step = torch.as_tensor(step, dtype=torch.long, device=sample_ids.device).reshape(-1, 1)
-    seed = int(seed)
     h = torch.full_like(sample_ids, 0x5EED5EED)
-    for word in (seed & _M32, (seed >> 32) & _M32):
-        h = _absorb(h, torch.full_like(sample_ids, word))
+    if isinstance(seed, torch.Tensor):
+        seed = seed.reshape(1, 1)
+        words = [(seed & _M32).expand_as(sample_ids), ((seed >> 32) & _M32).expand_as(sample_ids)]
+    else:
+        seed = int(seed)
+        words = [torch.full_like(sample_ids, w) for w in (seed & _M32, (seed >> 32) & _M32)]
+    for word in words:
+        h = _absorb(h, word)
     h = _absorb(h, sample_ids & _M32)
     h = _absorb(h, (sample_ids >> 32) & _M32)
     h = _absorb(h, step.expand_as(sample_ids) & _M32)
-    vocab = torch.arange(start, end, dtype=torch.long, device=sample_ids.device).unsqueeze(0)
-    h = _absorb(h, vocab)  # [n, V/T]
+    if vocab_ids is None:
+        vocab_ids = torch.arange(start, end, dtype=torch.long, device=sample_ids.device)
+    h = _absorb(h, vocab_ids.unsqueeze(0))  # [n, V/T]
     return (h.double() + 0.5) / 4294967296.0
 
 
-def gumbel_noise(seed: int, sample_ids: torch.Tensor, step, start: int, end: int) -> torch.Tensor:
+def gumbel_noise(seed, sample_ids: torch.Tensor, step, start: int, end: int,
+                 vocab_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Standard Gumbel noise (float64) for global vocab ids [start, end)."""
-    return -torch.log(-torch.log(uniform_noise(seed, sample_ids, step, start, end)))
+    return -torch.log(-torch.log(uniform_noise(seed, sample_ids, step, start, end, vocab_ids)))
 
 
 # ---------------------------------------------------------------------------------------------
 # the entry point
 # ---------------------------------------------------------------------------------------------
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, *, true_vocab: int,
-                  seed: int = 0, sample_ids: Optional[torch.Tensor] = None, step=0,
-                  tp_group=None) -> torch.Tensor:
+                  seed: Union[int, torch.Tensor] = 0, sample_ids: Optional[torch.Tensor] = None,
+                  step=0, tp_group=None, graph_safe: bool = False,
+                  vocab_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Next tokens [n] (global ids, identical on every TP rank) from vocab-parallel logits [n, V/T].
 
     ``sample_ids``: global index of each row's sample in the whole batch (all DP ranks);
     ``step``: index of the token being generated (0 = first response token).
+    ``graph_safe``: no host synchronisation (top-p runs its fixed number of rounds); same tokens.
+    ``vocab_ids``: this rank's global vocabulary ids (``vocab_ids_of``), when the caller keeps them.
     """
     n, v = logits.shape
     start = vocab_start(v, tp_group)
@@ -256,8 +284,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, *, true_vocab: i
     if float(params.temperature) != 1.0:
         x = x / float(params.temperature)
     x = top_k_filter(x, params.top_k, tp_group)
-    x = top_p_filter(x, float(params.top_p), tp_group)
+    x = top_p_filter(x, float(params.top_p), tp_group, fixed_rounds=graph_safe)
     if sample_ids is None:
         sample_ids = torch.arange(n, device=logits.device)
-    y = x.double() + gumbel_noise(seed, sample_ids, step, start, start + v)
+    y = x.double() + gumbel_noise(seed, sample_ids, step, start, start + v, vocab_ids)
     return vocab_parallel_argmax(y, start, tp_group)

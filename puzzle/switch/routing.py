@@ -154,9 +154,6 @@ class RoutingTable:
         """Bytes crossing between ranks (local copies excluded)."""
         return sum(o.nbytes for o in self.ops if not o.is_local)
 
-    def max_rank_bytes_received(self) -> int:
-        return max((self.bytes_received(r) for r in self.dst.ranks), default=0)
-
     def bytes_lacking(self, rank: int) -> int:
         """Bytes of the rank's destination-layout shards that it does not hold in the source
         layout: the least any routing must deliver to it (computed independently of ops)."""
@@ -189,13 +186,6 @@ class RoutingTable:
                 k = _axis(spec)
                 held += _covered(own, k, 0, spec.global_shape[k]) * _unit_bytes(spec, self.dtype_bytes)
         return self.model_bytes() - held
-
-    def summary(self) -> str:
-        lines = [f"switch {self.src} -> {self.dst}: {len(self.ops)} ops, {self.total_bytes()} bytes moved"]
-        for r in self.dst.ranks:
-            lines.append(f"  rank {r}: recv {self.bytes_received(r)} (lacking {self.bytes_lacking(r)}), "
-                         f"sent {self.bytes_sent(r)}, allgather {self.allgather_bytes(r)}")
-        return "\n".join(lines)
 
 
 # ---- construction --------------------------------------------------------------------------------

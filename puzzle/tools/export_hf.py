@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from puzzle.models.hf_llama import export_hf
+    from puzzle.models.hf_checkpoint import export_hf
     from puzzle.tools.model_source import end_world, load_engine, start_world
 
     rank, plan, owns_world = start_world(args)

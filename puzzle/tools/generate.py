@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from puzzle.config import ROLES
 
-    if ROLES[args.role].head != "lm":
+    if not ROLES[args.role].lm_head:
         raise SystemExit(f"--role: generation needs an LM (actor or ref), got {args.role}")
     from puzzle.tools.model_source import end_world, load_engine, start_world
 

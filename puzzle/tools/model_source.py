@@ -53,7 +53,7 @@ def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq
     impl, _ = resolve_transformer_impl(transformer_impl)
     layout = layout_for(plan)
     if is_hf_dir(source):
-        from puzzle.models.hf_llama import arch_from_hf_dir, load_hf_into_model
+        from puzzle.models.hf_checkpoint import arch_from_hf_dir, load_hf_into_model
 
         overrides = {"make_vocab_size_divisible_by": make_vocab_size_divisible_by}
         if seq_length:

@@ -412,9 +412,9 @@ def _measure_T(spec, T, world, rank, dev, comm: _CommTimer) -> tuple:
     from puzzle.training.vocab_parallel import vocab_parallel_logprobs
 
     sh, reps = spec["shape"], spec["repeats"]
-    arch = ModelArch(num_layers=sh["num_layers"], hidden_size=sh["hidden_size"], ffn_hidden_size=sh["ffn_hidden_size"],
-                     num_attention_heads=sh["num_attention_heads"], num_query_groups=sh["num_query_groups"],
-                     vocab_size=sh["vocab_size"], seq_length=sh["seq_length"], swiglu=sh["swiglu"])
+    arch = ModelArch.llama(num_layers=sh["num_layers"], hidden_size=sh["hidden_size"], ffn_hidden_size=sh["ffn_hidden_size"],
+                           num_attention_heads=sh["num_attention_heads"], num_query_groups=sh["num_query_groups"],
+                           vocab_size=sh["vocab_size"], seq_length=sh["seq_length"], swiglu=sh["swiglu"])
     layout = layout_for(ParallelPlan(1, world // T, T))
     eng = ModelEngine("actor", arch, layout, trainable=True)
     model = eng.module

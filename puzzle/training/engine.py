@@ -134,8 +134,3 @@ class ModelEngine:
                                         seq_length, micro_batch_size, forward_only=False)
         return {"outputs": outputs, **self.optimizer_step()}
 
-    def forward_batch(self, forward_step_func: Callable, data_iterator: Iterator,
-                      num_microbatches: int, seq_length: int, micro_batch_size: int) -> List[Any]:
-        with torch.no_grad():
-            return self.forward_backward(forward_step_func, data_iterator, num_microbatches,
-                                         seq_length, micro_batch_size, forward_only=True)

@@ -10,23 +10,20 @@ raises ``NonFiniteError`` naming the model, the PPO stage, the pipeline stage(s)
 from __future__ import annotations
 
 import math
-import os
 from typing import Dict, List, Sequence
 
 import torch
 
 KINDS = ("loss", "gradient norm")
-TEST_ENV = "PUZZLE_TEST_NONFINITE_AT"  # "role:iteration[,role:iteration]": NaN gradients (tests)
 
 
 class NonFiniteError(RuntimeError):
     """A NaN/inf loss, gradient norm or score; the message names model, stage and iteration."""
 
 
-def inject_for_test(role: str, engine, iteration: int) -> None:
-    """Poison one gradient of ``role`` at the iterations listed in $PUZZLE_TEST_NONFINITE_AT."""
-    spec = os.environ.get(TEST_ENV, "")
-    if engine.member and f"{role}:{iteration}" in spec.split(","):
+def inject_for_test(role: str, engine, iteration: int, faults) -> None:
+    """Poison one gradient of ``role`` when ``faults`` (config.FaultInjection) lists (role, iteration)."""
+    if engine.member and (role, iteration) in faults.nonfinite_grads:
         engine.model.buffers[0].grad_data[0] = float("nan")
 
 

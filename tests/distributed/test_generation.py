@@ -146,6 +146,9 @@ def test_graph_decode_step_same_tokens(world):
     assert st["width"] == 64  # longest prompt 8 + 8 new tokens, rounded up to 64
     for name in ("greedy", "t07_k20_p09"):
         assert st[name] == [res["base"][name]] * 3, name
+    for name in ("greedy_eos", "t07_eos"):  # rows finish at different steps
+        assert st[name] == [res[name]] * 3, name
+    assert st["whole_step_settings"] == 4
 
 
 def test_sdpa_module_matches_unfused_attention(world):

@@ -103,6 +103,21 @@ def test_jsonl_parquet_and_arrow_load_the_same(tmp_path, byte_tok):
         load_prompt_dataset(pq, byte_tok, "prompt", cache_dir=cache)
 
 
+def test_prompt_split_is_read_or_refused(tmp_path, byte_tok):
+    import datasets
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a", "b"]}),
+                                   "test": datasets.Dataset.from_dict({"prompt": ["c"]})})
+    splits.save_to_disk(str(tmp_path / "dd"))
+    assert [byte_tok.decode(p) for p in load_prompt_dataset(str(tmp_path / "dd"), byte_tok, split="test").prompts] \
+        == ["c"]
+    assert len(load_prompt_dataset(str(tmp_path / "dd"), byte_tok).prompts) == 2
+    with pytest.raises(PromptDataError, match="--prompt-split 'validation': .* has the splits train, test"):
+        load_prompt_dataset(str(tmp_path / "dd"), byte_tok, split="validation")
+    one = _write_jsonl(tmp_path / "p.jsonl", [json.dumps({"prompt": "x"})])
+    with pytest.raises(PromptDataError, match="--prompt-split 'test': .* is one file, without splits"):
+        load_prompt_dataset(one, byte_tok, split="test")
+
+
 def test_malformed_jsonl_names_file_and_line(tmp_path, byte_tok):
     lines = [json.dumps({"prompt": "ok one"}), "", json.dumps({"prompt": "ok two"}),
              '{"prompt": "broken', json.dumps({"other": 1}), json.dumps(["not", "a", "dict"]),
@@ -185,12 +200,6 @@ def test_loader_resumes_from_state_at_any_dp_size():
     assert next(halves[0]).indices + next(halves[1]).indices == seq[7]
     with pytest.raises(ValueError, match="seed=9"):
         PromptLoader(_ids(25), 4, seed=10).load_state_dict(state)
-
-
-def test_left_padded_batch(byte_tok):
-    batch = next(PromptLoader([[1, 2, 3], [4]], 2, shuffle=False))
-    tokens, lengths = batch.left_padded(byte_tok.pad_id)
-    assert tokens.tolist() == [[1, 2, 3], [256, 256, 4]] and lengths.tolist() == [3, 1]
 
 
 def test_hub_dataset_name(monkeypatch, byte_tok):

@@ -1,6 +1,7 @@
 """The device contract (puzzle/parallel/device.py) and the batch moves built on it, on CPU."""
 
 import json
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -91,3 +92,21 @@ def test_compare_metrics_tolerances(tmp_path):
     fb.write_text(json.dumps(b[0]) + "\n")
     assert compare_main([str(fa), str(fb), "--rtol", "1e-4"]) == 1
     assert compare_main([str(fa), str(fb), "--rtol", "1e-4", "--field-atol", "clip_frac=0.02"]) == 0
+
+
+def test_launcher_reads_torchruns_variables_and_defaults_to_a_world_of_one(monkeypatch):
+    from puzzle.parallel import launcher
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(var, "")  # recorded, so teardown restores what default_to_world_of_one sets
+        monkeypatch.delenv(var)
+    assert not launcher.launched() and (launcher.rank(), launcher.world_size(), launcher.local_rank()) == (0, 1, 0)
+    monkeypatch.setenv("MASTER_PORT", "29999")  # given by the user: kept
+    launcher.default_to_world_of_one(12345)
+    assert launcher.launched() and launcher.world_size() == 1
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("127.0.0.1", "29999")
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert (launcher.rank(), launcher.world_size(), launcher.local_rank()) == (5, 8, 1)
+    assert Runtime(device=torch.device("cpu")).timeout.total_seconds() == 600  # --distributed-timeout-minutes 10

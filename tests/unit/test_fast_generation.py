@@ -73,6 +73,22 @@ def test_flags():
         parse_args(BASE + ["--attention-backend", "sdpa"])
 
 
+def _config_or_error(argv):
+    try:
+        return validate_args(parse_args(BASE + argv), 4, 259)
+    except ArgumentError as e:
+        return str(e)
+
+
+def test_use_flash_attn_is_attention_backend_flash():
+    """Megatron-LM's older flag: the same configuration on a machine with TE, the same error without."""
+    assert _config_or_error(["--use-flash-attn"]) == _config_or_error(["--attention-backend", "flash"])
+    assert _config_or_error(["--use-flash-attn", "--attention-backend", "flash"]) == \
+        _config_or_error(["--attention-backend", "flash"])
+    assert _config_or_error(["--use-flash-attn", "--attention-backend", "local"]).startswith(
+        "--use-flash-attn/--attention-backend: --use-flash-attn means --attention-backend flash")
+
+
 def test_cost_model_follows_the_decode_loop():
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.plan_search import LLAMA_SHAPES, load_profile

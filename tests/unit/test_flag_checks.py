@@ -60,6 +60,34 @@ BAD = [
     (["--ckpt-step", "3"], "--ckpt-step: needs --load DIR"),
     (["--top-p", "0"], "--top-p: must be in (0, 1]"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
+    (["--critic-tensor-model-parallel-size", "0"], "--critic-tensor-model-parallel-size: must be >= 1"),
+    (["--actor-gen-pipeline-model-parallel-size", "0"], "--actor-gen-pipeline-model-parallel-size: must be >= 1"),
+    (["--critic-rank-offset", "-1"], "--critic-rank-offset: must be >= 0"),
+    (["--critic-hidden-size", "65"], "--critic-hidden-size: hidden_size=65 is not divisible"),
+    # accepted flags that would change nothing are refused
+    (["--num-query-groups", "2"], "--num-query-groups: needs --group-query-attention"),
+    (["--advantage-estimator", "grpo", "--n-samples-per-prompt", "2", "--critic-lr", "1e-4"],
+     "--critic-lr: the run builds no critic model (--advantage-estimator grpo has no critic)"),
+    (["--advantage-estimator", "rloo", "--n-samples-per-prompt", "2", "--critic-rank-offset", "1"],
+     "--critic-rank-offset: the run builds no critic model"),
+    (["--kl-coef", "0", "--ref-num-layers", "3"], "--ref-num-layers: the run builds no ref model"),
+    (["--reward-tensor-model-parallel-size", "2"], "--reward-tensor-model-parallel-size: the run builds no reward"),
+    (["--position-embedding-type", "learned_absolute", "--rotary-base", "500"],
+     "--rotary-base: needs --position-embedding-type rope"),
+    (["--tokenizer-model", "tok"], "--tokenizer-model: --tokenizer-type ByteLevelTokenizer reads no files"),
+    (["--vocab-size", "100"], "--vocab-size: 100 is smaller than the tokenizer's vocabulary (259)"),
+    (["--kl-horizon", "500"], "--kl-horizon: needs --kl-target"),
+    (["--kl-target", "6", "--kl-coef", "0", "--use-kl-loss"], "--kl-target: needs --kl-coef > 0"),
+    (["--kl-loss-coef", "0.1"], "--kl-loss-coef: needs --use-kl-loss"),
+    (["--kl-loss-type", "mse"], "--kl-loss-type: needs --use-kl-loss"),
+    (["--max-num-gen-batches", "3"], "--max-num-gen-batches: needs --filter-groups"),
+    (["--overlong-penalty-factor", "2"], "--overlong-penalty-factor: needs --overlong-buffer-len > 0"),
+    (["--advantage-estimator", "grpo", "--n-samples-per-prompt", "2", "--lam", "0.9"], "--lam: GAE's lambda: needs"),
+    (["--min-lr", "1e-7"], "--min-lr: needs --lr-decay-style linear or cosine"),
+    (["--greedy", "--top-p", "0.9"], "--top-p: is ignored by --greedy"),
+    (["--kl-coef", "0", "--kl-estimator", "mse"], "--kl-estimator: needs a reference model"),
+    (["--reward-timeout", "5", "--reward-fn", "", "--reward-model", "random"], "--reward-timeout: needs --reward-fn"),
+    (["--reward-workers", "2", "--reward-fn", "", "--reward-model", "random"], "--reward-workers: needs --reward-fn"),
     (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3 (see train_ppo.py --help)"),
 ]
 
@@ -109,3 +137,28 @@ def test_accepted_values_are_kept(tmp_path):
     assert (ops.exit_signal_handler, ops.exit_duration_in_mins, ops.exit_interval) == (True, 0.5, 3)
     assert (ops.distributed_timeout_minutes, ops.skip_nonfinite_iterations, ops.keep_last_checkpoints) == (0.1, 2, 2)
     assert os.path.isdir(tmp_path / "ck") and not os.listdir(tmp_path / "ck")  # created, probe removed
+
+
+def test_vocab_size_sets_the_model_vocabulary():
+    """--vocab-size: the model's rows before padding (at least the tokenizer's), as in Megatron-LM."""
+    cfg = validate_args(parse_args(BASE + ["--vocab-size", "300"]), 1, 259)
+    assert {r.arch.vocab_size for r in cfg.roles.values()} == {300}
+    assert validate_args(parse_args(BASE), 1, 259).roles["actor"].arch.vocab_size == 259
+
+
+def test_test_faults_are_read_once_by_the_command_line(monkeypatch, capsys):
+    """The fault-injection variables of the tests become RunConfig.faults; a malformed one is an
+    error before anything starts; an ordinary run has no faults."""
+    from puzzle.config import FaultInjection
+
+    got = cli.fault_injection_from_env({cli.NONFINITE_ENV: "critic:2,actor:10", cli.FAIL_SAVE_ENV: "1:5"})
+    assert got == FaultInjection(nonfinite_grads=(("critic", 2), ("actor", 10)), fail_save_at=(1, 5))
+    assert cli.fault_injection_from_env({}) == FaultInjection()
+    for env, message in (({cli.NONFINITE_ENV: "critic"}, "expected role:iteration"),
+                         ({cli.FAIL_SAVE_ENV: "one:5"}, "expected rank:iteration"),
+                         ({cli.FAIL_SAVE_ENV: "0:1,1:2"}, "one rank:iteration")):
+        with pytest.raises(ValueError, match=message):
+            cli.fault_injection_from_env(env)
+    monkeypatch.setenv(cli.FAIL_SAVE_ENV, "x")
+    assert cli.run(BASE) == 2
+    assert capsys.readouterr().err.startswith(f"error: ${cli.FAIL_SAVE_ENV}: expected rank:iteration")

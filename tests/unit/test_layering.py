@@ -8,12 +8,15 @@ hide an arrow. The layers, from the bottom:
     1  models                                             (GPTModel builders, parameter layout/names)
     2  training, rollout, pipeline, switch, algorithms, data
     3  trainer, checkpointing, generation_stage, reward_functions, metrics, run_control
-    4  cli, arguments, flag_checks, tools, bench, plan    (command line and tools)
+    4  cli, arguments, flag_checks, tools, bench, plan_search  (command line and tools)
 
-A module may import its own layer or any layer below. ``plan_search/`` (the plan search) is in the top
-layer because its commands read the command line, but its cost model, memory model and search are
-pure: they import only config, parallel and plan_search itself, and nothing in plan_search/ reaches models,
-training, rollout, pipeline, switch or torch.distributed.
+A module may import its own layer or any layer below. Below the command line (layers 0-3) nothing
+reads the environment but the launcher's contract (``ENV_READERS``: torchrun's RANK, WORLD_SIZE,
+LOCAL_RANK), and nothing imports argparse but the flag definitions (``ARGPARSE_USERS``).
+``plan_search/`` (the plan search) is in the top layer because its commands read the command line,
+but its cost model, memory model and search are pure: they import only config, parallel and
+plan_search itself, and nothing in plan_search/ reaches models, training, rollout, pipeline, switch
+or torch.distributed.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ LAYERS = [
     {"cli", "arguments", "flag_checks", "tools", "bench", "plan_search"},
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+
+#: below the command line, the only module that reads os.environ: torchrun's contract
+ENV_READERS = {"puzzle.parallel.launcher"}
+#: below the command line, the only module that imports argparse: it turns config fields into flags
+ARGPARSE_USERS = {"puzzle.config_flags"}
 
 PLAN_FORBIDDEN = ("puzzle.models", "puzzle.training", "puzzle.rollout", "puzzle.pipeline", "puzzle.switch",
                   "torch.distributed")
@@ -71,10 +79,28 @@ def imports_of(source: str, module: str, is_package: bool, known: Set[str]) -> L
     return out
 
 
+def environment_reads(source: str) -> List[int]:
+    """Lines that read or write the process environment or the command line: ``os.environ``,
+    ``os.getenv``, ``os.putenv``, ``os.unsetenv``, ``sys.argv``, or ``environ`` / ``getenv``
+    imported from os."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and (
+                node.value.id == "os" and node.attr in ("environ", "environb", "getenv", "putenv", "unsetenv")
+                or node.value.id == "sys" and node.attr == "argv"):
+            out.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                a.name in ("environ", "environb", "getenv", "putenv", "unsetenv") for a in node.names):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+PATHS = {module_name(p): p for p in PKG.rglob("*.py")}
+
+
 def _graph() -> Dict[str, List[Tuple[str, int]]]:
-    paths = {module_name(p): p for p in PKG.rglob("*.py")}
-    known = set(paths)
-    return {m: imports_of(p.read_text(), m, p.name == "__init__.py", known) for m, p in sorted(paths.items())}
+    known = set(PATHS)
+    return {m: imports_of(p.read_text(), m, p.name == "__init__.py", known) for m, p in sorted(PATHS.items())}
 
 
 GRAPH = _graph()
@@ -129,6 +155,27 @@ def test_parser_sees_function_local_and_relative_imports():
     assert got == [("os", 1), ("puzzle.switch.b", 2), ("puzzle.models.init", 4), ("torch.distributed", 5)]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_environment_reads_are_found():
+    src = "import os\nfrom os import environ\nx = os.environ.get('A')\ny = os.getenv('B')\nz = os.path.join('c')\n" \
+          "a = sys.argv[1:]\nb = sys.path\n"
+    assert environment_reads(src) == [2, 3, 4, 6]
+
+
+def test_below_the_command_line_nothing_reads_the_environment():
+    """Flags reach the code through RunConfig; only the launcher's contract reads os.environ, and
+    nothing reads sys.argv."""
+    bad = [f"{m}:{line}" for m, p in sorted(PATHS.items()) if m != "puzzle" and layer(m) < len(LAYERS) - 1
+           and m not in ENV_READERS for line in environment_reads(p.read_text())]
+    assert not bad, "reads os.environ or sys.argv below the command-line layer: " + ", ".join(bad)
+    assert all(m in GRAPH and environment_reads(PATHS[m].read_text()) for m in ENV_READERS)
+
+
+def test_below_the_command_line_nothing_imports_argparse():
+    bad = [f"{m}:{line}" for m, targets in GRAPH.items() if m != "puzzle" and layer(m) < len(LAYERS) - 1
+           and m not in ARGPARSE_USERS for target, line in targets if target == "argparse"]
+    assert not bad, "imports argparse below the command-line layer: " + ", ".join(bad)
 
 
 def test_every_module_has_a_layer():

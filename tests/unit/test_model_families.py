@@ -149,12 +149,12 @@ def test_transformers_accepts_the_exported_configs():
 
 
 def test_explicit_kv_channels_and_flags_in_model_arch():
-    a = ModelArch(hidden_size=64, num_attention_heads=8, kv_channels=16)
-    assert a.kv_channels == 16 and ModelArch(hidden_size=64, num_attention_heads=8).kv_channels == 8
+    a = ModelArch.llama(hidden_size=64, num_attention_heads=8, kv_channels=16)
+    assert a.kv_channels == 16 and ModelArch.llama(hidden_size=64, num_attention_heads=8).kv_channels == 8
     with pytest.raises(ValueError, match="sliding_window=32 is shorter than seq_length=64"):
-        ModelArch(seq_length=64, sliding_window=32)
-    with pytest.raises(ValueError, match="high_freq_factor > low_freq_factor"):
-        ModelArch(use_rope_scaling=True, rope_low_freq_factor=4.0, rope_high_freq_factor=4.0)
+        ModelArch.llama(seq_length=64, sliding_window=32)
+    with pytest.raises(ValueError, match="--rope-high-freq-factor: 4.0 must exceed --rope-low-freq-factor 4.0"):
+        ModelArch.llama(use_rope_scaling=True, rope_low_freq_factor=4.0, rope_high_freq_factor=4.0)
 
 
 def test_unsupported_sliding_window_names_config_and_field():
@@ -228,7 +228,13 @@ def test_hf_path_alone_sets_the_shape(tmp_path):
     assert c2.roles["critic"].arch == a and c2.roles["critic"].hf_path is None
     # flags repeating the checkpoint are fine
     validate_args(parse_args(_RUN + ["--hf-actor-path", d, "--hf-critic-path", d, "--num-layers", "2",
-                                     "--kv-channels", "16", "--qk-layernorm"]), 4, 150)
+                                     "--kv-channels", "16", "--qk-layernorm", "--normalization", "RMSNorm",
+                                     "--swiglu", "--position-embedding-type", "rope"]), 4, 150)
+    # the run's own choices apply on top of the checkpoint
+    c3 = validate_args(parse_args(_RUN + ["--hf-actor-path", d, "--attention-backend", "local", "--hidden-dropout",
+                                          "0.1", "--init-method-std", "0.01"]), 4, 150)
+    a3 = c3.roles["actor"].arch
+    assert (a3.attention_backend, a3.hidden_dropout, a3.init_method_std, a3.num_layers) == ("local", 0.1, 0.01, 2)
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -237,6 +243,9 @@ def test_hf_path_alone_sets_the_shape(tmp_path):
     (["--critic-hidden-size", "32"], "--critic-hidden-size: 32 conflicts"),
     (["--add-qkv-bias"], "--add-qkv-bias: conflicts with .*config.json"),
     (["--use-rope-scaling"], "--use-rope-scaling: conflicts"),
+    (["--normalization", "LayerNorm"], "--normalization: LayerNorm conflicts with .*\\(normalization=RMSNorm\\)"),
+    (["--rotary-base", "500"], "--rotary-base: 500 conflicts with .*config.json"),
+    (["--vocab-size", "300"], "--vocab-size: 300 conflicts with .*\\(vocab_size=200\\)"),
 ])
 def test_flag_conflicting_with_config_json_names_both(tmp_path, extra, needle):
     from puzzle.arguments import ArgumentError, parse_args, validate_args

@@ -35,7 +35,7 @@ def test_bad_degrees(kw, msg):
 def test_world_and_model_checks():
     with pytest.raises(PlanError, match=r"needs ranks 0..7 .* world has 4"):
         ParallelPlan(2, 2, 2).check_world(4)
-    arch = ModelArch(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+    arch = ModelArch.llama(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2)
     with pytest.raises(PlanError) as e:
         ParallelPlan(2, 1, 4).check_model(num_layers=3, num_attention_heads=4, num_query_groups=2,
                                           ffn_hidden_size=256, hidden_size=64,
@@ -53,10 +53,10 @@ def test_parse():
 
 
 def test_vocab_padding_is_layout_independent():
-    arch = ModelArch(vocab_size=200, make_vocab_size_divisible_by=64)
+    arch = ModelArch.llama(vocab_size=200, make_vocab_size_divisible_by=64)
     assert arch.padded_vocab_size == 256
 
 
 def test_bad_arch():
     with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by num_query_groups=4"):
-        ModelArch(hidden_size=96, num_attention_heads=6, num_query_groups=4)
+        ModelArch.llama(hidden_size=96, num_attention_heads=6, num_query_groups=4)

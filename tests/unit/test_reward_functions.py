@@ -112,7 +112,7 @@ def test_builtins():
 def test_records_carry_the_other_fields_to_the_reward(tmp_path):
     import json
 
-    from puzzle.data.arithmetic import bundled_arithmetic_path, make_records
+    from puzzle.data.arithmetic import PATH, make_records
     from puzzle.data.prompts import load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
 
@@ -121,9 +121,9 @@ def test_records_carry_the_other_fields_to_the_reward(tmp_path):
     f.write_text('{"prompt": "1+1=", "answer": "2", "id": 7}\n{"prompt": 5}\n{"prompt": "2+2=", "answer": "4"}\n')
     ds = load_prompt_dataset(str(f), tok, skip_bad_records=True)
     assert ds.records == [{"answer": "2", "id": 7}, {"answer": "4"}] and len(ds.prompts) == 2
-    bundled = [json.loads(x) for x in open(bundled_arithmetic_path())]
+    bundled = [json.loads(x) for x in open(PATH)]
     assert bundled == make_records() and len(bundled) == 55  # the file is what its generator writes
-    ds = load_prompt_dataset(bundled_arithmetic_path(), tok)
+    ds = load_prompt_dataset(str(PATH), tok)
     assert ds.records[0] == {"answer": "0"} and tok.decode(ds.prompts[0]) == "0+0="
 
 

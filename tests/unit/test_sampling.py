@@ -117,3 +117,20 @@ def test_sampling_follows_the_filtered_distribution():
     assert not torch.equal(tok, sample_tokens(logits, params, true_vocab=12, seed=4,
                                               sample_ids=torch.arange(n)))
     assert math.isclose(float(probs.sum()), 1.0)
+
+
+def test_graph_safe_sampling_gives_the_same_tokens():
+    """The host-sync-free form (seed in a tensor, top-p's fixed 33 rounds) a CUDA graph holds."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 50, generator=g) * 3
+    logits[2] = 0.0  # ties everywhere
+    ids, steps = torch.arange(10, 16), torch.tensor([0, 1, 2, 3, 4, 5])
+    for prm in (SamplingParams(4, greedy=True), SamplingParams(4, temperature=0.7, top_k=20, top_p=0.9),
+                SamplingParams(4, top_p=0.3)):
+        a = sample_tokens(logits, prm, true_vocab=48, seed=2 ** 40 + 7, sample_ids=ids, step=steps)
+        b = sample_tokens(logits, prm, true_vocab=48, seed=torch.tensor([2 ** 40 + 7]), sample_ids=ids,
+                          step=steps, graph_safe=True)
+        assert torch.equal(a, b), prm
+    c = sample_tokens(logits, SamplingParams(4), true_vocab=48, seed=torch.tensor([8]), sample_ids=ids, step=steps)
+    d = sample_tokens(logits, SamplingParams(4), true_vocab=48, seed=torch.tensor([9]), sample_ids=ids, step=steps)
+    assert not torch.equal(c, d)  # the seed tensor is read

@@ -10,8 +10,8 @@ from puzzle.training.engine import ModelEngine, OptimConfig
 from puzzle.training.steps import lm_nll_step
 from tests.harness import world_main
 
-ARCH = ModelArch(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
-                 num_query_groups=4, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
+ARCH = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
+                       num_query_groups=4, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
 B, S = 4, 12
 
 
@@ -31,7 +31,9 @@ def _logprobs_at(plan: ParallelPlan, role="actor"):
     mine = tokens[layout.d * share:(layout.d + 1) * share]
     store = []
     mbs = 1
-    eng.forward_batch(lm_nll_step(ARCH.vocab_size, store), iter(mine.split(mbs)), share // mbs, S, mbs)
+    with torch.no_grad():
+        eng.forward_backward(lm_nll_step(ARCH.vocab_size, store), iter(mine.split(mbs)), share // mbs, S, mbs,
+                             forward_only=True)
     if not layout.is_last_stage or layout.t != 0:
         return None
     return {"d": layout.d, "lp": torch.cat(store).tolist()}

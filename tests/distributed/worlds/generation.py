@@ -9,8 +9,8 @@ from puzzle.parallel.plan import ParallelPlan
 from puzzle.rollout import SamplingParams, generate
 from tests.harness import world_main
 
-ARCH = ModelArch(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                 vocab_size=200, make_vocab_size_divisible_by=64, seq_length=64)
+ARCH = ModelArch.llama(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                       vocab_size=200, make_vocab_size_divisible_by=64, seq_length=64)
 SEED = 11
 MAX_NEW = 8
 PROMPTS = [[17, 4, 99, 150, 3], [42, 7], [5, 6, 7, 8, 9, 10, 11], [199, 0, 64]]
@@ -181,10 +181,13 @@ def check_fast_loop():
         e.module._puzzle_decode_graphs = DecodeGraphs(torch.device("cpu"), capture=False)
         static = {}
         for mbs in (None, None, 3):  # the second call reuses the first one's cache and tables
-            for name in ("greedy", "t07_k20_p09"):
-                o = generate(e, prompts, PARAMS[name], seed=SEED, micro_batch_size=mbs, cuda_graphs=True)
+            for name in ("greedy", "t07_k20_p09", "greedy_eos", "t07_eos"):
+                prm = {**PARAMS, **eos_params}[name]
+                o = generate(e, prompts, prm, seed=SEED, micro_batch_size=mbs, cuda_graphs=True)
                 static.setdefault(name, []).append(o.responses())
         static["width"] = e.module._puzzle_decode_graphs.width
+        # once every prompt has a slot, the steps ran as whole-step graphs, one per setting
+        static["whole_step_settings"] = len(e.module._puzzle_decode_graphs.fused)
         del e.module._puzzle_decode_graphs
         res["static_decode"] = static
     # the modules themselves: SDPA vs megatron's unfused math, forward and backward

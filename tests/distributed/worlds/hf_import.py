@@ -119,7 +119,7 @@ def _forward_step(store, with_values=False):
 
 
 def _import(plan, role, hf_dir):
-    from puzzle.models.hf_llama import arch_from_hf_dir, load_hf_into_model
+    from puzzle.models.hf_checkpoint import arch_from_hf_dir, load_hf_into_model
 
     arch = arch_from_hf_dir(hf_dir, make_vocab_size_divisible_by=64, seq_length=S)
     eng = ModelEngine(role, arch, layout_for(plan), trainable=False, seed=3)
@@ -131,7 +131,8 @@ def _run(eng, with_values=False):
     store = []
     if eng.member:
         tok = _tokens()
-        eng.forward_batch(_forward_step(store, with_values), iter(tok.split(1)), B, S, 1)
+        with torch.no_grad():
+            eng.forward_backward(_forward_step(store, with_values), iter(tok.split(1)), B, S, 1, forward_only=True)
     lay = eng.layout
     if eng.member and lay.is_last_stage and lay.t == 0:
         return torch.cat(store)
@@ -180,7 +181,7 @@ def check_export_round_trip():
     """Import at (2,1,2) and at (1,1,2), export each; transformers reloads the originals bitwise."""
     from safetensors.torch import load_file
 
-    from puzzle.models.hf_llama import export_hf
+    from puzzle.models.hf_checkpoint import export_hf
 
     res = {}
     for plan in (ParallelPlan(2, 1, 2), ParallelPlan(1, 1, 2)):
@@ -204,7 +205,7 @@ def check_export_round_trip():
 def check_tied_and_rope_convention():
     """Tied embeddings at (2,1,2) (the last stage's output_layer copy) match transformers; the
     interleaved-rotary copy of the model does not (negative control)."""
-    from puzzle.models.hf_llama import export_hf
+    from puzzle.models.hf_checkpoint import export_hf
     from safetensors import safe_open
 
     res = {}
@@ -223,7 +224,7 @@ def check_tied_and_rope_convention():
 
 
 def check_unsupported_architecture():
-    from puzzle.models.hf_llama import UnsupportedHFModel, arch_from_hf_dir
+    from puzzle.models.hf_checkpoint import UnsupportedHFModel, arch_from_hf_dir
 
     try:
         arch_from_hf_dir(_DIRS["bad"])

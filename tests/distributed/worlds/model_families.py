@@ -110,14 +110,14 @@ def _make_models():
 
 
 def _arch(fam, critic=False):
-    from puzzle.models.hf_llama import arch_from_hf_dir
+    from puzzle.models.hf_checkpoint import arch_from_hf_dir
 
     return arch_from_hf_dir(os.path.join(_DIRS["root"], fam + ("-critic" if critic else "")),
                             make_vocab_size_divisible_by=64, seq_length=32)
 
 
 def _engine(fam, plan, role="actor", load=True):
-    from puzzle.models.hf_llama import load_hf_into_model
+    from puzzle.models.hf_checkpoint import load_hf_into_model
     from puzzle.training.engine import ModelEngine
 
     arch = _arch(fam, critic=role != "actor")
@@ -206,7 +206,7 @@ def _all(flag):
 
 def check_families():
     from puzzle.checkpointing import load_role_weights, save_role_weights
-    from puzzle.models.hf_llama import export_hf
+    from puzzle.models.hf_checkpoint import export_hf
     from puzzle.models.param_names import names_for_impl
     from puzzle.models.init import param_specs
     from puzzle.switch.shadow import switch_to_generation

@@ -16,8 +16,8 @@ from puzzle.training.engine import ModelEngine, OptimConfig
 from puzzle.training.steps import lm_nll_step
 from tests.harness import world_main
 
-ARCH = ModelArch(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
-                 num_query_groups=4, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
+ARCH = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
+                       num_query_groups=4, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
 B, S = 4, 12
 SEED = 11
 P = ParallelPlan
@@ -161,10 +161,10 @@ def check_bad_plans():
     """Bad plans raise PlanError before any layout, allocation or transfer."""
     src = P(2, 1, 2)
     eng = SimpleNamespace(arch=ARCH, role="actor", layout=SimpleNamespace(plan=src), config=None)
-    six = ModelArch(num_layers=6, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
-                    num_query_groups=4, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
-    two_groups = ModelArch(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
-                           num_query_groups=2, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
+    six = ModelArch.llama(num_layers=6, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
+                          num_query_groups=4, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
+    two_groups = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
+                                 num_query_groups=2, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
     cases = {
         "world_size": (eng, P(1, 1, 2)),
         "degrees": (SimpleNamespace(arch=six, role="actor", layout=SimpleNamespace(plan=P(2, 1, 2)),

@@ -18,10 +18,10 @@ from puzzle.training.steps import lm_nll_step
 from tests.harness import world_main
 
 SEQ = 12
-ARCH_A = ModelArch(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                   num_query_groups=2, vocab_size=100, make_vocab_size_divisible_by=64, seq_length=16)
-ARCH_B = ModelArch(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                   num_query_groups=4, vocab_size=100, make_vocab_size_divisible_by=64, seq_length=16)
+ARCH_A = ModelArch.llama(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=2, vocab_size=100, make_vocab_size_divisible_by=64, seq_length=16)
+ARCH_B = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                         num_query_groups=4, vocab_size=100, make_vocab_size_divisible_by=64, seq_length=16)
 
 
 def _tokens(n, seed):
@@ -149,13 +149,13 @@ def check_forward_only():
     """Frozen models (scoring) at P=4: time-shared outputs == sequential outputs."""
     plan = ParallelPlan(4, 1, 1)
     lay, a, b = _engines(plan, False)
-    outs = {}
+    outs, stats = {}, time_sharing_executor.ExecStats()
     for placement in ("sequential", "time-sharing"):
         stores = ([], [])
         ctxs = _contexts(plan, lay, a, b, 3, 5, stores)
         with torch.no_grad():
             if placement == "time-sharing":
-                time_sharing_executor.run_time_shared(ctxs, forward_only=True)
+                time_sharing_executor.run_time_shared(ctxs, forward_only=True, stats=stats)
             else:
                 run_stage(ctxs, forward_only=True, placement=placement)
         outs[placement] = stores
@@ -163,7 +163,7 @@ def check_forward_only():
     return {"n": [len(s[0]), len(s[1]), len(t[0]), len(t[1])],
             "equal": all(len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
                          for x, y in zip(s, t)),
-            "stage": time_sharing_executor.last_stats.stage, "mode": time_sharing_executor.last_stats.mode}
+            "stage": stats.stage, "mode": stats.mode}
 
 
 def check_unequal_p():

@@ -1,5 +1,5 @@
-"""HF import/export of the LLaMA-family decoders (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) for role
-models at any (P, D, T) layout.
+"""HF checkpoints of the LLaMA-family decoders (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3): import into
+and export from role models at any (P, D, T) layout.
 
 Import (``load_hf_into_model``): every rank opens the safetensors files lazily (``safe_open``,
 through ``model.safetensors.index.json`` when sharded) and reads ONLY the rows/columns of its own
@@ -128,7 +128,7 @@ def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_d
     plan = layout.plan
     ckpt = HFCheckpoint(hf_dir)
     head = _head_name(ckpt)
-    lm = ROLES[role].head == "lm"
+    lm = ROLES[role].lm_head
     if not lm and head is None and not allow_missing_head:
         raise KeyError(f"{hf_dir}: {role} needs a value/score head ({' or '.join(HEAD_NAMES)}) in the "
                        f"checkpoint; pass allow_missing_head=True to keep the initialised head")
