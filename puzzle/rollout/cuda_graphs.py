@@ -249,3 +249,4 @@ class FusedDecode:
         free = (~sb.active).tolist()
         sb.free = [i for i in range(sb.slots) if free[i]]
         sb.done = not sb.queue and not any(not f for f in free)
+        sb.sync_host()

@@ -109,12 +109,13 @@ class SlotBatch:
         self.lens = torch.zeros(slots, **z)    # tokens in the cache per slot
         self.count = torch.zeros(slots, **z)   # tokens generated per slot (= step of the next)
         self.last = torch.zeros(slots, **z)    # last sampled token per slot (next decode input)
+        self.active = torch.zeros(slots, dtype=torch.bool, device=device)
         self.all_slots = torch.arange(slots, **z)
         # host copies of what decides the next call, so that planning it reads nothing back
         # from the device (only an EOS check does, once per call, when stop ids are set)
         self.host_lens = [0] * slots
         self.host_count = [0] * slots
-        self.active: List[int] = []            # slots generating, ascending
+        self.host_active: List[int] = []       # slots generating, ascending
         self.free = list(range(slots))         # free slots, ascending
         self.call: Optional[Call] = None
         self.call_slots: List[int] = []        # host copy of call.slots
@@ -125,7 +126,7 @@ class SlotBatch:
         if self.queue and self.free:
             self.call = self._prefill_call()
         else:
-            act = self.active
+            act = self.host_active
             n = act[-1] + 1
             pos = self.lens[:n]
             self.cache.decode(n, pos, max(self.host_lens[:n]) + 1)
@@ -172,7 +173,8 @@ class SlotBatch:
     def advance(self, tok: torch.Tensor) -> None:
         call, sl, slots = self.call, self.call.slots, self.call_slots
         if call.prefill:
-            self.active = sorted(self.active + slots)
+            self.active[sl] = True
+            self.host_active = sorted(self.host_active + slots)
         else:
             self.lens[sl] += 1
             for s in slots:
@@ -189,10 +191,16 @@ class SlotBatch:
             fin = [f or e for f, e in zip(fin, torch.isin(tok, self.stop_ids).tolist())]
         gone = [s for s, f in zip(slots, fin) if f]
         if gone:
-            self.active = [s for s in self.active if s not in gone]
+            self.active[torch.tensor(gone, dtype=torch.long, device=self.device)] = False
+            self.host_active = [s for s in self.host_active if s not in gone]
             self.free = sorted(self.free + gone)
         self.call = None
-        self.done = not self.queue and not self.active
+        self.done = not self.queue and not self.host_active
+
+    def sync_host(self) -> None:
+        """Host copies from the device state (after steps that updated it on the device)."""
+        self.host_lens, self.host_count = self.lens.tolist(), self.count.tolist()
+        self.host_active = [i for i, a in enumerate(self.active.tolist()) if a]
 
 
 @dataclass
