@@ -112,8 +112,8 @@ def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor,
             or not all(isinstance(l, DecodeTransformerLayer) and l._decodes() for l in layers)):
         return None
     x = model.embedding(input_ids=ids, position_ids=positions) if model.pre_process else hidden
-    for layer in layers:
-        x = layer._decode_step(x)
+    for layer in layers:  # module calls: forward hooks on the layers still see every step
+        x = layer(x, attention_mask=None)[0]
     if block.final_layernorm is not None:
         x = block.final_layernorm(x)
     if not model.post_process:
