@@ -406,7 +406,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         set_model_to_sequence_parallel(model, False)
     try:
         with torch.no_grad(), _Hooks(model, width if graphs is None else graphs.width) as hooks, \
-                _fast_dispatch(hooks):
+                _fast_dispatch(hooks, batches, prompts):
             if graphs is not None:
                 graphs.keep_rope_tables(hooks)
             stepper = Stepper(engine, hooks, graphs)
@@ -421,17 +421,27 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     return _assemble(prompts, results, params, lp, stepper.forward_passes)
 
 
-def _fast_dispatch(hooks: _Hooks):
+def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[int]]):
     """On the CPU backend: the decode loop runs without its device-mapping mode (it costs a
-    Python call per torch call), except with megatron's unfused attention, whose work buffer is
-    allocated on the "cuda" device."""
+    Python call per torch call). megatron's unfused attention takes its score buffer from
+    megatron's global memory buffer, allocated on the "cuda" device when it grows: it is grown
+    first, with the mode on, to the largest scores of this generation (a decode step over a
+    whole cache, a prefill's longest prompt), so the loop never allocates it."""
     import megatron_patches
 
     from puzzle.models.sdpa_attention import UnfusedCoreAttention
 
-    if not megatron_patches.on_cpu() or any(isinstance(a, UnfusedCoreAttention)
-                                            for a in hooks.attention):
+    if not megatron_patches.on_cpu():
         return contextlib.nullcontext()
+    unfused = [a for a in hooks.attention if isinstance(a, UnfusedCoreAttention)]
+    if unfused:
+        from megatron.core import parallel_state
+
+        heads = max(a.num_attention_heads_per_partition for a in unfused)
+        longest = max(len(p) for p in prompts)
+        scores = heads * max(max(sb.slots * sb.cache.width for sb in batches), longest * longest)
+        dtype = hooks.model.config.params_dtype
+        parallel_state.get_global_memory_buffer().get_tensor((scores,), dtype, "mpu")
     from megatron_patches import cpu_backend
 
     return cpu_backend.device_mapping_suspended()
