@@ -6,8 +6,8 @@ decode step of generation (a StaticKVCache bound to the core attention and in de
 mode, gradients off). There it runs the same arithmetic on the same modules and parameters
 without megatron's per-layer Python plumbing (autograd-function wrappers of every linear layer,
 tensor-parallel region copies that are identities in the forward, bias-dropout-add factories,
-offload and recompute contexts, view checks), which at a decode step's size costs about as much
-as the matrix products themselves on a CPU:
+offload and recompute contexts, view checks), a sizeable share of a small decode step on a CPU
+(docs/benchmarks.md "Generation"):
 
 - ``input_layernorm``, ``q_layernorm`` / ``k_layernorm``, ``pre_mlp_layernorm`` and the core
   attention are called as modules (any norm, any KV-cache core attention);
