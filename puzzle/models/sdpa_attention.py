@@ -57,6 +57,10 @@ class StaticKVCache:
         self.write_index: Optional[torch.Tensor] = None  # flat rows the call writes
         self.segments: List[Tuple[int, int]] = []    # prefill: (offset, length) of each prompt
         self._token_slot: Optional[torch.Tensor] = None  # prefill: [T] slot of each token
+        #: prefill attention as one batched call over the prompts padded to the longest (the
+        #: default on CUDA, where it runs flash kernels) instead of one call per prompt (CPU)
+        self.batch_prefill: Optional[bool] = None
+        self._padded: Optional[torch.Tensor] = None
 
     def prefill(self, slots: List[int], lengths: List[int], device=None) -> None:
         """Prompts of ``lengths`` tokens, packed in that order, into ``slots`` (built on the host
@@ -73,6 +77,12 @@ class StaticKVCache:
         self._token_slot = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], **z)
         self.pos = torch.tensor([p for n in lengths for p in range(n)], **z)
         self.write_index = None
+        self._padded = None  # [T] place of each packed token in the prompts padded to the longest
+        batched = self.batch_prefill if self.batch_prefill is not None else \
+            torch.device(device or "cpu").type == "cuda"
+        if batched and len(lengths) > 1:
+            longest = max(lengths)
+            self._padded = torch.tensor([i * longest + p for i, n in enumerate(lengths) for p in range(n)], **z)
 
     def decode(self, n: int, pos: torch.Tensor, key_len: int) -> None:
         """``pos`` [n] long: the position each row writes; ``key_len`` > max(pos)."""
@@ -99,8 +109,23 @@ class StaticKVCache:
         prompt's [l, 1, heads, d] slices -> [l, 1, h * d]; concatenated -> [T, 1, h * d]."""
         if len(self.segments) == 1:
             return attend(query, key, value)
+        if self._padded is not None:
+            return self._batched_prefill_attention(attend, query, key, value)
         return torch.cat([attend(query[o:o + n], key[o:o + n], value[o:o + n])
                           for o, n in self.segments], dim=0)
+
+    def _batched_prefill_attention(self, attend, query, key, value) -> torch.Tensor:
+        """The packed prompts scattered into a [longest, prompts] batch (zeros after each
+        prompt: causal queries never see them), one ``attend`` call, gathered back."""
+        k, s, index = len(self.segments), self.key_len, self._padded
+
+        def padded(t):  # [T, 1, heads, d] -> [s, k, heads, d]
+            out = t.new_zeros(k * s, *t.shape[2:])
+            out.index_copy_(0, index, t[:, 0])
+            return out.view(k, s, *t.shape[2:]).transpose(0, 1)
+
+        out = attend(padded(query), padded(key), padded(value))  # [s, k, h * d]
+        return out.transpose(0, 1).reshape(k * s, -1).index_select(0, index).unsqueeze(1)
 
     def decode_bias(self, dtype) -> torch.Tensor:
         """The decode mask as an additive float mask (SDPA's CPU kernels are faster with it)."""
@@ -150,9 +175,16 @@ class StaticKVCache:
             query, key = self._rotate(query), self._rotate(key)
         kb, vb = self._layer(layer, key)
         g, d = key.shape[2], key.shape[3]
-        index = self._write_index(g)
-        kb.view(-1, d).index_copy_(0, index, key.reshape(-1, d))
-        vb.view(-1, d).index_copy_(0, index, value.reshape(-1, d))
+        if not self.is_prefill and torch.compiler.is_compiling():
+            # in place on the buffers themselves: a compiled index_copy_ into a view of them
+            # becomes a copy of the whole buffer per layer and step
+            rows = torch.arange(self.n, device=key.device)
+            kb[rows, :, self.pos] = key[0]
+            vb[rows, :, self.pos] = value[0]
+        else:
+            index = self._write_index(g)
+            kb.view(-1, d).index_copy_(0, index, key.reshape(-1, d))
+            vb.view(-1, d).index_copy_(0, index, value.reshape(-1, d))
         if self.is_prefill:
             return query, key, value
         return query, kb[:self.n, :, :self.key_len], vb[:self.n, :, :self.key_len]

@@ -156,6 +156,12 @@ def test_packed_prefill_and_decode_write_each_slots_positions():
     block[3, 3] = False
     ref = sdpa_attention(query, key, val, block[None, None], False, 0.5)
     assert packed.shape == (4, 1, heads * d) and torch.allclose(packed, ref, atol=1e-6)
+    batched = StaticKVCache(3, 6)  # one call over the prompts padded to the longest (CUDA's way)
+    batched.batch_prefill = True
+    batched.prefill([2, 0], [3, 1])
+    out = batched.prefill_attention(lambda a, b, c: sdpa_attention(a, b, c, None, True, 0.5),
+                                    query, key, val)
+    assert out.shape == packed.shape and torch.allclose(out, ref, atol=1e-6)
     # decode: slots 0..2 write one token each at their own positions, earlier keys kept
     pos = torch.tensor([1, 0, 3])
     cache.decode(3, pos, 4)
