@@ -486,7 +486,9 @@ class CostModel:
         # P > 1: each step's sampled tokens go back from the last stage to the first before that
         # micro-batch's next step can start (puzzle.rollout.pipelined_generation): one more hop per step cycle
         token_return = self._p2p(bm * 8, P, pp_x)
-        decode = waves * steps * (max(m, P) * t_dec + token_return + prof.decode_step_overhead_s)
+        # the host's share of a decode step (planning, sampling, state update: the profile's
+        # decode_step_overhead_s, per model call) is paid by every micro-batch a stage serves
+        decode = waves * steps * (max(m, P) * (t_dec + prof.decode_step_overhead_s) + token_return)
         cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
         self._cache[key] = cost
         return cost
