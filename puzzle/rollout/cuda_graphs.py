@@ -166,9 +166,10 @@ class DecodeGraphs:
         """Decode ``sb`` (every prompt in a slot) until its rows finish; returns the steps run.
 
         ``run`` is the model call; ``sample(logits, sample_ids, steps, seed, vocab_ids)`` picks
-        the tokens without host syncs (``vocab_ids``: this rank's vocabulary ids, kept here); ``key`` names the sampling setting a captured graph bakes in (the
-        seed is read from a buffer); ``steps_left`` bounds the steps (max_new_tokens minus the
-        fewest tokens a live row has)."""
+        the tokens without host syncs (``vocab_ids``: this rank's vocabulary ids, kept here);
+        ``key`` names the sampling setting a captured graph bakes in (the seed is read from a
+        buffer); ``steps_left`` bounds the steps (max_new_tokens minus the fewest tokens a live
+        row has)."""
         fd = self.fused.get(key)
         if fd is None:
             fd = self.fused[key] = FusedDecode(self, sb.slots, sb.max_new, sb.stop_ids, vocab_ids)
@@ -246,7 +247,6 @@ class FusedDecode:
         out = sb.results.out
         out[rows] = torch.where(take, self.tokens[live, :self.max_new], out[rows])
         sb.results.resp_len[rows] = end
-        free = (~sb.active).tolist()
-        sb.free = [i for i in range(sb.slots) if free[i]]
-        sb.done = not sb.queue and not any(not f for f in free)
         sb.sync_host()
+        sb.free = sorted(set(range(sb.slots)) - set(sb.host_active))
+        sb.done = not sb.queue and not sb.host_active

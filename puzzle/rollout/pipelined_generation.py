@@ -52,7 +52,7 @@ def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: 
             while not mb.done:
                 if stepper.graphs is not None and not mb.queue:  # every prompt has its slot
                     stepper.hooks.bind(mb.cache)
-                    left = mb.max_new - int(mb.count[mb.active].min())
+                    left = mb.max_new - min(mb.host_count[s] for s in mb.host_active)
                     ids = vocab_ids_of(engine.arch.padded_vocab_size // layout.plan.T, tp, mb.device)
                     stepper.forward_passes += stepper.graphs.fused_decode(
                         mb, stepper.run, sample_in_graph, (params, vocab), seed, sample_offset, left, ids)
