@@ -8,7 +8,7 @@
   the actor's train->generation switch overlaps its last optimizer step, so it counts in training;
   with ``--reward-fn`` there is no reward-model forward).
 * :func:`run_tiny`: run the tiny PPO script with extra flags; medians of the per-stage times
-  (iteration 1, the warm-up, skipped).
+  (iteration 1, the warm-up, skipped); :func:`pooled_medians` pools the iterations of several runs.
 """
 
 from __future__ import annotations
@@ -125,11 +125,23 @@ def run_tiny(extra: List[str], log_dir: str, train_iters: int = 4, nproc: int = 
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "time_generate" in r]
     timed = [r for r in rows if r.get("iteration", 0) > 1] or rows
-    med = {s: statistics.median(r[f"time_{k}"] for r in timed)
-           for s, k in (("generation", "generate"), ("scoring", "score"), ("training", "train"))}
-    med["iteration"] = statistics.median(r["time_generate"] + r["time_score"] + r["time_train"] for r in timed)
-    med["iterations_timed"] = len(timed)
+    per_iteration = {s: [r[f"time_{k}"] for r in timed] for s, k in STAGE_METRICS}
+    per_iteration["iteration"] = [r["time_generate"] + r["time_score"] + r["time_train"] for r in timed]
+    med = pooled_medians([per_iteration])
+    med["per_iteration"] = per_iteration
     med["wall_s"] = round(wall, 1)
+    return med
+
+
+#: calibration stage -> the run's time_* metric
+STAGE_METRICS = (("generation", "generate"), ("scoring", "score"), ("training", "train"))
+
+
+def pooled_medians(runs: List[dict]) -> dict:
+    """Per-stage medians over the timed iterations of several runs (their ``per_iteration`` lists)."""
+    keys = [s for s, _ in STAGE_METRICS] + ["iteration"]
+    med = {k: statistics.median(v for r in runs for v in r[k]) for k in keys}
+    med["iterations_timed"] = sum(len(r["iteration"]) for r in runs)
     return med
 
 

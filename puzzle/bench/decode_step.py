@@ -12,7 +12,8 @@ sampled decoding. Prints one JSON object, milliseconds per decode step unless na
   (GPU; ``--compile``: through torch.compile);
 - ``sample_greedy_ms`` / ``sample_ms``: ``sample_tokens`` on the step's logits;
 - ``weight_read_ms``: the weights and KV cache a step must read, over the measured bandwidth:
-  the memory bound of one step.
+  the memory bound of one step; ``graph_decode_efficiency``: that bound over ``replay_ms``, the
+  figure a device profile's ``hardware.graph_decode_efficiency`` takes for the plan search.
 
 With ``--trace DIR`` also a torch.profiler table of one generate() call (top CPU and device
 operators) in DIR/profile.txt and its chrome trace.
@@ -112,6 +113,8 @@ def main(argv=None):
         row["bandwidth_GBps"] = round(bw / 1e9, 1)
         row["weight_read_ms"] = round(need / (n_new - 1) / bw * 1e3, 3)
         row["bound_over_greedy_step"] = round(row["weight_read_ms"] / row["generate_greedy_ms_per_step"], 3)
+        # the device profile's hardware.graph_decode_efficiency (the cost model's graphed decode step)
+        row["graph_decode_efficiency"] = round(min(row["weight_read_ms"] / row["replay_ms"], 1.0), 3)
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
 

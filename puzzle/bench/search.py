@@ -1,7 +1,7 @@
 """Plan-search benchmark: similarity search vs exhaustive search on the PUZZLE configurations.
 
     python -m puzzle.bench.search [--only 7B/350M@8 ...] [--profile a100_80gb] [--no-exhaustive]
-    python -m puzzle.bench.search --calibrate [--cpu-profile FILE] [--train-iters 4]
+    python -m puzzle.bench.search --calibrate [--cpu-profile FILE] [--train-iters 6]
 
 Prints one JSON object per line: ``config, world_size, batch, searched_cost, exhaustive_cost,
 gap, search_seconds, exhaustive_seconds`` (wall clock), ``search_cpu_seconds,
@@ -77,36 +77,44 @@ def run(only: Optional[List[str]] = None, profile_name: str = "a100_80gb", exhau
     return rows
 
 
-def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 4, log_root: str = "tmp/calibrate",
-              procs: int = 4) -> List[dict]:
+def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 6, log_root: str = "tmp/calibrate",
+              procs: int = 4, halves: int = 2) -> List[dict]:
     """Cost model vs the CPU tiny PPO run (examples/run_ppo_tiny.sh, 4 ranks): profile the tiny
     shapes on this machine (or load ``cpu_profile``), run the script's default plan, compare per-stage
     estimates with the measured medians (iteration 1 skipped); then run the plan the similarity
-    search picks with that profile (world 4) and compare iteration times. Prints two JSON rows."""
+    search picks with that profile (world 4) and compare iteration times. Prints two JSON rows.
+
+    A shared machine drifts in speed by ~10 % from one minute to the next, which alone would
+    move the comparison by as much; so the profile is taken in ``halves`` worlds of half the
+    repeats each, alternated with as many runs of the default plan (profile, run, profile, run):
+    the merged profile and the pooled iterations span the same minutes."""
     import os
 
-    from puzzle.bench.calibration import (default_tiny_plans, estimate_error, estimate_stages, plan_flags, run_tiny,
-                                         tiny_shape, tiny_workload)
-    from puzzle.tools.profile import SHAPES, run_profile
+    from puzzle.bench.calibration import (default_tiny_plans, estimate_error, estimate_stages, plan_flags,
+                                         pooled_medians, run_tiny, tiny_shape, tiny_workload)
+    from puzzle.tools.profile import SHAPES, measure_raw, merge_raw, save_built_profile
 
+    runs = []
     if cpu_profile and os.path.exists(cpu_profile):
         prof_src = cpu_profile
         profile = load_profile(cpu_profile)
+        runs.append(run_tiny([], os.path.join(log_root, "default"), train_iters))
     else:
         prof_src = os.path.join(log_root, "cpu_tiny_profile.json")
         os.makedirs(log_root, exist_ok=True)
         spec = {"shape": dict(SHAPES["tiny"]), "tp_sizes": [1, 2], "micro_batch_sizes": [1, 2, 4],
-                "seq_lengths": [32, 64], "decode_batch_sizes": [1, 2, 4, 8], "procs": procs, "repeats": 15,
-                "decode_steps": 8, "name": None}
-        t0 = time.perf_counter()
-        run_profile(spec, prof_src, log=lambda m: print(m, file=sys.stderr))
-        profile = load_profile(prof_src)
-        print(f"profiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+                "seq_lengths": [32, 64], "decode_batch_sizes": [1, 2, 4, 8], "procs": procs,
+                "repeats": -(-15 // halves), "rounds": None, "decode_steps": 16, "name": None}
+        raws = []
+        for i in range(halves):
+            raws.append(measure_raw(spec))
+            runs.append(run_tiny([], os.path.join(log_root, f"default{i}"), train_iters))
+        profile = save_built_profile(spec, merge_raw(raws), prof_src, log=lambda m: print(m, file=sys.stderr))
+    meas = pooled_medians([r["per_iteration"] for r in runs])
     w = tiny_workload()
     rows = []
     base = default_tiny_plans()
     est = estimate_stages(profile, w, base["plans"], base["placements"])
-    meas = run_tiny([], os.path.join(log_root, "default"), train_iters)
     err = {k: round(estimate_error(est[k], meas[k]), 3) for k in est}
     rows.append({"config": "calibrate tiny PPO (CPU, 4 ranks), default plan", "profile": prof_src,
                  "plans": "actor/ref (2,1,2), critic (1,2,2), sequential",
@@ -114,7 +122,7 @@ def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 4, log_root:
                               "micro_batch": w.micro_batch_size, "epochs": w.ppo_epochs},
                  "estimated_s": {k: round(v, 4) for k, v in est.items()},
                  "measured_median_s": {k: round(meas[k], 4) for k in est}, "estimate_error": err,
-                 "iterations_timed": meas["iterations_timed"]})
+                 "iterations_timed": meas["iterations_timed"], "runs": len(runs)})
     print(json.dumps(rows[-1]), flush=True)
     # colocated layouts only: the device set of the default plan it is compared with (as the
     # figures in docs/benchmarks.md were measured)
@@ -145,7 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrate", action="store_true",
                     help="only the calibration rows: cost model vs the CPU tiny PPO run (profiles this machine)")
     ap.add_argument("--cpu-profile", default=None, help="with --calibrate: a saved CPU profile instead of profiling")
-    ap.add_argument("--train-iters", type=int, default=4, help="with --calibrate: iterations of each tiny run")
+    ap.add_argument("--train-iters", type=int, default=6, help="with --calibrate: iterations of each tiny run")
     ap.add_argument("--log-dir", default="tmp/calibrate", help="with --calibrate: where the tiny runs log")
     args = ap.parse_args(argv)
     if args.calibrate:

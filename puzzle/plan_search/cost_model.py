@@ -18,7 +18,9 @@ Stages of one PPO iteration (PUZZLE §4.3, Fig. 6): *generation* (actor, autoreg
   P > 1: hybrid inference scheduling: the replica's sequences (sorted by length: the prompts of
   a micro-batch are one length bucket) form micro-batches that flow through the stages. With
   ``cuda_graphs`` (GPU) a decode step of a layer is its weight bytes / HBM or its GEMM time,
-  whichever is larger (no per-kernel launch cost), with attention over the cache's whole width.
+  whichever is larger (no per-kernel launch cost), with attention over the cache's whole width,
+  both over the profile's ``graph_decode_efficiency`` (the measured fraction of that bound a
+  replayed step reaches).
 * Time-sharing of several models with equal P on the same devices: PUZZLE Eq. (1), the sum of
   the models' pipelined work plus ONE bubble of the largest per-micro-batch stage time.
 * Switching the actor from its training to its generation plan: :func:`switch_bytes_per_rank`
@@ -469,14 +471,16 @@ class CostModel:
             prefill = self._pipelined_prefill(role, plan, b, m)
         # decode: weights (profiled step at context 0) + KV-cache read at the mean context length
         ctx = w.prompt_len + (w.gen_len + 1) / 2.0
+        eff = 1.0
         if w.cuda_graphs:  # whole-width attention, no launch cost per kernel
             ctx = w.prompt_len + w.gen_len
             split, repl = layer_params(s)
             layer_bytes = (split / T + repl) * BF16
-            t_layer = max(prof.hbm_time(layer_bytes), prof.gemm_time(2.0 * bm * split / T))
+            eff = prof.graph_decode_efficiency
+            t_layer = max(prof.hbm_time(layer_bytes), prof.gemm_time(2.0 * bm * split / T)) / eff
         else:
             t_layer = tab.decode(bm, T)
-        kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16)
+        kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16) / eff
         head = (max(prof.hbm_time(V * h / T * BF16), 2.0 * bm * h * V / T / (prof.peak_flops * prof.gemm_efficiency))
                 if role.lm_head else 0.0)
         # vocab-parallel sampling exchanges (value, id) pairs across the TP group every step

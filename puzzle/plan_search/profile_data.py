@@ -47,6 +47,10 @@ HARDWARE_FIELDS = {
     "layer_overhead_s": float,
     "decode_step_overhead_s": float,
 }
+#: optional hardware fields (name -> default): the fraction of a decode step's weight + KV-cache
+#: read bound that a CUDA-graph-replayed step reaches (puzzle.bench.decode_step prints it as
+#: ``graph_decode_efficiency``); 1.0, the bound itself, where a profile does not say.
+OPTIONAL_HARDWARE_FIELDS = {"graph_decode_efficiency": 1.0}
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "swiglu")
 
 
@@ -136,6 +140,7 @@ class Profile:
     decode_step_overhead_s: float
     layers: Dict[tuple, LayerTable] = field(default_factory=dict)
     comment: str = ""
+    graph_decode_efficiency: float = OPTIONAL_HARDWARE_FIELDS["graph_decode_efficiency"]
 
     # ---- primitives the cost model uses ------------------------------------------------
     def bandwidth(self, inter_node: bool) -> float:
@@ -174,6 +179,7 @@ class Profile:
     # ---- JSON ----------------------------------------------------------------------------
     def to_json(self) -> dict:
         hw = {k: getattr(self, k) for k in HARDWARE_FIELDS}
+        hw.update({k: getattr(self, k) for k, d in OPTIONAL_HARDWARE_FIELDS.items() if getattr(self, k) != d})
         return {"_comment": self.comment, "name": self.name, "hardware": hw,
                 "layers": [t.to_json() for t in self.layers.values() if not t.name.startswith("analytic")]}
 
@@ -233,11 +239,14 @@ def validate_profile(data: dict) -> Profile:
         if vals[k] <= 0 and k not in ("memory_reserved_bytes", "layer_overhead_s", "decode_step_overhead_s",
                                        "intra_node_latency_s", "inter_node_latency_s"):
             raise ProfileError(f"hardware.{k} must be > 0, got {hw[k]!r}")
-    unknown = set(hw) - set(HARDWARE_FIELDS)
+    unknown = set(hw) - set(HARDWARE_FIELDS) - set(OPTIONAL_HARDWARE_FIELDS)
     if unknown:
         raise ProfileError(f"profile hardware has unknown fields {sorted(unknown)}")
-    if vals["gemm_efficiency"] > 1:
-        raise ProfileError(f"hardware.gemm_efficiency must be <= 1, got {vals['gemm_efficiency']}")
+    for k, default in OPTIONAL_HARDWARE_FIELDS.items():
+        vals[k] = _num(hw.get(k, default), f"hardware.{k}", float)
+    for k in ("gemm_efficiency", "graph_decode_efficiency"):
+        if not 0 < vals[k] <= 1:
+            raise ProfileError(f"hardware.{k} must be in (0, 1], got {vals[k]}")
     prof = Profile(name=str(data["name"]), comment=str(data.get("_comment", "")), **vals)
     if not isinstance(data["layers"], list):
         raise ProfileError("profile 'layers' must be a list")

@@ -29,6 +29,11 @@ of the (P, D, T) = (1, procs/T, T) layout at once):
   point-to-point send/recv is fitted too (recorded in the comment; the cost model uses the
   all-reduce figures for both). Bandwidths are *per bf16 byte*: the cost model counts 2 bytes per
   element, so a run in fp32 (CPU) moves twice that and the reported bandwidth is halved.
+* How the samples are taken: a shared machine changes speed by +-20 % over a few seconds, so
+  every point (training, decode, collectives) is sampled in ``--rounds`` rounds that visit all
+  points in turn, and its median spans the whole profiling time; all ranks start each sample
+  together (a barrier), as the ranks of a run are busy together; a decode step is the difference
+  of a 1-token and an n-token ``generate()`` taken back to back.
 * GEMM rate (``peak_flops``: best fp32/bf16 matmul rate seen, ``gemm_efficiency`` 1.0,
   ``gemm_half_efficiency_flops`` from a small GEMM), memory streaming rate (``hbm_bandwidth``:
   a large tensor copy), ``device_memory_bytes`` (GPU memory, or host RAM / procs on CPU),
@@ -98,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-batch-sizes", default="1,2,4,8")
     ap.add_argument("--procs", type=int, default=None, help="ranks sharing this host (default: the largest T)")
     ap.add_argument("--repeats", type=int, default=15, help="timed repetitions per point (after one warm-up; 5 proved too noisy on a shared CPU)")
-    ap.add_argument("--decode-steps", type=int, default=8, help="generated tokens per decode measurement")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds the repetitions are spread over, every point sampled in each (default: repeats / 3)")
+    ap.add_argument("--decode-steps", type=int, default=16, help="generated tokens per decode measurement")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: the spec JSON of a worker
     return ap
@@ -122,23 +129,55 @@ def spec_from_args(args) -> dict:
         raise SystemExit(f"--procs {procs} must be a multiple of every T in {tps}")
     return {"shape": shape, "tp_sizes": tps, "micro_batch_sizes": _pow2_list(args.micro_batch_sizes, "--micro-batch-sizes"),
             "seq_lengths": seqs, "decode_batch_sizes": _pow2_list(args.decode_batch_sizes, "--decode-batch-sizes"),
-            "procs": procs, "repeats": max(1, args.repeats), "decode_steps": max(2, args.decode_steps),
-            "name": args.name}
+            "procs": procs, "repeats": max(1, args.repeats), "rounds": args.rounds,
+            "decode_steps": max(2, args.decode_steps), "name": args.name}
 
 
 # ---- the driver (no torch.distributed here) ------------------------------------------------------
-def run_profile(spec: dict, out: str, timeout: int = 600, log=print) -> dict:
-    """Spawn the measurement world, build the profile, write ``out``; returns the raw results."""
+def merge_raw(raws: List[dict]) -> dict:
+    """One set of raw results from several profiling worlds of the same spec: every measured time
+    (the ``*_s`` fields of the training and decode points, collective times, GEMM and copy rates)
+    is the mean of the worlds' medians. Taken apart in time, e.g. around the run a profile is
+    compared with, they see the machine at the same speeds as that run."""
+    if not raws:
+        raise ValueError("merge_raw: no raw results")
+    mean = statistics.fmean
+    out = dict(raws[0])
+    for part in ("train", "decode"):
+        out[part] = {T: [dict(row, **{k: mean(r[part][T][i][k] for r in raws) for k in row if k.endswith("_s")})
+                         for i, row in enumerate(rows)] for T, rows in raws[0][part].items()}
+    for k in ("allreduce", "p2p"):
+        out[k] = [[b, mean(r[k][i][1] for r in raws)] for i, (b, _) in enumerate(raws[0][k])]
+    for k in ("peak_flops", "gemm_half_flops", "hbm_bandwidth"):
+        out[k] = mean(r[k] for r in raws)
+    out["wall_s"] = round(sum(r.get("wall_s", 0.0) for r in raws), 1)
+    out["worlds"] = len(raws)
+    return out
+
+
+def save_built_profile(spec: dict, raw: dict, out: str, log=print):
+    """Build the profile of ``raw`` (one world's or :func:`merge_raw`'s) and write it to ``out``."""
+    prof = build_profile(spec, raw)
+    from puzzle.plan_search.profile_data import save_profile
+
+    save_profile(prof, out)
+    log(f"wrote {out} ({raw['wall_s']} s): {len(prof.layers)} layer table(s), T={spec['tp_sizes']}, "
+        f"allreduce {prof.intra_node_latency_s * 1e6:.0f} us + bytes/{prof.intra_node_bandwidth / 1e9:.2f} GB/s")
+    return prof
+
+
+def measure_raw(spec: dict, timeout: int = 600) -> dict:
+    """Spawn the measurement world; its raw results (rank 0's medians over ranks)."""
     with tempfile.TemporaryDirectory(prefix="puzzle-profile-") as tmp:
         spec_path, res_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "result.json")
         Path(spec_path).write_text(json.dumps(dict(spec, result=res_path)))
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         if spec["procs"] == 1:
-            cmd = [sys.executable, "-m", "puzzle.tools.profile", "--out", out, "--worker", spec_path]
+            cmd = [sys.executable, "-m", "puzzle.tools.profile", "--out", "-", "--worker", spec_path]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['procs']}",
-                   "-m", "puzzle.tools.profile", "--out", out, "--worker", spec_path]
+                   "-m", "puzzle.tools.profile", "--out", "-", "--worker", spec_path]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(res_path):
@@ -146,12 +185,13 @@ def run_profile(spec: dict, out: str, timeout: int = 600, log=print) -> dict:
             raise RuntimeError(f"profiler world failed (rc={proc.returncode}):\n{tail}")
         raw = json.loads(Path(res_path).read_text())
     raw["wall_s"] = round(time.perf_counter() - t0, 1)
-    prof = build_profile(spec, raw)
-    from puzzle.plan_search.profile_data import save_profile
+    return raw
 
-    save_profile(prof, out)
-    log(f"wrote {out} ({raw['wall_s']} s): {len(prof.layers)} layer table(s), T={spec['tp_sizes']}, "
-        f"allreduce {prof.intra_node_latency_s * 1e6:.0f} us + bytes/{prof.intra_node_bandwidth / 1e9:.2f} GB/s")
+
+def run_profile(spec: dict, out: str, timeout: int = 600, log=print) -> dict:
+    """Spawn the measurement world, build the profile, write ``out``; returns the raw results."""
+    raw = measure_raw(spec, timeout)
+    save_built_profile(spec, raw, out, log)
     return raw
 
 
@@ -354,132 +394,202 @@ def _hardware(dev, dtype) -> dict:
     return {"peak_flops": peak, "gemm_half_flops": half, "hbm_bandwidth": hbm}
 
 
-def _collectives(dev, dtype, rank: int, world: int, reps: int) -> dict:
-    """Pairs (0,1), (2,3), ... all at once: all-reduce and send/recv times per message size."""
-    import torch
+class _Collectives:
+    """All-reduce and send/recv over pairs (0,1), (2,3), ... all at once, per message size; sampled
+    in the worker's rounds like every other point (medians over all rounds)."""
+
+    SIZES = (256, 4096, 65536, 262144)
+
+    def __init__(self, dev, dtype, rank: int, world: int):
+        import torch
+        import torch.distributed as dist
+
+        self.dev, self.rank, self.mine = dev, rank, None
+        self.esz = torch.tensor([], dtype=dtype).element_size()
+        self.bufs = {n: torch.ones(n, dtype=dtype, device=dev) for n in self.SIZES} if world >= 2 else {}
+        for p in ([2 * i, 2 * i + 1] for i in range(world // 2)):
+            g = dist.new_group(p)
+            if rank in p:
+                self.mine = (g, p)
+        self.ar = {n: [] for n in self.bufs}
+        self.pp = {n: [] for n in self.bufs}
+
+    def sample(self, reps: int, keep: bool) -> None:
+        import torch.distributed as dist
+
+        for n, x in self.bufs.items():
+            dist.barrier()
+            if self.mine is None:
+                continue
+            g, p = self.mine
+            for _ in range(reps):
+                _sync(self.dev)
+                t = time.perf_counter()
+                dist.all_reduce(x, group=g)
+                _sync(self.dev)
+                if keep:
+                    self.ar[n].append(time.perf_counter() - t)
+            for _ in range(reps):
+                _sync(self.dev)
+                t = time.perf_counter()
+                if self.rank == p[0]:
+                    dist.send(x, p[1])
+                    dist.recv(x, p[1])
+                else:
+                    dist.recv(x, p[0])
+                    dist.send(x, p[0])
+                _sync(self.dev)
+                if keep:
+                    self.pp[n].append((time.perf_counter() - t) / 2)  # one direction of a ping-pong
+
+    def results(self) -> dict:
+        if self.mine is None:
+            return {"allreduce": [], "p2p": []}
+        return {"allreduce": [[n * self.esz, statistics.median(self.ar[n])] for n in self.bufs],
+                "p2p": [[n * self.esz, statistics.median(self.pp[n])] for n in self.bufs]}
+
+
+class _TPoints:
+    """The measurement points of one tensor-parallel degree T: its engine (layout (1, world/T, T))
+    and inputs, and one timed sample of a point per call, so that the worker can take every
+    point's samples in rounds spread over the whole profiling time."""
+
+    def __init__(self, spec, T, world, dev, comm: _CommTimer):
+        import torch
+
+        from puzzle.config import ModelArch
+        from puzzle.parallel.groups import layout_for
+        from puzzle.parallel.plan import ParallelPlan
+        from puzzle.training.engine import ModelEngine
+
+        sh = spec["shape"]
+        self.spec, self.sh, self.dev, self.comm = spec, sh, dev, comm
+        arch = ModelArch.llama(num_layers=sh["num_layers"], hidden_size=sh["hidden_size"],
+                               ffn_hidden_size=sh["ffn_hidden_size"], num_attention_heads=sh["num_attention_heads"],
+                               num_query_groups=sh["num_query_groups"], vocab_size=sh["vocab_size"],
+                               seq_length=sh["seq_length"], swiglu=sh["swiglu"])
+        self.padded_vocab = arch.padded_vocab_size
+        self.layout = layout_for(ParallelPlan(1, world // T, T))
+        self.eng = ModelEngine("actor", arch, self.layout, trainable=True)
+        self.layers = list(self.eng.module.decoder.layers)
+        gen = torch.Generator().manual_seed(1234 + self.layout.d)
+        self.train_inputs = []
+        for s in spec["seq_lengths"]:
+            for b in spec["micro_batch_sizes"]:
+                ids = torch.randint(0, sh["vocab_size"], (b, s), generator=gen).to(dev)
+                self.train_inputs.append((b, s, ids, torch.arange(s, device=dev).unsqueeze(0).expand(b, s)))
+        prompt = 8
+        self.decode_prompts = [[[int(v) for v in torch.randint(3, sh["vocab_size"], (prompt,), generator=gen)]
+                                for _ in range(nb)] for nb in spec["decode_batch_sizes"]]
+        self.train = [dict(f_t=[], b_t=[], f_c=[], b_c=[], lay=[]) for _ in self.train_inputs]
+        self.decode = [dict(steps=[], layer=[], comm=[]) for _ in self.decode_prompts]
+        self._seed = 0
+
+    def train_sample(self, i: int, keep: bool) -> None:
+        """One forward + backward of training point i (the PPO log-prob + entropy loss path)."""
+        from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+
+        _, _, ids, pos = self.train_inputs[i]
+        eng, comm = self.eng, self.comm
+        eng.model.train()
+        hooks = _LayerHooks(self.layers, comm)
+        _sync(self.dev)
+        with hooks:
+            c0, t0 = comm.total, time.perf_counter()
+            out = eng.model(ids, pos, None)
+            lp, ent = vocab_parallel_logprobs(out[:, :-1], ids[:, 1:], self.layout.tp_group, self.sh["vocab_size"],
+                                              with_entropy=True)
+            loss = lp.mean() + ent.mean()
+            _sync(self.dev)
+            c1, t1 = comm.total, time.perf_counter()
+            loss.backward()
+            _sync(self.dev)
+            c2, t2 = comm.total, time.perf_counter()
+        eng.zero_grad()
+        if keep:
+            r = self.train[i]
+            r["f_t"].append(t1 - t0)
+            r["b_t"].append(t2 - t1)
+            r["f_c"].append(c1 - c0)
+            r["b_c"].append(c2 - c1)
+            r["lay"].append(sum(d - c for _, d, c in hooks.calls) / len(self.layers))
+
+    def _generate(self, prompts, k: int, hooks=None) -> float:
+        from puzzle.rollout.generation import generate
+        from puzzle.rollout.sampling import SamplingParams
+
+        params = SamplingParams(max_new_tokens=k, temperature=1.0, eos_id=None, pad_id=0)
+        self._seed += 1
+        _sync(self.dev)
+        t = time.perf_counter()
+        if hooks is None:
+            generate(self.eng, prompts, params, seed=self._seed)
+        else:
+            with hooks:
+                generate(self.eng, prompts, params, seed=self._seed)
+        _sync(self.dev)
+        return time.perf_counter() - t
+
+    def decode_sample(self, i: int, keep: bool, barrier) -> None:
+        """A pair of generate() calls of decode point i, 1 and n new tokens, back to back: the
+        step time is their difference / (n - 1), so a change of machine speed between the pair's
+        samples hardly moves it; the layers' share of a step from forward hooks on the n-token call."""
+        n = self.spec["decode_steps"]
+        prompts = self.decode_prompts[i]
+        barrier()
+        w1 = self._generate(prompts, 1)
+        barrier()
+        hooks = _LayerHooks(self.layers, self.comm)
+        wn = self._generate(prompts, n, hooks)
+        if keep:
+            r = self.decode[i]
+            r["steps"].append((wn - w1) / (n - 1))
+            dcalls = [(d, c) for s, d, c in hooks.calls if s == 1]
+            if dcalls:
+                r["layer"].append(statistics.median(d for d, _ in dcalls))
+                r["comm"].append(statistics.median(c for _, c in dcalls))
+
+    def results(self) -> tuple:
+        med = statistics.median
+        train = [{"tokens": b * s, "mbs": b, "seq": s, "fwd_s": med(r["f_t"]), "bwd_s": med(r["b_t"]),
+                  "fwd_comm_s": med(r["f_c"]), "bwd_comm_s": med(r["b_c"]), "layer_fwd_s": med(r["lay"])}
+                 for (b, s, _, _), r in zip(self.train_inputs, self.train)]
+        decode = [{"seqs": len(p), "step_s": max(med(r["steps"]), 1e-7), "layer_s": med(r["layer"]),
+                   "layer_comm_s": med(r["comm"])} for p, r in zip(self.decode_prompts, self.decode)]
+        return train, decode
+
+
+def _rounds(spec) -> int:
+    """Rounds the samples are taken in (every point gets repeats / rounds samples per round)."""
+    return max(1, min(spec.get("rounds") or spec["repeats"] // 3, spec["repeats"]))
+
+
+def _measure(spec, world, rank, dev, dtype, comm: _CommTimer) -> tuple:
+    """Every point of every T, sampled in rounds: round r takes ~repeats/rounds samples of each
+    point in turn, so each point's median spans the whole profiling time, not a few seconds of it
+    (a shared machine changes speed over seconds). All ranks start each sample together (a
+    barrier), as the ranks of a run are busy together; one untimed warm-up sample per point first."""
     import torch.distributed as dist
 
-    if world < 2:
-        return {"allreduce": [], "p2p": []}
-    pairs = [[2 * i, 2 * i + 1] for i in range(world // 2)]
-    mine = None
-    for p in pairs:
-        g = dist.new_group(p)
-        if rank in p:
-            mine = (g, p)
-    ar, pp = [], []
-    esz = torch.tensor([], dtype=dtype).element_size()
-    for nel in (256, 4096, 65536, 262144):
-        x = torch.ones(nel, dtype=dtype, device=dev)
-        dist.barrier()
-        if mine is None:
-            continue
-        g, p = mine
-        dist.all_reduce(x, group=g)
-        ts = []
-        for _ in range(max(reps, 5)):
-            _sync(dev)
-            t = time.perf_counter()
-            dist.all_reduce(x, group=g)
-            _sync(dev)
-            ts.append(time.perf_counter() - t)
-        ar.append([nel * esz, statistics.median(ts)])
-        ts = []
-        for _ in range(max(reps, 5)):
-            _sync(dev)
-            t = time.perf_counter()
-            if rank == p[0]:
-                dist.send(x, p[1])
-                dist.recv(x, p[1])
-            else:
-                dist.recv(x, p[0])
-                dist.send(x, p[0])
-            _sync(dev)
-            ts.append((time.perf_counter() - t) / 2)  # one direction of a ping-pong
-        pp.append([nel * esz, statistics.median(ts)])
-    return {"allreduce": ar, "p2p": pp}
-
-
-def _measure_T(spec, T, world, rank, dev, comm: _CommTimer) -> tuple:
-    import torch
-
-    from puzzle.config import ModelArch
-    from puzzle.parallel.groups import layout_for
-    from puzzle.parallel.plan import ParallelPlan
-    from puzzle.rollout.generation import generate
-    from puzzle.rollout.sampling import SamplingParams
-    from puzzle.training.engine import ModelEngine
-    from puzzle.training.vocab_parallel import vocab_parallel_logprobs
-
-    sh, reps = spec["shape"], spec["repeats"]
-    arch = ModelArch.llama(num_layers=sh["num_layers"], hidden_size=sh["hidden_size"], ffn_hidden_size=sh["ffn_hidden_size"],
-                           num_attention_heads=sh["num_attention_heads"], num_query_groups=sh["num_query_groups"],
-                           vocab_size=sh["vocab_size"], seq_length=sh["seq_length"], swiglu=sh["swiglu"])
-    layout = layout_for(ParallelPlan(1, world // T, T))
-    eng = ModelEngine("actor", arch, layout, trainable=True)
-    model = eng.module
-    layers = list(model.decoder.layers)
-    gen = torch.Generator().manual_seed(1234 + layout.d)
-    train = []
-    for s in spec["seq_lengths"]:
-        for b in spec["micro_batch_sizes"]:
-            ids = torch.randint(0, sh["vocab_size"], (b, s), generator=gen).to(dev)
-            pos = torch.arange(s, device=dev).unsqueeze(0).expand(b, s)
-            f_t, b_t, f_c, b_c, lay = [], [], [], [], []
-            for it in range(reps + 1):
-                eng.model.train()
-                hooks = _LayerHooks(layers, comm)
-                _sync(dev)
-                with hooks:
-                    c0, t0 = comm.total, time.perf_counter()
-                    out = eng.model(ids, pos, None)
-                    lp, ent = vocab_parallel_logprobs(out[:, :-1], ids[:, 1:], layout.tp_group, sh["vocab_size"],
-                                                      with_entropy=True)  # the PPO steps' loss path
-                    loss = lp.mean() + ent.mean()
-                    _sync(dev)
-                    c1, t1 = comm.total, time.perf_counter()
-                    loss.backward()
-                    _sync(dev)
-                    c2, t2 = comm.total, time.perf_counter()
-                del out, loss, lp, ent
-                if it:
-                    f_t.append(t1 - t0)
-                    b_t.append(t2 - t1)
-                    f_c.append(c1 - c0)
-                    b_c.append(c2 - c1)
-                    lay.append(sum(d - c for _, d, c in hooks.calls) / len(layers))
-            eng.zero_grad()
-            train.append({"tokens": b * s, "mbs": b, "seq": s, "fwd_s": statistics.median(f_t),
-                          "bwd_s": statistics.median(b_t), "fwd_comm_s": statistics.median(f_c),
-                          "bwd_comm_s": statistics.median(b_c), "layer_fwd_s": statistics.median(lay)})
-    decode = []
-    n_new = spec["decode_steps"]
-    prompt = 8
-    for nb in spec["decode_batch_sizes"]:
-        prompts = [[int(v) for v in torch.randint(3, sh["vocab_size"], (prompt,), generator=gen)] for _ in range(nb)]
-        walls = {}
-        per_layer, per_comm = [], []
-        for k in (1, n_new):
-            params = SamplingParams(max_new_tokens=k, temperature=1.0, eos_id=None, pad_id=0)
-            ts = []
-            for it in range(max(2, reps // 2) + 1):
-                hooks = _LayerHooks(layers, comm)
-                _sync(dev)
-                with hooks:
-                    t = time.perf_counter()
-                    generate(eng, prompts, params, seed=it)
-                    _sync(dev)
-                    ts.append(time.perf_counter() - t)
-                if it and k == n_new:
-                    dcalls = [(d, c) for s, d, c in hooks.calls if s == 1]
-                    if dcalls:
-                        per_layer.append(statistics.median(d for d, _ in dcalls))
-                        per_comm.append(statistics.median(c for _, c in dcalls))
-            walls[k] = statistics.median(ts[1:])
-        step = max((walls[n_new] - walls[1]) / (n_new - 1), 1e-7)
-        decode.append({"seqs": nb, "step_s": step, "layer_s": statistics.median(per_layer),
-                       "layer_comm_s": statistics.median(per_comm)})
-    return train, decode, arch.padded_vocab_size
+    coll = _Collectives(dev, dtype, rank, world)
+    points = {T: _TPoints(spec, T, world, dev, comm) for T in spec["tp_sizes"]}
+    reps, rounds = spec["repeats"], _rounds(spec)
+    dec_reps = max(2, reps // 2)
+    per_round = [-(-reps // rounds)] * rounds
+    dec_round = [-(-dec_reps // rounds)] * rounds
+    for r in range(-1, rounds):
+        coll.sample(1 if r < 0 else max(per_round[r], 5 // rounds + 1), keep=r >= 0)
+        for T, pts in points.items():
+            for i in range(len(pts.train_inputs)):
+                for _ in range(1 if r < 0 else per_round[r]):
+                    dist.barrier()
+                    pts.train_sample(i, keep=r >= 0)
+            for i in range(len(pts.decode_prompts)):
+                for _ in range(1 if r < 0 else dec_round[r]):
+                    pts.decode_sample(i, keep=r >= 0, barrier=dist.barrier)
+    out = {T: pts.results() for T, pts in points.items()}
+    return ({str(T): o[0] for T, o in out.items()}, {str(T): o[1] for T, o in out.items()},
+            next(iter(points.values())).padded_vocab, coll.results())
 
 
 def worker(spec_path: str) -> None:
@@ -504,14 +614,10 @@ def worker(spec_path: str) -> None:
     except Exception:  # pragma: no cover
         rss = 2 ** 30
     hw = _hardware(dev, dtype)
-    comm_raw = _collectives(dev, dtype, rank, world, spec["repeats"])
     comm = _CommTimer()
-    train, decode = {}, {}
     with comm:
-        for T in spec["tp_sizes"]:
-            tr, de, padded = _measure_T(spec, T, world, rank, dev, comm)
-            train[str(T)], decode[str(T)] = tr, de
-            dist.barrier()
+        train, decode, padded, comm_raw = _measure(spec, world, rank, dev, dtype, comm)
+    dist.barrier()
     # every rank measured; rank 0 reports the medians over ranks (one figure per point)
     gathered = [None] * world
     dist.all_gather_object(gathered, {"train": train, "decode": decode, "hw": hw, "comm": comm_raw})

@@ -95,7 +95,10 @@ def test_cost_model_follows_the_decode_loop():
     from puzzle.plan_search.cost_model import CostModel, PPOWorkload, ppo_roles
     from puzzle.plan_search.profile_data import layer_params
 
-    prof = load_profile("a100_80gb")
+    import dataclasses
+
+    # a graphed step at its bound (the bundled profile carries an H100's measured fraction of it)
+    prof = dataclasses.replace(load_profile("a100_80gb"), graph_decode_efficiency=1.0, layers={})
     actor = ppo_roles(LLAMA_SHAPES["7B"], LLAMA_SHAPES["350M"])["actor"]
 
     def gen(plan=ParallelPlan(1, 8, 1), **kw):
@@ -113,6 +116,47 @@ def test_cost_model_follows_the_decode_loop():
     # P > 1: micro-batches of the given size (length buckets), default min(P, b)
     pp = ParallelPlan(2, 4, 1)
     assert gen(pp).n_micro == 2 and gen(pp, generation_micro_batch_size=8).n_micro == 4
+
+
+def test_graph_decode_efficiency_scales_graphed_steps_only():
+    """A profile's measured fraction of the decode bound slows graph-replayed steps by its inverse
+    (weights and KV cache alike) and leaves eager steps and the prefill alone; it round-trips
+    through the JSON, is optional, and must lie in (0, 1]."""
+    import dataclasses
+    import json
+
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.plan_search import LLAMA_SHAPES, ProfileError, load_profile, validate_profile
+    from puzzle.plan_search.cost_model import CostModel, PPOWorkload, ppo_roles
+    from puzzle.plan_search.profile_data import layer_params
+
+    bundled = load_profile("a100_80gb")
+    assert 0 < bundled.graph_decode_efficiency < 1  # the H100 figure it carries
+    prof = dataclasses.replace(bundled, graph_decode_efficiency=1.0, layers={})
+    slow = dataclasses.replace(prof, graph_decode_efficiency=0.25, layers={})
+    actor = ppo_roles(LLAMA_SHAPES["7B"], LLAMA_SHAPES["350M"])["actor"]
+
+    def gen(p, **kw):
+        return CostModel(p, PPOWorkload(128, prompt_len=256, gen_len=256, **kw)).generation_cost(actor,
+                                                                                               ParallelPlan(1, 8, 1))
+
+    half = dataclasses.replace(prof, graph_decode_efficiency=0.5, layers={})
+    g1, g2, g4 = (gen(p, cuda_graphs=True) for p in (prof, half, slow))
+    assert g4.extra == pytest.approx(g1.extra)  # prefill unchanged
+    # the bound part of a step grows as 1 / efficiency: (1/0.25 - 1) = 3 x (1/0.5 - 1)
+    split, repl = layer_params(LLAMA_SHAPES["7B"])
+    assert g2.t_stage - g1.t_stage >= LLAMA_SHAPES["7B"].num_layers * prof.hbm_time((split + repl) * 2)
+    assert g4.t_stage - g1.t_stage == pytest.approx(3 * (g2.t_stage - g1.t_stage))
+    assert gen(slow).total == pytest.approx(gen(prof).total)  # eager steps: the profiled table
+    doc = json.loads(json.dumps(slow.to_json()))
+    assert doc["hardware"]["graph_decode_efficiency"] == 0.25
+    assert validate_profile(doc).graph_decode_efficiency == 0.25
+    assert "graph_decode_efficiency" not in prof.to_json()["hardware"]  # default 1.0, not written
+    assert validate_profile(json.loads(json.dumps(prof.to_json()))).graph_decode_efficiency == 1.0
+    for bad in (0, 1.5):
+        doc["hardware"]["graph_decode_efficiency"] = bad
+        with pytest.raises(ProfileError, match="graph_decode_efficiency must be in"):
+            validate_profile(doc)
 
 
 def test_kv_cache_rope_is_megatrons_bit_for_bit():
