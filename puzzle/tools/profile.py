@@ -68,6 +68,9 @@ from typing import List, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 
+#: prompt tokens of every decode measurement
+DECODE_PROMPT_LEN = 8
+
 #: named shape sets (the tiny PPO run of examples/run_ppo_tiny.sh)
 SHAPES = {
     "tiny": dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -210,6 +213,7 @@ def _fit_latency_bw(points, factor: float):
 
 def build_profile(spec: dict, raw: dict):
     """Profile from the worker's raw measurements (see the module docstring for the attribution)."""
+    from puzzle.parallel.plan import ParallelPlan
     from puzzle.plan_search.cost_model import CostModel, ModelRole, ModelShape, PPOWorkload
     from puzzle.plan_search.profile_data import LayerTable, Profile
 
@@ -255,16 +259,6 @@ def build_profile(spec: dict, raw: dict):
         bwd[T] = [(float(t), float(f"{statistics.median(v):.4g}")) for t, v in sorted(rows_b.items())]
         dec[T] = [(float(d["seqs"]), float(f"{max(d['layer_s'] - d['layer_comm_s'], 1e-7):.4g}"))
                   for d in raw["decode"][str(T)]]
-    # host overhead of a decode step: the measured step time minus what the cost model accounts for
-    # (layers' decode share + their TP all-reduces + the LM head), median over every T and batch size
-    over = []
-    for T in spec["tp_sizes"]:
-        for d in raw["decode"][str(T)]:
-            head = max(prof.hbm_time(raw["padded_vocab"] * sh["hidden_size"] / T * 2),
-                       2.0 * d["seqs"] * sh["hidden_size"] * raw["padded_vocab"] / T / prof.peak_flops)
-            ar = 2 * prof.allreduce_time(d["seqs"] * sh["hidden_size"] * 2, T, False)
-            over.append(d["step_s"] - L * (max(d["layer_s"] - d["layer_comm_s"], 1e-7) + ar) - head)
-    prof.decode_step_overhead_s = float(f"{max(statistics.median(over), 0.0):.4g}")
     prof.layer_overhead_s = float(f"{min(floor):.4g}")
     prof.layers[(sh["hidden_size"], sh["ffn_hidden_size"], sh["num_attention_heads"], sh["num_query_groups"],
                  bool(sh["swiglu"]))] = LayerTable(
@@ -272,6 +266,16 @@ def build_profile(spec: dict, raw: dict):
         hidden_size=sh["hidden_size"], ffn_hidden_size=sh["ffn_hidden_size"],
         num_attention_heads=sh["num_attention_heads"], num_query_groups=sh["num_query_groups"],
         swiglu=bool(sh["swiglu"]), seq_len=max(spec["seq_lengths"]), fwd_s=fwd, bwd_s=bwd, decode_s=dec)
+    # host overhead of a decode step: the measured step minus the decode step the cost model itself
+    # estimates from the tables above at the measured point (P = 1: layers, their TP all-reduces,
+    # KV read, LM head, vocab-parallel sampling exchange), median over every T and batch size
+    over = []
+    for T in spec["tp_sizes"]:
+        for d in raw["decode"][str(T)]:
+            w = PPOWorkload(int(d["seqs"]), prompt_len=DECODE_PROMPT_LEN, gen_len=spec["decode_steps"])
+            modelled = CostModel(prof, w).generation_cost(role, ParallelPlan(1, 1, T)).t_stage
+            over.append(d["step_s"] - modelled)
+    prof.decode_step_overhead_s = float(f"{max(statistics.median(over), 0.0):.4g}")
     prof.comment = (
         f"Measured by `python -m puzzle.tools.profile` on {raw['device_name']} with {spec['procs']} ranks on this host "
         f"(torch {raw['torch']}, {raw['dtype']}, OMP_NUM_THREADS={raw['omp']}), {raw['wall_s']} s. Layer tables: whole "
@@ -478,7 +482,7 @@ class _TPoints:
             for b in spec["micro_batch_sizes"]:
                 ids = torch.randint(0, sh["vocab_size"], (b, s), generator=gen).to(dev)
                 self.train_inputs.append((b, s, ids, torch.arange(s, device=dev).unsqueeze(0).expand(b, s)))
-        prompt = 8
+        prompt = DECODE_PROMPT_LEN
         self.decode_prompts = [[[int(v) for v in torch.randint(3, sh["vocab_size"], (prompt,), generator=gen)]
                                 for _ in range(nb)] for nb in spec["decode_batch_sizes"]]
         self.train = [dict(f_t=[], b_t=[], f_c=[], b_c=[], lay=[]) for _ in self.train_inputs]
@@ -571,6 +575,7 @@ def _measure(spec, world, rank, dev, dtype, comm: _CommTimer) -> tuple:
     barrier), as the ranks of a run are busy together; one untimed warm-up sample per point first."""
     import torch.distributed as dist
 
+    sync = dist.barrier if spec.get("sync_samples", True) else (lambda: None)
     coll = _Collectives(dev, dtype, rank, world)
     points = {T: _TPoints(spec, T, world, dev, comm) for T in spec["tp_sizes"]}
     reps, rounds = spec["repeats"], _rounds(spec)
@@ -582,11 +587,11 @@ def _measure(spec, world, rank, dev, dtype, comm: _CommTimer) -> tuple:
         for T, pts in points.items():
             for i in range(len(pts.train_inputs)):
                 for _ in range(1 if r < 0 else per_round[r]):
-                    dist.barrier()
+                    sync()
                     pts.train_sample(i, keep=r >= 0)
             for i in range(len(pts.decode_prompts)):
                 for _ in range(1 if r < 0 else dec_round[r]):
-                    pts.decode_sample(i, keep=r >= 0, barrier=dist.barrier)
+                    pts.decode_sample(i, keep=r >= 0, barrier=sync)
     out = {T: pts.results() for T, pts in points.items()}
     return ({str(T): o[0] for T, o in out.items()}, {str(T): o[1] for T, o in out.items()},
             next(iter(points.values())).padded_vocab, coll.results())
