@@ -22,8 +22,10 @@ of the (P, D, T) = (1, procs/T, T) layout at once):
   ``layer_fwd_s`` in the raw results and the profile's ``layer_overhead_s`` is its minimum.
 * ``decode_s[T]`` per number of sequences: one layer's share of a KV-cache decode step measured
   inside ``puzzle.rollout.generation.generate`` (forward hooks on the layers, TP collectives
-  removed); ``decode_step_overhead_s``: the rest of a measured decode step (embedding, head,
-  sampling and its collectives, the Python loop) beyond what the cost model adds, median over T.
+  removed); ``decode_step_overhead_s``: the rest of a measured decode step (embedding, sampling
+  beyond its modelled exchange, the Python loop) beyond the step the cost model itself estimates
+  from these tables at P = 1 (layers, their TP all-reduces, KV read, LM head, sampling exchange),
+  median over every T and batch size.
 * collectives over groups of 2 ranks (pairs run at the same time, as in a run): all-reduce
   latency/bandwidth fit ``t = latency + 2(n-1)/n * bytes / bandwidth`` -> ``intra_node_*``;
   point-to-point send/recv is fitted too (recorded in the comment; the cost model uses the
@@ -575,7 +577,6 @@ def _measure(spec, world, rank, dev, dtype, comm: _CommTimer) -> tuple:
     barrier), as the ranks of a run are busy together; one untimed warm-up sample per point first."""
     import torch.distributed as dist
 
-    sync = dist.barrier if spec.get("sync_samples", True) else (lambda: None)
     coll = _Collectives(dev, dtype, rank, world)
     points = {T: _TPoints(spec, T, world, dev, comm) for T in spec["tp_sizes"]}
     reps, rounds = spec["repeats"], _rounds(spec)
@@ -587,11 +588,11 @@ def _measure(spec, world, rank, dev, dtype, comm: _CommTimer) -> tuple:
         for T, pts in points.items():
             for i in range(len(pts.train_inputs)):
                 for _ in range(1 if r < 0 else per_round[r]):
-                    sync()
+                    dist.barrier()
                     pts.train_sample(i, keep=r >= 0)
             for i in range(len(pts.decode_prompts)):
                 for _ in range(1 if r < 0 else dec_round[r]):
-                    pts.decode_sample(i, keep=r >= 0, barrier=sync)
+                    pts.decode_sample(i, keep=r >= 0, barrier=dist.barrier)
     out = {T: pts.results() for T, pts in points.items()}
     return ({str(T): o[0] for T, o in out.items()}, {str(T): o[1] for T, o in out.items()},
             next(iter(points.values())).padded_vocab, coll.results())
