@@ -107,3 +107,40 @@ def test_plan_flags_disjoint_and_time_sharing():
                                  "reward": {"scoring": C}}, {"scoring": "disjoint", "training": "disjoint"})
     with pytest.raises(PlanFlagsError):
         plan_flags(bad)
+
+
+def test_merge_raw_means_every_measured_time_and_keeps_the_points():
+    from puzzle.tools.profile import merge_raw
+
+    def raw(scale, wall):
+        return {"train": {"1": [{"tokens": 32, "mbs": 1, "seq": 32, "fwd_s": 2.0 * scale, "bwd_s": 4.0 * scale}]},
+                "decode": {"1": [{"seqs": 4, "step_s": 1.0 * scale, "layer_s": 0.5 * scale}]},
+                "allreduce": [[1024, 0.1 * scale]], "p2p": [[1024, 0.2 * scale]], "peak_flops": 10.0 * scale,
+                "gemm_half_flops": 1.0, "hbm_bandwidth": 5.0, "padded_vocab": 384, "wall_s": wall}
+
+    m = merge_raw([raw(1.0, 30.0), raw(3.0, 40.0)])
+    assert m["train"]["1"][0] == {"tokens": 32, "mbs": 1, "seq": 32, "fwd_s": 4.0, "bwd_s": 8.0}
+    assert m["decode"]["1"][0] == {"seqs": 4, "step_s": 2.0, "layer_s": 1.0}
+    assert m["allreduce"] == [[1024, pytest.approx(0.2)]] and m["p2p"] == [[1024, pytest.approx(0.4)]]
+    assert m["peak_flops"] == 20.0 and m["padded_vocab"] == 384
+    assert m["wall_s"] == 70.0 and m["worlds"] == 2
+    with pytest.raises(ValueError, match="no raw results"):
+        merge_raw([])
+
+
+def test_pooled_medians_pool_the_iterations_of_every_run():
+    from puzzle.bench.calibration import pooled_medians
+
+    a = {"generation": [1.0, 2.0], "scoring": [1.0, 1.0], "training": [5.0, 5.0], "iteration": [7.0, 8.0]}
+    b = {"generation": [9.0, 10.0, 11.0], "scoring": [3.0, 3.0, 3.0], "training": [1.0, 1.0, 1.0],
+         "iteration": [13.0, 14.0, 15.0]}
+    m = pooled_medians([a, b])
+    assert m["generation"] == 9.0 and m["scoring"] == 3.0 and m["training"] == 1.0 and m["iteration"] == 13.0
+    assert m["iterations_timed"] == 5
+
+
+def test_generation_steps_bench_refuses_a_layout_of_another_world():
+    from puzzle.bench.generation_steps import main
+
+    with pytest.raises(SystemExit, match="not a layout of 4 ranks"):
+        main(["--layouts", "2,2,2"])
