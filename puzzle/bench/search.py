@@ -78,16 +78,18 @@ def run(only: Optional[List[str]] = None, profile_name: str = "a100_80gb", exhau
 
 
 def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 6, log_root: str = "tmp/calibrate",
-              procs: int = 4, halves: int = 2) -> List[dict]:
+              procs: int = 4, parts: int = 2) -> List[dict]:
     """Cost model vs the CPU tiny PPO run (examples/run_ppo_tiny.sh, 4 ranks): profile the tiny
     shapes on this machine (or load ``cpu_profile``), run the script's default plan, compare per-stage
     estimates with the measured medians (iteration 1 skipped); then run the plan the similarity
     search picks with that profile (world 4) and compare iteration times. Prints two JSON rows.
 
-    A shared machine drifts in speed by ~10 % from one minute to the next, which alone would
-    move the comparison by as much; so the profile is taken in ``halves`` worlds of half the
-    repeats each, alternated with as many runs of the default plan (profile, run, profile, run):
-    the merged profile and the pooled iterations span the same minutes."""
+    A shared machine drifts in speed by ~10 % from one minute to the next, and one run of 4 ranks
+    on 2 cores can be 20-40 % faster or slower than the next (probably how its ranks happen to
+    share the cores, which lasts for the run); either alone would move the comparison by as much.
+    So the profile is taken in ``parts`` worlds of 1/parts of the repeats each, alternated with as
+    many runs of the default plan (profile, run, profile, run, ...): the merged profile and the
+    pooled iterations span the same minutes and average over as many worlds."""
     import os
 
     from puzzle.bench.calibration import (default_tiny_plans, estimate_error, estimate_stages, plan_flags,
@@ -104,9 +106,9 @@ def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 6, log_root:
         os.makedirs(log_root, exist_ok=True)
         spec = {"shape": dict(SHAPES["tiny"]), "tp_sizes": [1, 2], "micro_batch_sizes": [1, 2, 4],
                 "seq_lengths": [32, 64], "decode_batch_sizes": [1, 2, 4, 8], "procs": procs,
-                "repeats": -(-15 // halves), "rounds": None, "decode_steps": 16, "name": None}
+                "repeats": -(-15 // parts), "rounds": None, "decode_steps": 16, "name": None}
         raws = []
-        for i in range(halves):
+        for i in range(parts):
             raws.append(measure_raw(spec))
             runs.append(run_tiny([], os.path.join(log_root, f"default{i}"), train_iters))
         profile = save_built_profile(spec, merge_raw(raws), prof_src, log=lambda m: print(m, file=sys.stderr))
