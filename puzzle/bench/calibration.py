@@ -2,7 +2,8 @@
 
 * :func:`plan_flags`: the ``train_ppo.py`` layout/placement flags that run a :class:`SearchResult`.
 * :func:`tiny_workload` / :func:`tiny_shape` / :func:`default_tiny_plans`: the workload, model shape
-  and plans of ``examples/run_ppo_tiny.sh`` (its defaults), as the cost model sees them.
+  and plans of ``examples/run_ppo_tiny.sh`` (its defaults), as the cost model sees them;
+  :func:`tiny_arch`: its model as a ModelArch.
 * :func:`estimate_stages`: the cost model's generation / scoring / training seconds of a run with
   given plans and placements (same stage boundaries as ``PPOTrainer.step``'s ``time_*`` metrics:
   the actor's train->generation switch overlaps its last optimizer step, so it counts in training;
@@ -56,6 +57,17 @@ def plan_flags(result, strict: bool = False) -> List[str]:
 
 
 # ---- the tiny run as the cost model sees it -----------------------------------------------------
+def tiny_arch():
+    """The tiny run's model (examples/run_ppo_tiny.sh's model flags) as a ModelArch."""
+    from puzzle.config import ModelArch
+
+    return ModelArch.llama(num_layers=TINY["num_layers"], hidden_size=TINY["hidden_size"],
+                           ffn_hidden_size=TINY["ffn_hidden_size"], num_attention_heads=TINY["num_attention_heads"],
+                           num_query_groups=TINY["num_query_groups"], vocab_size=TINY["vocab_size"],
+                           seq_length=TINY["seq_length"],
+                           make_vocab_size_divisible_by=TINY["make_vocab_size_divisible_by"])
+
+
 def tiny_shape() -> ModelShape:
     v = TINY["vocab_size"]
     m = TINY["make_vocab_size_divisible_by"]

@@ -51,14 +51,6 @@ def _arch(model: str):
                            untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
-def _tiny_run_arch():
-    from puzzle.config import ModelArch
-
-    return ModelArch.llama(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                           num_query_groups=2, vocab_size=259, seq_length=64,
-                           untie_embeddings_and_output_weights=True, add_bias_linear=False)
-
-
 def _sync(dev):
     import torch
 
@@ -140,12 +132,13 @@ def _stage_ratios(repeats, dev):
     """Scoring (forward-only) and training (forward + backward) of the tiny run's model."""
     import torch
 
+    from puzzle.bench.calibration import tiny_arch
     from puzzle.parallel.groups import layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.training.engine import ModelEngine, OptimConfig
     from puzzle.training.steps import lm_nll_step
 
-    arch = _tiny_run_arch()
+    arch = tiny_arch()
     batch, seq, mbs = 16, 48, 2
     tokens = torch.randint(0, arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     tokens = tokens.to(dev)

@@ -45,18 +45,14 @@ def _worker(layouts: List[str], pairs: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from puzzle.bench.calibration import TINY, tiny_prompt_len
-    from puzzle.config import ModelArch
+    from puzzle.bench.calibration import TINY, tiny_arch, tiny_prompt_len
     from puzzle.parallel.groups import destroy_layouts, init_distributed, layout_for
     from puzzle.rollout.generation import generate
     from puzzle.rollout.sampling import SamplingParams
     from puzzle.training.engine import ModelEngine
 
     rank, _ = init_distributed()
-    arch = ModelArch.llama(num_layers=TINY["num_layers"], hidden_size=TINY["hidden_size"],
-                           ffn_hidden_size=TINY["ffn_hidden_size"], num_attention_heads=TINY["num_attention_heads"],
-                           num_query_groups=TINY["num_query_groups"], vocab_size=TINY["vocab_size"],
-                           seq_length=TINY["seq_length"], swiglu=True)
+    arch = tiny_arch()
     n = TINY["max_new_tokens"]
     prompt_len = tiny_prompt_len()
     rows = []

@@ -580,18 +580,18 @@ def _measure(spec, world, rank, dev, dtype, comm: _CommTimer) -> tuple:
     coll = _Collectives(dev, dtype, rank, world)
     points = {T: _TPoints(spec, T, world, dev, comm) for T in spec["tp_sizes"]}
     reps, rounds = spec["repeats"], _rounds(spec)
-    dec_reps = max(2, reps // 2)
-    per_round = [-(-reps // rounds)] * rounds
-    dec_round = [-(-dec_reps // rounds)] * rounds
-    for r in range(-1, rounds):
-        coll.sample(1 if r < 0 else max(per_round[r], 5 // rounds + 1), keep=r >= 0)
+    per_round = -(-reps // rounds)                   # samples of a point per round
+    dec_round = -(-max(2, reps // 2) // rounds)       # decode pairs of a point per round
+    coll_round = max(per_round, 5 // rounds + 1)      # collectives: at least 5 samples in all
+    for r in range(-1, rounds):                       # r = -1: one untimed warm-up sample each
+        coll.sample(1 if r < 0 else coll_round, keep=r >= 0)
         for T, pts in points.items():
             for i in range(len(pts.train_inputs)):
-                for _ in range(1 if r < 0 else per_round[r]):
+                for _ in range(1 if r < 0 else per_round):
                     dist.barrier()
                     pts.train_sample(i, keep=r >= 0)
             for i in range(len(pts.decode_prompts)):
-                for _ in range(1 if r < 0 else dec_round[r]):
+                for _ in range(1 if r < 0 else dec_round):
                     pts.decode_sample(i, keep=r >= 0, barrier=dist.barrier)
     out = {T: pts.results() for T, pts in points.items()}
     return ({str(T): o[0] for T, o in out.items()}, {str(T): o[1] for T, o in out.items()},
