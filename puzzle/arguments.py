@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-from puzzle.config import ROLES, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
+from puzzle.config import ROLES, EvalConfig, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
 from puzzle.config_flags import (add_dataclass_args, field_value, flag, flag_name, flagged_fields, flags_given,
                                  from_args, role_flags_given)
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
@@ -52,7 +52,8 @@ class CommandOptions:
 
 
 #: the configs whose fields declare the flags, in the order of their groups in --help
-FLAG_CONFIGS = (ModelArch, LayoutFlags, OptimConfig, PPOParams, RoleSpec, RunConfig, Operations, CommandOptions)
+FLAG_CONFIGS = (ModelArch, LayoutFlags, OptimConfig, PPOParams, RoleSpec, RunConfig, Operations, CommandOptions,
+                EvalConfig)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -472,8 +473,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops,
-        reward_timeout=args.reward_timeout or None, precision=precision, transformer_impl=impl,
-        transformer_impl_note=impl_note)
+        evaluation=from_args(EvalConfig, args), reward_timeout=args.reward_timeout or None, precision=precision,
+        transformer_impl=impl, transformer_impl_note=impl_note)
 
 
 def resolve_world_size(args) -> int:

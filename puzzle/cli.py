@@ -41,13 +41,33 @@ def run(argv) -> int:
                                       overflow=cfg.prompt_overflow, split=cfg.prompt_split,
                                       apply_chat_template=cfg.apply_chat_template,
                                       skip_bad_records=cfg.skip_bad_records)
+        eval_dataset = _eval_dataset(cfg, tokenizer)
     except (ArgumentError, ValueError, OSError) as e:  # OSError: unreadable tokenizer or data files
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     if rank == 0:
         _print_plan(cfg)
-    return _train(cfg, tokenizer, dataset)
+    return _train(cfg, tokenizer, dataset, eval_dataset)
+
+
+def _eval_dataset(cfg, tokenizer):
+    """--eval-prompts, read like --prompt-data and checked against --eval-iters; None without it."""
+    from puzzle.arguments import ArgumentError
+    from puzzle.data.prompts import load_prompt_dataset
+    from puzzle.evaluation import eval_batches
+
+    ev = cfg.evaluation
+    if not ev.prompts:
+        return None
+    try:
+        data = load_prompt_dataset(ev.prompts, tokenizer, cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,
+                                   overflow=cfg.prompt_overflow, apply_chat_template=cfg.apply_chat_template,
+                                   skip_bad_records=cfg.skip_bad_records)
+        eval_batches(len(data.prompts), cfg.ppo.rollout_batch_size, ev.iters)
+    except (ValueError, OSError) as e:
+        raise ArgumentError(f"--eval-prompts: {e}") from None
+    return data
 
 
 def fault_injection_from_env(environ):
@@ -137,7 +157,36 @@ def _print_plan(cfg) -> None:
               flush=True)
 
 
-def _train(cfg, tokenizer, dataset) -> int:
+def _watch(trainer, cfg, tokenizer, eval_dataset):
+    """The run loop's additions to each iteration (trainer.on_iteration_end): learning rates and
+    tokens/s in the metrics, --log-samples rows, evaluation when due; a progress bar of each
+    generation on a terminal. Returns the Evaluator (or None) and the sample log."""
+    from puzzle.metrics import GenerationProgress, SampleLog, learning_rates, rollout_sample_rows, tokens_per_second
+
+    rank = trainer.rank
+    evaluator = None
+    if eval_dataset is not None:
+        from puzzle.evaluation import Evaluator
+
+        evaluator = Evaluator(cfg, tokenizer, eval_dataset, rank, resumed_from=trainer.iteration)
+    samples = SampleLog(cfg.log_dir, cfg.ops.log_samples, rank, trainer.iteration) if cfg.ops.log_samples else None
+    trainer.generation_progress = GenerationProgress.for_terminal(
+        rank, lambda: f"iteration {trainer.iteration} generation")
+
+    def on_iteration_end(batch, metrics):
+        metrics.update(learning_rates(trainer.engines, trainer.runtime))
+        metrics["tokens_per_sec"] = tokens_per_second(batch, metrics)
+        if samples is not None and rank == 0:
+            samples.write(rollout_sample_rows(batch, tokenizer, trainer.iteration, cfg.ops.log_samples))
+        if evaluator is not None and evaluator.due(trainer.iteration):
+            trainer.progress(trainer.iteration, "evaluation")
+            metrics.update(evaluator(trainer, trainer.iteration))
+
+    trainer.on_iteration_end = on_iteration_end
+    return evaluator, samples
+
+
+def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
     import time
 
     import torch.distributed as dist
@@ -175,6 +224,10 @@ def _train(cfg, tokenizer, dataset) -> int:
             checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
                                           load_rng=cfg.load_rng, iteration=ckpt_step)
         saved = trainer.iteration
+        evaluator, samples = _watch(trainer, cfg, tokenizer, eval_dataset)
+        if evaluator is not None and trainer.iteration == 0:  # before training (a resumed run has its own)
+            progress(0, "evaluation")
+            trainer.logger.log({"iteration": 0, **evaluator(trainer, 0)})
 
         def next_prompts():  # token ids and the records' other fields (ground truth for rewards)
             pb = next(loader)
@@ -194,6 +247,9 @@ def _train(cfg, tokenizer, dataset) -> int:
                 break
         if cfg.save and saved != trainer.iteration:  # the final state, as Megatron-LM does
             _save(trainer, loader, cfg, progress)
+        for log in (evaluator, samples):
+            if log is not None:
+                log.close()
     except checkpointing.CheckpointError as e:
         _error_once(str(e))
         return _shutdown(trainer, 2)

@@ -379,6 +379,9 @@ class Operations:
     wandb_exp_name: Optional[str] = flag(None, _LOGGING, "The W&B run name.", type=str)
     wandb_save_dir: Optional[str] = flag(
         None, _LOGGING, "Local W&B directory (default: --log-dir, else wandb's own).", type=str)
+    log_samples: int = flag(
+        0, _LOGGING, "Write N prompt/response/reward rows of every iteration's rollout to DIR/samples.jsonl "
+        "(needs --log-dir).")
 
     def __post_init__(self):
         cls = Operations
@@ -388,6 +391,40 @@ class Operations:
         check_at_least(cls, self, 1, "exit_interval", "keep_last_checkpoints", optional=True)
         for name in ("wandb_exp_name", "wandb_save_dir"):
             check(cls, self, name, not getattr(self, name) or bool(self.wandb_project), "needs --wandb-project")
+        check_at_least(cls, self, 0, "log_samples")
+
+
+_EVAL = "evaluation on held-out prompts (metrics under eval/)"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation during training (Megatron-LM's --eval-interval / --eval-iters): the actor's
+    responses to held-out prompts, scored by the run's reward, at iteration 0, every interval and
+    at the end (puzzle.evaluation)."""
+
+    prompts: Optional[str] = flag(
+        None, _EVAL, "Held-out prompt file (the formats of --prompt-data): turns evaluation on; its "
+        "samples go to DIR/eval_samples.jsonl with --log-dir.", name="--eval-prompts", type=str)
+    interval: Optional[int] = flag(
+        None, _EVAL, "Evaluate every N iterations (always at iteration 0 and at the end).",
+        name="--eval-interval", type=int)
+    iters: Optional[int] = flag(
+        None, _EVAL, "Evaluation batches of --rollout-batch-size prompts per evaluation (default: every "
+        "prompt of --eval-prompts).", name="--eval-iters", type=int)
+    n_samples: Optional[int] = flag(
+        None, _EVAL, "Samples per eval prompt: 1 (default) is greedy; N > 1 samples at the run's "
+        "--temperature/--top-k/--top-p and logs pass@k.", name="--eval-n-samples-per-prompt", type=int)
+
+    def __post_init__(self):
+        cls = EvalConfig
+        check_at_least(cls, self, 1, "interval", "iters", "n_samples", optional=True)
+        for name in ("interval", "iters", "n_samples"):
+            check(cls, self, name, getattr(self, name) is None or bool(self.prompts), "needs --eval-prompts")
+
+    @property
+    def samples_per_prompt(self) -> int:
+        return self.n_samples or 1
 
 
 @dataclass(frozen=True)
@@ -475,6 +512,7 @@ class RunConfig:
     sequence_parallel: bool = flag(
         False, "training", "Megatron sequence parallelism within each model's tensor-parallel group (T > 1).")
     ops: Operations = Operations()
+    evaluation: EvalConfig = EvalConfig()
     faults: FaultInjection = FaultInjection()
 
     def __post_init__(self):
@@ -496,6 +534,8 @@ class RunConfig:
                             ("ckpt_step", self.ckpt_step is not None)):
             check(cls, self, name, not given or bool(self.load), "needs --load DIR")
         check_at_least(cls, self, 1, "ckpt_step", optional=True)
+        if self.ops.log_samples and not self.log_dir:
+            fail("--log-samples", "needs --log-dir (the rows go to DIR/samples.jsonl)")
         check(cls, self, "ranks_per_node", self.ranks_per_node is None or self.ranks_per_node >= 1
               and self.world_size % self.ranks_per_node == 0,
               f"{self.ranks_per_node} must be >= 1 and divide the world size {self.world_size}")

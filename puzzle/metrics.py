@@ -1,9 +1,11 @@
-"""Iteration metrics: a Megatron-style log line, DIR/metrics.jsonl, TensorBoard, Weights & Biases.
+"""Iteration metrics: a Megatron-style log line, DIR/metrics.jsonl, TensorBoard, Weights & Biases;
+sampled rollout rows (``--log-samples``) in DIR/samples.jsonl.
 
 ``metrics.jsonl`` belongs to one run: the first iteration logged decides what is kept. A fresh run
-(iteration 1) starts an empty file; a run resumed at iteration K keeps the lines of iterations
+(iteration 0 or 1) starts an empty file; a run resumed at iteration K keeps the lines of iterations
 <= K (the run it continues) and appends after them, so a preempted and resumed job has one line
-per iteration. ``--tensorboard-dir`` and ``--wandb-project`` receive the same numbers.
+per iteration (and one for iteration 0 when it evaluates there: eval/ fields only).
+``--tensorboard-dir`` and ``--wandb-project`` receive the same numbers.
 """
 
 from __future__ import annotations
@@ -11,7 +13,90 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Optional
+import time
+from typing import List, Optional
+
+#: the roles' gradient norms in the log line, in this order (a run logs those of the roles it builds)
+GRAD_NORMS = (("actor_grad_norm", "actor"), ("critic_grad_norm", "critic"))
+
+
+def open_run_jsonl(path: str, resumed_from: int):
+    """``path`` opened for this run's lines: emptied for a fresh run (``resumed_from`` 0), else the
+    lines of iterations <= ``resumed_from`` kept (the run this one continues; later ones belong to
+    a run that was not saved, and a line cut by a kill is dropped)."""
+    kept = []
+    if resumed_from > 0 and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if int(json.loads(line)["iteration"]) <= resumed_from:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue
+    out = open(path, "w")
+    out.writelines(kept)
+    out.flush()
+    return out
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (hours unbounded)."""
+    s = max(0, int(round(seconds)))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def eta_seconds(elapsed: float, done: int, remaining: int) -> Optional[float]:
+    """Time left at the mean pace of the ``done`` iterations so far; None before the first."""
+    return elapsed / done * remaining if done > 0 else None
+
+
+def format_iteration_line(m: dict, train_iters: int, elapsed: Optional[float] = None,
+                          eta: Optional[float] = None) -> str:
+    """The rank-0 line of one iteration; fields absent from ``m`` (roles the run does not build,
+    metrics a run does not compute) are left out."""
+    it = m["iteration"]
+    parts = [f" iteration {it:8d}/{train_iters:8d}"]
+    if elapsed is not None:
+        parts.append(f"elapsed: {format_duration(elapsed)}")
+    if eta is not None:
+        parts.append(f"ETA: {format_duration(eta)}")
+    if "lr" in m:
+        parts.append(f"learning rate: {m['lr']:.3E}")
+    if "critic_lr" in m and m["critic_lr"] != m.get("lr"):
+        parts.append(f"critic learning rate: {m['critic_lr']:.3E}")
+    parts.append(f"reward: {m['reward_mean']:.4f}")
+    if m.get("bad_rewards"):
+        parts.append(f"bad rewards: {m['bad_rewards']}")
+    if "reward_group_std_mean" in m:  # group sampling (--n-samples-per-prompt > 1)
+        parts.append(f"solved: {m['solved_fraction']:.3f}")
+    optional = [("kl", "kl: {:.5f}"), ("policy_loss", "policy loss: {:.4E}"), ("value_loss", "value loss: {:.4E}"),
+                ("clip_frac", "clip frac: {:.3f}"), ("entropy", "entropy: {:.3f}"),
+                ("response_length_mean", "resp len: {:.1f}")]
+    parts += [fmt.format(m[k]) for k, fmt in optional if k in m]
+    norms = [(role, m[k]) for k, role in GRAD_NORMS if k in m]
+    if norms:
+        parts.append(f"grad norm {'/'.join(r for r, _ in norms)}: {'/'.join(f'{v:.3f}' for _, v in norms)}")
+    if "tokens_per_sec" in m:
+        parts.append(f"tokens/s: {m['tokens_per_sec']:.1f}")
+    parts.append(f"samples/s: {m['samples_per_sec']:.2f}")
+    parts.append(f"time gen/score/train (s): {m['time_generate']:.2f}/{m['time_score']:.2f}/{m['time_train']:.2f}")
+    return " | ".join(parts)
+
+
+def format_eval_line(m: dict) -> str:
+    """The rank-0 line of an evaluation (the eval/ fields of ``m``)."""
+    parts = [f" evaluation at iteration {m['iteration']}"]
+    for key, value in m.items():
+        if key.startswith("eval/"):
+            name = key[len("eval/"):].replace("_", " ")
+            parts.append(f"{name}: {value}" if isinstance(value, int) else f"{name}: {value:.4f}")
+    if "time_eval" in m:
+        parts.append(f"time (s): {m['time_eval']:.2f}")
+    return " | ".join(parts)
+
+
+def is_training_line(metrics: dict) -> bool:
+    return "time_train" in metrics
 
 
 class MetricsLogger:
@@ -22,6 +107,8 @@ class MetricsLogger:
         self.tb = None
         self.wandb = None
         self._started = False
+        self._clock = time.monotonic()  # the pace of this process's iterations (elapsed, ETA)
+        self._first_iteration: Optional[int] = None
 
     def _start(self, first_iteration: int) -> None:
         """Open the sinks; the lines of iterations before ``first_iteration`` are the run this one
@@ -30,19 +117,7 @@ class MetricsLogger:
         ops = self.ops
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
-            path = os.path.join(self.log_dir, "metrics.jsonl")
-            kept = []
-            if first_iteration > 1 and os.path.exists(path):
-                with open(path) as f:
-                    for line in f:
-                        try:
-                            if int(json.loads(line)["iteration"]) < first_iteration:
-                                kept.append(line if line.endswith("\n") else line + "\n")
-                        except (ValueError, KeyError, TypeError):
-                            continue  # a line cut by a kill
-            self.file = open(path, "w")
-            self.file.writelines(kept)
-            self.file.flush()
+            self.file = open_run_jsonl(os.path.join(self.log_dir, "metrics.jsonl"), max(first_iteration - 1, 0))
         if ops is not None and ops.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -72,20 +147,15 @@ class MetricsLogger:
             self.tb.flush()
         if self.wandb:
             self.wandb.log(scalars, step=it)
-        if it % self.log_interval == 0 or it == self.train_iters:
-            parts = [f" iteration {it:8d}/{self.train_iters:8d}",
-                     f"reward: {metrics['reward_mean']:.4f}", f"kl: {metrics['kl']:.5f}",
-                     f"policy loss: {metrics['policy_loss']:.4E}", f"value loss: {metrics['value_loss']:.4E}",
-                     f"clip frac: {metrics['clip_frac']:.3f}", f"entropy: {metrics['entropy']:.3f}",
-                     f"resp len: {metrics['response_length_mean']:.1f}",
-                     f"samples/s: {metrics['samples_per_sec']:.2f}",
-                     f"time gen/score/train (s): {metrics['time_generate']:.2f}/"
-                     f"{metrics['time_score']:.2f}/{metrics['time_train']:.2f}"]
-            if "reward_group_std_mean" in metrics:  # group sampling (--n-samples-per-prompt > 1)
-                parts.insert(2, f"solved: {metrics['solved_fraction']:.3f}")
-            if metrics.get("bad_rewards"):
-                parts.insert(2, f"bad rewards: {metrics['bad_rewards']}")
-            print(" | ".join(parts), flush=True)
+        if is_training_line(metrics):
+            if self._first_iteration is None:
+                self._first_iteration = it
+            if it % self.log_interval == 0 or it == self.train_iters:
+                elapsed = time.monotonic() - self._clock
+                eta = eta_seconds(elapsed, it - self._first_iteration + 1, self.train_iters - it)
+                print(format_iteration_line(metrics, self.train_iters, elapsed, eta), flush=True)
+        if any(k.startswith("eval/") for k in metrics):
+            print(format_eval_line(metrics), flush=True)
 
     def close(self) -> None:
         if self.file:
@@ -94,3 +164,92 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def learning_rates(engines: dict, runtime) -> dict:
+    """``lr`` (actor) and ``critic_lr``: the learning rate of each trainable role's optimizer now
+    (after this iteration's scheduler steps, as Megatron-LM's log line reports it). Collective:
+    the ranks outside a role's layout learn it from those inside."""
+    roles = [(role, key) for role, key in (("actor", "lr"), ("critic", "critic_lr"))
+             if role in engines and engines[role].trainable]
+    mine = [float(engines[r].optimizer.param_groups[0]["lr"]) if engines[r].scheduler is not None else -1.0
+            for r, _ in roles]
+    return dict(zip((key for _, key in roles), runtime.all_reduce(mine, op="max")))
+
+
+def sample_rows(count: int, size: int) -> List[int]:
+    """``count`` rows of a batch of ``size``, spread evenly (the first of each stride): with group
+    sampling they come from different prompts."""
+    count = min(count, size)
+    return [i * size // count for i in range(count)] if count else []
+
+
+class SampleLog:
+    """``--log-samples N``: N prompt/response/reward rows of each iteration's rollout in
+    DIR/samples.jsonl (rank 0; a resumed run keeps the rows of the iterations it continues)."""
+
+    def __init__(self, log_dir: str, count: int, rank: int, resumed_from: int, file_name: str = "samples.jsonl"):
+        self.count = count
+        self.file = None
+        if rank == 0 and count > 0:
+            os.makedirs(log_dir, exist_ok=True)
+            self.file = open_run_jsonl(os.path.join(log_dir, file_name), resumed_from)
+
+    def write(self, rows: List[dict]) -> None:
+        if self.file is None:
+            return
+        self.file.writelines(json.dumps(r) + "\n" for r in rows)
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class GenerationProgress:
+    """A progress bar of one generation's responses (rank 0's share) on a terminal, through tqdm;
+    ``label()`` names it (e.g. the iteration). Build it with ``for_terminal``: off the terminal
+    (a log file, a Slurm job) there is none."""
+
+    def __init__(self, label, stream):
+        self.label, self.stream = label, stream
+        self.bar = None
+
+    @classmethod
+    def for_terminal(cls, rank: int, label, stream=None) -> Optional["GenerationProgress"]:
+        import sys
+
+        stream = stream if stream is not None else sys.stdout
+        return cls(label, stream) if rank == 0 and stream.isatty() else None
+
+    def __call__(self, finished: int, rows: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=rows, desc=self.label(), unit="response", leave=False, file=self.stream,
+                            dynamic_ncols=True)
+        self.bar.update(finished - self.bar.n)
+        if finished >= rows:
+            self.bar.close()
+            self.bar = None
+
+
+def rollout_sample_rows(batch, tokenizer, iteration: int, count: int) -> List[dict]:
+    """``count`` rows of a scored rollout batch (``sample_rows``) as JSON-ready dicts: the prompt
+    and response texts (without EOS), the response length and the reward (the score before any
+    shaping or normalisation)."""
+    rows = []
+    tokens, plens, rlens = batch.tokens, batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
+    scores = batch.fields["scores"].tolist()
+    for b in sample_rows(count, batch.size):
+        p, r = plens[b], rlens[b]
+        response = [t for t in tokens[b, p:p + r].tolist() if t != tokenizer.eos_id]
+        rows.append({"iteration": iteration, "sample": b, "prompt": tokenizer.decode(tokens[b, :p].tolist()),
+                     "response": tokenizer.decode(response), "response_length": r, "reward": scores[b]})
+    return rows
+
+
+def tokens_per_second(batch, metrics: dict) -> float:
+    """Prompt and response tokens of the iteration's batch over its three stages' time."""
+    seconds = metrics["time_generate"] + metrics["time_score"] + metrics["time_train"]
+    return float((batch.prompt_lengths + batch.response_lengths).sum()) / max(seconds, 1e-9)

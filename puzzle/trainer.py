@@ -80,6 +80,8 @@ class PPOTrainer:
         self.nonfinite_skipped = 0  # optimizer steps skipped for NaN/inf (checkpointed)
         self.progress = lambda iteration, phase: None  # run_control.Progress: where this rank is
         self.logger = MetricsLogger(cfg.log_dir, cfg.log_interval, cfg.train_iters, self.rank, ops=cfg.ops)
+        self.generation_progress = None  # progress(finished, rows) of each generation (a terminal display)
+        self.on_iteration_end = lambda batch, metrics: None  # the run loop's additions to the metrics
 
     # ---- the iteration ---------------------------------------------------------------------
     def step(self, prompt_ids: List[List[int]], records: Optional[List[dict]] = None,
@@ -120,6 +122,7 @@ class PPOTrainer:
             peaks = rt.all_reduce(peaks, op="max")
             metrics.update({f"mem_peak_gib_{k}": v / 2 ** 30
                             for k, v in zip(("generate", "score", "train"), peaks)})
+        self.on_iteration_end(batch, metrics)  # collective (puzzle.cli: learning rates, evaluation)
         self.logger.log(metrics)
         return metrics
 
@@ -170,7 +173,7 @@ class PPOTrainer:
             out = generate(engine, mine, params, seed=self.cfg.seed * 100003 + self.iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
-                           sample_offset=round_ * B + layout.d * share)
+                           sample_offset=round_ * B + layout.d * share, progress=self.generation_progress)
             Lp = out.tokens.shape[1] - R
             responses, lengths = out.tokens[:, Lp:], out.response_lengths
         batch = rollout_from_generation(prompt_ids, responses, lengths, layout, R, self.tokenizer.pad_id,
@@ -326,6 +329,9 @@ class PPOTrainer:
                  "approx_kl": float(sums[2]) / tok, "value_loss": float(sums[4]) / vtok,
                  "value_clip_frac": float(sums[5]) / vtok,
                  "actor_grad_norm": float(norms[0]), "critic_grad_norm": float(norms[1])}
+        if critic is None:  # no critic built (critic-free estimators): no critic metrics
+            for key in ("value_loss", "value_clip_frac", "critic_grad_norm"):
+                del stats[key]
         if ppo.use_kl_loss:
             stats["kl_loss"] = float(sums[8]) / tok
         return stats

@@ -1,22 +1,35 @@
-"""The bundled synthetic task of the tiny GRPO run: one-digit sums with checkable answers.
+"""The bundled synthetic task of the tiny GRPO run: sums of one-digit numbers with checkable answers.
 
-``python -m puzzle.data.arithmetic`` rewrites ``puzzle/data/bundled/tiny_arithmetic.jsonl``
-(deterministic): every ``"a+b="`` with a + b <= 9, its answer in the record's ``answer`` field.
+``python -m puzzle.data.arithmetic`` rewrites (deterministic) the training prompts
+``puzzle/data/bundled/tiny_arithmetic.jsonl``, every two-term ``"a+b="`` with a + b <= 9, and the
+held-out eval prompts ``puzzle/data/bundled/tiny_arithmetic_eval.jsonl``, every three-term
+``"a+b+c="`` with a + b + c <= 9 (no eval prompt is a training prompt); the answer is in each
+record's ``answer`` field.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import List
 
-PATH = Path(__file__).resolve().parent / "bundled" / "tiny_arithmetic.jsonl"
+BUNDLED = Path(__file__).resolve().parent / "bundled"
+PATH = BUNDLED / "tiny_arithmetic.jsonl"
+EVAL_PATH = BUNDLED / "tiny_arithmetic_eval.jsonl"
 
 
-def make_records() -> List[dict]:
-    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10) if a + b <= 9]
+def make_records(terms: int = 2) -> List[dict]:
+    """Every sum of ``terms`` one-digit numbers whose total is one digit, in lexicographic order."""
+    return [{"prompt": "+".join(map(str, digits)) + "=", "answer": str(sum(digits))}
+            for digits in itertools.product(range(10), repeat=terms) if sum(digits) <= 9]
+
+
+def write(path: Path, records: List[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    print(f"wrote {len(records)} records to {path}")
 
 
 if __name__ == "__main__":
-    PATH.write_text("".join(json.dumps(r) + "\n" for r in make_records()))
-    print(f"wrote {len(make_records())} records to {PATH}")
+    write(PATH, make_records(terms=2))
+    write(EVAL_PATH, make_records(terms=3))

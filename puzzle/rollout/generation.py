@@ -43,7 +43,7 @@ import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -293,8 +293,9 @@ class _NoRope(torch.nn.Module):
 class Stepper:
     """Runs one model call of a SlotBatch on this stage."""
 
-    def __init__(self, engine, hooks: _Hooks, graphs=None):
+    def __init__(self, engine, hooks: _Hooks, graphs=None, on_call: Optional[Callable[[], None]] = None):
         self.model, self.hooks, self.graphs = engine.module, hooks, graphs
+        self.on_call = on_call  # a progress report before each call
         self.layout = engine.layout
         self.forward_passes = 0
         from puzzle.models.decode_layer import decode_forward
@@ -304,6 +305,8 @@ class Stepper:
     def __call__(self, sb: SlotBatch, hidden: Optional[torch.Tensor]) -> torch.Tensor:
         """Stage input (None on the first stage) -> hidden states [s, n, h] or logits [n, V/T]."""
         call = sb.call
+        if self.on_call is not None:
+            self.on_call()
         self.hooks.bind(sb.cache)
         self.forward_passes += 1
         if self.graphs is not None and not call.prefill:
@@ -345,7 +348,8 @@ def _check_prompts(prompts, vocab: int) -> None:
 
 def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int,
              micro_batch_size: Optional[int] = None, *, sample_offset: int = 0,
-             cuda_graphs: bool = False, compile_graphs: bool = False) -> GenerationOutput:
+             cuda_graphs: bool = False, compile_graphs: bool = False,
+             progress: Optional[Callable[[int, int], None]] = None) -> GenerationOutput:
     """Generate continuations of this DP rank's ``prompts`` with the actor ``engine``.
 
     Call on every rank of the engine's layout, with the same prompts on all TP/PP ranks of one
@@ -354,6 +358,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     whole batch at P=1 and ceil(b / P) at P>1. ``cuda_graphs``: replay decode steps from CUDA
     graphs (CUDA device, P=1), through torch.compile with ``compile_graphs``. Returns the same
     GenerationOutput on every rank of the replica.
+    ``progress(finished, rows)``: called before each model call and at the end with this rank's
+    finished responses (a progress display; it must not communicate).
     """
     from puzzle.rollout.pipelined_generation import run_schedule
 
@@ -409,8 +415,10 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
                 _fast_dispatch(hooks, batches, prompts):
             if graphs is not None:
                 graphs.keep_rope_tables(hooks)
-            stepper = Stepper(engine, hooks, graphs)
+            stepper = Stepper(engine, hooks, graphs, on_call=_progress_report(progress, batches, b))
             run_schedule(engine, batches, stepper, params, seed, sample_offset)
+            if progress is not None:
+                progress(b, b)
     finally:
         if graphs is None:
             for sb in batches:
@@ -419,6 +427,19 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         if sequence_parallel:
             set_model_to_sequence_parallel(model, True)
     return _assemble(prompts, results, params, lp, stepper.forward_passes)
+
+
+def _progress_report(progress, batches: List[SlotBatch], rows: int):
+    """``progress(finished, rows)`` from the slot batches' host state (no device sync), or None."""
+    if progress is None:
+        return None
+
+    def report():
+        pending = sum(len(sb.queue) + len(sb.host_active)
+                      + (len(sb.call_slots) if sb.call is not None and sb.call.prefill else 0) for sb in batches)
+        progress(rows - pending, rows)
+
+    return report
 
 
 def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[int]]):

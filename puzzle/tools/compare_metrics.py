@@ -13,7 +13,7 @@ import sys
 from typing import Dict, Optional
 
 #: fields that measure the machine, not the run
-MACHINE_FIELDS = ("time_", "samples_per_sec", "switch_seconds", "mem_peak_")
+MACHINE_FIELDS = ("time_", "samples_per_sec", "tokens_per_sec", "switch_seconds", "mem_peak_")
 
 
 def compare(a: list, b: list, rtol: float = 0.0, atol: float = 0.0,

@@ -37,7 +37,7 @@ def test_roles_follow_the_estimator(world):
     assert res["rloo/seq"]["roles"] == ["actor", "ref"] and res["rloo/seq"]["kl_coef"] == 0.05  # KL in the reward
     for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"):
         assert res[f"{name}/seq"]["roles"] == ["actor"], name
-        assert res[f"{name}/seq"]["value_loss"] == 0.0 and res[f"{name}/seq"]["critic_grad_norm"] == 0.0
+        assert "value_loss" not in res[f"{name}/seq"] and "critic_grad_norm" not in res[f"{name}/seq"]
     f = res["reinforce_plus_plus_baseline/seq"]
     # groups of even-length prompts score all 0: dropped, and more prompts generated to fill the batch
     assert f["filter_gen_rounds"] >= 2 and f["filter_groups_dropped"] >= 1 and f["filter_groups_padded"] == 0

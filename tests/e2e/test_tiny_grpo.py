@@ -16,7 +16,8 @@ def test_tiny_grpo_solve_rate_rises(tmp_path):
                            "--log-dir", str(tmp_path)], cwd=REPO, env=ENV, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in lines if r["iteration"] > 0]
     assert len(rows) == 40
     for key in ("solved_fraction", "reward_std", "reward_group_std_mean", "response_length_p90",
                 "response_clipped_frac", "bad_rewards", "groups_all_solved", "policy_loss", "actor_grad_norm"):
@@ -24,7 +25,14 @@ def test_tiny_grpo_solve_rate_rises(tmp_path):
     first = sum(r["solved_fraction"] for r in rows[:5]) / 5
     last = sum(r["solved_fraction"] for r in rows[-5:]) / 5
     assert first < 0.02 and last > first + 0.08, (first, last)  # chance is 1 byte in 259
-    assert all(r["bad_rewards"] == 0 and r["critic_grad_norm"] == 0.0 for r in rows)
+    assert all(r["bad_rewards"] == 0 and "critic_grad_norm" not in r and "value_loss" not in r for r in rows)
+    # held-out three-term sums, greedy, at iterations 0, 20 (--eval-interval) and 40 (the end)
+    evals = {r["iteration"]: r["eval/accuracy"] for r in lines if "eval/accuracy" in r}
+    assert sorted(evals) == [0, 20, 40] and evals[40] > evals[0], evals
+    assert all(r["lr"] == 3e-3 for r in rows)
+    samples = [json.loads(x) for x in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 220 and {s["iteration"] for s in samples} == {0, 20, 40}
+    assert sum(s["reward"] for s in samples if s["iteration"] == 40) == round(evals[40] * 220)
     plan = [line.split()[0] for line in proc.stdout.splitlines() if "layout (" in line]
     assert plan == ["actor"], proc.stdout[:2000]  # no critic, no reference (--kl-coef 0)
 

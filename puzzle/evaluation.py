@@ -1,0 +1,197 @@
+"""Evaluation on held-out prompts during training (``--eval-prompts``, ``--eval-interval``,
+``--eval-iters``, ``--eval-n-samples-per-prompt``; Megatron-LM's names, verl's ``test_freq`` and
+``val_before_train``).
+
+At iteration 0, every ``--eval-interval`` iterations and at the end, the actor answers the eval
+prompts with the engine and layout of the generation stage (the shadow generation model when the
+actor switches layouts): greedily, or N samples per prompt at the run's temperature. The run's
+reward (function or model) scores them. Metrics go under ``eval/`` into every metrics sink:
+
+- ``eval/reward``: mean score; ``eval/response_length``: mean response tokens;
+- with a reward function (a verifiable reward): ``eval/accuracy``, the fraction of samples scoring
+  >= 1 (a correct answer, as ``solved_fraction`` counts it), and with N > 1 ``eval/pass@k``
+  (the unbiased estimator of Chen et al. 2021) for k = 2, 4, ... and N;
+- ``time_eval`` (seconds, a machine field).
+
+The samples go to DIR/eval_samples.jsonl. Evaluation reads no training RNG and no training data:
+its sampling noise is keyed by its own seed (puzzle.rollout.sampling is counter-based), its prompts
+come from their own file, so the training metrics are those of the same run without it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import List, Optional
+
+import torch
+
+#: the eval sampling seed is the training one's plus this: the two never share noise
+EVAL_SEED_OFFSET = 1 << 40
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """The probability that at least one of k samples drawn without replacement from n samples, of
+    which ``correct`` are correct, is correct: 1 - C(n - c, k) / C(n, k)."""
+    if not 0 <= correct <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= correct <= n and 1 <= k <= n (got n={n}, correct={correct}, k={k})")
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.prod((n - correct - i) / (n - i) for i in range(k))
+
+
+def pass_at_k_values(n: int) -> List[int]:
+    """The k of the pass@k metrics for n samples per prompt: 2, 4, 8, ... below n, and n (none for 1)."""
+    if n < 2:
+        return []
+    ks, k = [], 2
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def evaluation_due(iteration: int, interval: Optional[int], train_iters: int) -> bool:
+    """At iteration 0, every ``interval`` iterations (None: none between) and at the last."""
+    return iteration == 0 or iteration == train_iters or bool(interval) and iteration % interval == 0
+
+
+def eval_batches(n_prompts: int, batch_prompts: int, iters: Optional[int]) -> List[range]:
+    """Consecutive batches of ``batch_prompts`` prompt indices: ``iters`` of them, or (None) as many
+    as cover every prompt, the last one possibly shorter."""
+    if iters is not None and iters * batch_prompts > n_prompts:
+        raise ValueError(f"--eval-iters {iters} batches of --rollout-batch-size {batch_prompts} prompts need "
+                         f"{iters * batch_prompts} prompts; --eval-prompts has {n_prompts}")
+    end = n_prompts if iters is None else iters * batch_prompts
+    return [range(s, min(s + batch_prompts, end)) for s in range(0, end, batch_prompts)]
+
+
+def summarize(scores: torch.Tensor, lengths: torch.Tensor, with_accuracy: bool) -> dict:
+    """eval/ metrics of [prompts, samples] scores and response lengths."""
+    n_prompts, n = scores.shape
+    out = {"eval/reward": float(scores.double().mean())}
+    if with_accuracy:
+        correct = scores >= 1.0
+        out["eval/accuracy"] = float(correct.double().mean())
+        counts = correct.sum(dim=1).tolist()
+        for k in pass_at_k_values(n):
+            out[f"eval/pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / n_prompts
+    out.update({"eval/response_length": float(lengths.double().mean()), "eval/prompts": int(n_prompts)})
+    return out
+
+
+def _padded(rows: int, unit: int) -> int:
+    return -(-rows // unit) * unit
+
+
+class Evaluator:
+    """Evaluates a PPOTrainer's actor on ``dataset`` (a PromptDataset of the eval prompts).
+    Call on every rank; every rank gets the same metrics, rank 0 writes the samples."""
+
+    def __init__(self, cfg, tokenizer, dataset, rank: int, resumed_from: int = 0):
+        from puzzle.metrics import SampleLog
+
+        self.cfg, self.tokenizer, self.dataset = cfg, tokenizer, dataset
+        ev = cfg.evaluation
+        self.n = ev.samples_per_prompt
+        self.batches = eval_batches(len(dataset.prompts), cfg.ppo.rollout_batch_size, ev.iters)
+        self.samples = SampleLog(cfg.log_dir, 1, rank, resumed_from, "eval_samples.jsonl") if cfg.log_dir else None
+        self.rank = rank
+
+    def due(self, iteration: int) -> bool:
+        return evaluation_due(iteration, self.cfg.evaluation.interval, self.cfg.train_iters)
+
+    def __call__(self, trainer, iteration: int) -> dict:
+        t0 = time.perf_counter()
+        engine = trainer.switch.generation_engine() if trainer.switch else trainer.engines["actor"]
+        scores, lengths, bad, offset = [], [], 0, 0
+        for rows in self.batches:
+            ids = [self.dataset.prompts[i] for i in rows for _ in range(self.n)]
+            records = [self.dataset.records[i] if self.dataset.records else {} for i in rows for _ in range(self.n)]
+            size = _padded(len(ids), self._unit(trainer, engine))
+            ids = ids + [ids[0]] * (size - len(ids))  # rows to fill the layouts' shares, dropped after
+            records = records + [records[0]] * (size - len(records))
+            batch = self._generate(trainer, engine, ids, iteration, offset)
+            batch_scores, batch_bad = self._score(trainer, batch, records, iteration)
+            keep = len(rows) * self.n
+            scores.append(batch_scores[:keep].cpu())
+            lengths.append(batch.response_lengths[:keep].cpu())
+            bad += batch_bad
+            self._write_samples(trainer, batch, records, list(rows), batch_scores, iteration)
+            offset += size
+        metrics = summarize(torch.cat(scores).view(-1, self.n), torch.cat(lengths).view(-1, self.n),
+                            with_accuracy=trainer.rewarder is not None)
+        if bad:
+            metrics["eval/bad_rewards"] = bad
+        trainer.runtime.synchronize()
+        metrics["time_eval"] = time.perf_counter() - t0
+        return metrics
+
+    def _unit(self, trainer, engine) -> int:
+        """Rows of an eval batch are a multiple of this: the generation layout's D, and the reward
+        model's D x micro-batch when a reward model scores."""
+        unit = engine.layout.plan.D
+        if "reward" in trainer.engines:
+            unit = math.lcm(unit, trainer.engines["reward"].layout.plan.D * self.cfg.ppo.micro_batch_size)
+        return unit
+
+    def _generate(self, trainer, engine, ids: List[List[int]], iteration: int, offset: int):
+        from puzzle.rollout.generation import SamplingParams, generate
+        from puzzle.training.batch import rollout_from_generation
+
+        ppo, tok = self.cfg.ppo, self.tokenizer
+        layout, R = engine.layout, ppo.max_new_tokens
+        share = len(ids) // layout.plan.D
+        responses = lengths = None
+        if engine.member:
+            params = SamplingParams(max_new_tokens=R, temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p,
+                                    greedy=self.n == 1 or ppo.greedy, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                    eos_ids=tuple(tok.eos_ids))
+            out = generate(engine, ids[layout.d * share:(layout.d + 1) * share], params,
+                           seed=self.cfg.seed * 100003 + iteration + EVAL_SEED_OFFSET,
+                           micro_batch_size=ppo.generation_micro_batch_size,
+                           cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
+                           sample_offset=offset + layout.d * share,
+                           progress=getattr(trainer, "generation_progress", None))
+            responses, lengths = out.tokens[:, out.tokens.shape[1] - R:], out.response_lengths
+        return rollout_from_generation(ids, responses, lengths, layout, R, tok.pad_id, trainer.runtime.device,
+                                       seq_multiple=trainer.seq_multiple)
+
+    def _score(self, trainer, batch, records: List[dict], iteration: int):
+        """The run's reward for every row: its reward function, else its reward model."""
+        if trainer.rewarder is not None:
+            from puzzle.generation_stage import sample_maker
+
+            scores, bad = trainer.rewarder.score(sample_maker(batch, self.tokenizer, records), batch.size,
+                                                 iteration, "eval sample")
+            return scores.float(), bad
+        from puzzle.pipeline.stage import run_stage
+        from puzzle.training import steps
+        from puzzle.training.batch import gather_outputs
+
+        outs = run_stage(trainer._contexts(batch, [("reward", steps.reward_score_step())]), forward_only=True,
+                         placement="sequential")
+        scores = gather_outputs(outs[0], "scores", trainer.engines["reward"], batch)
+        return trainer.bad_rewards.check_scores(scores.float(), f"reward model {self.cfg.reward_model} (eval)",
+                                                iteration)
+
+    def _write_samples(self, trainer, batch, records, prompt_indices, scores, iteration: int) -> None:
+        if self.samples is None or self.samples.file is None:
+            return
+        from puzzle.generation_stage import sample_maker
+
+        make = sample_maker(batch, self.tokenizer, records)
+        rows = []
+        for j, index in enumerate(prompt_indices):
+            for k in range(self.n):
+                s = make(j * self.n + k)
+                row = {"iteration": iteration, "index": index, "sample": k, "prompt": s.prompt_text,
+                       "response": s.response_text, "reward": float(scores[j * self.n + k])}
+                if "answer" in s.record:
+                    row["answer"] = s.record["answer"]
+                rows.append(row)
+        self.samples.write(rows)
+
+    def close(self) -> None:
+        if self.samples is not None:
+            self.samples.close()

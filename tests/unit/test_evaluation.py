@@ -1,0 +1,81 @@
+"""Evaluation's pure parts: pass@k, when it runs, its batches and metrics; the eval flags."""
+
+import itertools
+
+import pytest
+import torch
+
+from puzzle.config import EvalConfig
+from puzzle.config_flags import ArgumentError
+from puzzle.data.arithmetic import make_records
+from puzzle.evaluation import eval_batches, evaluation_due, pass_at_k, pass_at_k_values, summarize
+
+
+def _pass_at_k_by_enumeration(n, c, k):
+    outcomes = [1] * c + [0] * (n - c)
+    draws = list(itertools.combinations(range(n), k))
+    return sum(any(outcomes[i] for i in d) for d in draws) / len(draws)
+
+
+@pytest.mark.parametrize("n,c,k", [(1, 0, 1), (1, 1, 1), (4, 1, 2), (5, 2, 3), (6, 0, 3), (8, 3, 4), (8, 6, 3)])
+def test_pass_at_k_is_the_probability_over_every_draw(n, c, k):
+    assert pass_at_k(n, c, k) == pytest.approx(_pass_at_k_by_enumeration(n, c, k), abs=1e-12)
+
+
+def test_pass_at_k_edges_and_errors():
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    assert pass_at_k(10, 0, 10) == 0.0 and pass_at_k(10, 1, 10) == 1.0
+    for bad in ((4, 5, 1), (4, 1, 0), (4, 1, 5), (4, -1, 1)):
+        with pytest.raises(ValueError, match="pass@k"):
+            pass_at_k(*bad)
+    assert pass_at_k_values(1) == [] and pass_at_k_values(2) == [2]
+    assert pass_at_k_values(8) == [2, 4, 8] and pass_at_k_values(12) == [2, 4, 8, 12]
+
+
+def test_evaluation_is_due_at_zero_every_interval_and_at_the_end():
+    assert [i for i in range(0, 11) if evaluation_due(i, 4, 10)] == [0, 4, 8, 10]
+    assert [i for i in range(0, 11) if evaluation_due(i, None, 10)] == [0, 10]
+
+
+def test_eval_batches_cover_the_file_or_eval_iters_batches():
+    assert eval_batches(10, 4, None) == [range(0, 4), range(4, 8), range(8, 10)]
+    assert eval_batches(10, 4, 2) == [range(0, 4), range(4, 8)]
+    with pytest.raises(ValueError, match="--eval-iters 3 batches of --rollout-batch-size 4 prompts need 12"):
+        eval_batches(10, 4, 3)
+
+
+def test_summarize_accuracy_and_pass_at_k():
+    scores = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.5, 1.0]])
+    lengths = torch.tensor([[2, 2, 2, 2], [1, 1, 1, 1], [3, 3, 3, 3]])
+    m = summarize(scores, lengths, with_accuracy=True)
+    assert m["eval/reward"] == pytest.approx(4.5 / 12) and m["eval/accuracy"] == pytest.approx(4 / 12)
+    assert m["eval/pass@4"] == pytest.approx(2 / 3)  # prompts 0 and 2 have a correct sample
+    assert m["eval/pass@2"] == pytest.approx((pass_at_k(4, 1, 2) + 0 + pass_at_k(4, 3, 2)) / 3)
+    assert m["eval/response_length"] == pytest.approx(2.0) and m["eval/prompts"] == 3
+    plain = summarize(scores[:, :1], lengths[:, :1], with_accuracy=False)  # a reward model: no accuracy
+    assert set(plain) == {"eval/reward", "eval/response_length", "eval/prompts"}
+
+
+def test_eval_flags_need_eval_prompts():
+    assert EvalConfig(prompts="x.jsonl", interval=5, iters=2, n_samples=4).samples_per_prompt == 4
+    assert EvalConfig().samples_per_prompt == 1
+    with pytest.raises(ArgumentError, match="--eval-interval: needs --eval-prompts"):
+        EvalConfig(interval=5)
+    with pytest.raises(ArgumentError, match="--eval-n-samples-per-prompt: must be >= 1"):
+        EvalConfig(prompts="x.jsonl", n_samples=0)
+
+
+def test_bundled_eval_sums_are_held_out_from_the_training_sums():
+    train, held_out = make_records(2), make_records(3)
+    assert len(train) == 55 and len(held_out) == 220
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert all(int(r["answer"]) == sum(map(int, r["prompt"][:-1].split("+"))) <= 9 for r in held_out)
+
+
+def test_bundled_files_are_the_generators_output():
+    import json
+
+    from puzzle.data.arithmetic import EVAL_PATH, PATH
+
+    for path, terms in ((PATH, 2), (EVAL_PATH, 3)):
+        assert [json.loads(x) for x in path.read_text().splitlines()] == make_records(terms)
