@@ -21,7 +21,8 @@ setup(
     ],
     extras_require={
         # tensorboard: the --tensorboard-dir test reads the event files back
-        "test": ["pytest>=7", "pytest-timeout", "tensorboard"],
+        # matplotlib: the plot tool's test draws a figure
+        "test": ["pytest>=7", "pytest-timeout", "tensorboard", "matplotlib"],
         # never pulled by `test`: on a CPU machine the installable TE package breaks `import megatron.core`
         "gpu": ["transformer-engine[pytorch]"],
         "hf": ["transformers", "safetensors"],
@@ -29,5 +30,7 @@ setup(
         # math answers checked by math-verify (else sympy) in puzzle.reward_functions.math_checker
         "math": ["math-verify"],
         "wandb": ["wandb"],
+        # python -m puzzle.tools.plot: training curves from metrics.jsonl
+        "plot": ["matplotlib"],
     },
 )

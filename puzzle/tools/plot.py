@@ -93,7 +93,10 @@ def plot(runs: Dict[str, List[dict]], output: str, title: str = "") -> List[str]
                     continue
                 legend = (f"{label}: {field}" if len(runs) > 1 else field) if len(fields) > 1 else label
                 marker = "o" if field.startswith("eval/") or len(xs) <= 12 else None
-                ax.plot(xs, ys, STYLES[j % len(STYLES)], color=colors[i % len(colors)], marker=marker,
+                # one run: a colour per field; several: a colour per run, a line style per field
+                style, color = ("-", colors[j % len(colors)]) if len(runs) == 1 else \
+                    (STYLES[j % len(STYLES)], colors[i % len(colors)])
+                ax.plot(xs, ys, style, color=color, marker=marker,
                         markersize=4, linewidth=1.4, label=legend)
         ax.set_title(name)
         ax.set_xlabel("iteration")
