@@ -65,8 +65,8 @@ def _eval_dataset(cfg, tokenizer):
                                    overflow=cfg.prompt_overflow, apply_chat_template=cfg.apply_chat_template,
                                    skip_bad_records=cfg.skip_bad_records)
         eval_batches(len(data.prompts), cfg.ppo.rollout_batch_size, ev.iters)
-    except (ValueError, OSError) as e:
-        raise ArgumentError(f"--eval-prompts: {e}") from None
+    except (ValueError, OSError) as e:  # the loader's messages name --prompt-data
+        raise ArgumentError(f"--eval-prompts: {str(e).replace('--prompt-data ', '')}") from None
     return data
 
 
@@ -170,8 +170,9 @@ def _watch(trainer, cfg, tokenizer, eval_dataset):
 
         evaluator = Evaluator(cfg, tokenizer, eval_dataset, rank, resumed_from=trainer.iteration)
     samples = SampleLog(cfg.log_dir, cfg.ops.log_samples, rank, trainer.iteration) if cfg.ops.log_samples else None
+    where = trainer.progress  # run_control.Progress: "generation stage" or "evaluation"
     trainer.generation_progress = GenerationProgress.for_terminal(
-        rank, lambda: f"iteration {trainer.iteration} generation")
+        rank, lambda: f"iteration {where.iteration} {getattr(where, 'phase', 'generation')}")
 
     def on_iteration_end(batch, metrics):
         metrics.update(learning_rates(trainer.engines, trainer.runtime))

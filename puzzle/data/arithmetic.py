@@ -1,10 +1,10 @@
-"""The bundled synthetic task of the tiny GRPO run: sums of one-digit numbers with checkable answers.
+"""The bundled synthetic task of the tiny GRPO run: one-digit sums with checkable answers.
 
 ``python -m puzzle.data.arithmetic`` rewrites (deterministic) the training prompts
-``puzzle/data/bundled/tiny_arithmetic.jsonl``, every two-term ``"a+b="`` with a + b <= 9, and the
-held-out eval prompts ``puzzle/data/bundled/tiny_arithmetic_eval.jsonl``, every three-term
-``"a+b+c="`` with a + b + c <= 9 (no eval prompt is a training prompt); the answer is in each
-record's ``answer`` field.
+``puzzle/data/bundled/tiny_arithmetic.jsonl``, every ``"a+b="`` with a + b <= 9, and the held-out
+eval prompts ``puzzle/data/bundled/tiny_arithmetic_eval.jsonl``, the same sums written with a
+leading space (``" a+b="``: no eval prompt is a training prompt); the answer is in each record's
+``answer`` field. ``make_records(terms=3)`` gives three-term sums, a harder held-out set.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ PATH = BUNDLED / "tiny_arithmetic.jsonl"
 EVAL_PATH = BUNDLED / "tiny_arithmetic_eval.jsonl"
 
 
-def make_records(terms: int = 2) -> List[dict]:
-    """Every sum of ``terms`` one-digit numbers whose total is one digit, in lexicographic order."""
-    return [{"prompt": "+".join(map(str, digits)) + "=", "answer": str(sum(digits))}
+def make_records(terms: int = 2, lead: str = "") -> List[dict]:
+    """Every sum of ``terms`` one-digit numbers whose total is one digit, in lexicographic order,
+    each prompt after ``lead``."""
+    return [{"prompt": lead + "+".join(map(str, digits)) + "=", "answer": str(sum(digits))}
             for digits in itertools.product(range(10), repeat=terms) if sum(digits) <= 9]
 
 
@@ -32,4 +33,4 @@ def write(path: Path, records: List[dict]) -> None:
 
 if __name__ == "__main__":
     write(PATH, make_records(terms=2))
-    write(EVAL_PATH, make_records(terms=3))
+    write(EVAL_PATH, make_records(terms=2, lead=" "))
