@@ -40,7 +40,8 @@ def test_tiny_run_learns(tmp_path):
     assert last > first + 0.05, (first, last)
     assert max(r["kl"] for r in rows) < 2.0
     assert rows[0]["prompts_loaded"] == 64 and rows[0]["prompts_dropped"] == 0  # the bundled set
-    assert " iteration       24/      24 | reward:" in stdout
+    last = next(line for line in stdout.splitlines() if line.startswith(" iteration       24/      24 | elapsed: "))
+    assert "| ETA: 0:00:00 | learning rate: 2.000E-03 | reward: " in last and "grad norm actor/critic: " in last
 
 
 SMALL = ["--train-iters", "2", "--greedy", "--rollout-batch-size", "8", "--global-batch-size", "8",

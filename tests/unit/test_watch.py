@@ -122,3 +122,18 @@ def test_progress_bar_only_on_rank_0_of_a_terminal():
     bar(16, 16)
     assert bar.bar is None  # closed (and cleared) at the end
     assert "iteration 3 generation" in screen.getvalue()
+
+
+def test_generation_reports_finished_rows_from_the_slot_batches_host_state():
+    from puzzle.rollout.generation import _progress_report
+
+    seen = []
+    prefill, decode = SimpleNamespace(prefill=True), SimpleNamespace(prefill=False)
+    a = SimpleNamespace(queue=[5, 6], host_active=[0, 1], call=prefill, call_slots=[2, 3])  # 2 rows entering
+    b = SimpleNamespace(queue=[], host_active=[0], call=decode, call_slots=[0])
+    report = _progress_report(lambda done, rows: seen.append((done, rows)), [a, b], 10)
+    report()
+    assert seen == [(10 - 2 - 2 - 2 - 1, 10)]
+    a.queue, a.host_active, a.call = [], [], None
+    report()
+    assert seen[-1] == (9, 10) and _progress_report(None, [a, b], 10) is None
