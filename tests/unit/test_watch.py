@@ -80,8 +80,9 @@ def _batch():
 def test_log_samples_rows(tmp_path):
     tok = SimpleNamespace(eos_id=1, decode=lambda ids: bytes(ids).decode())
     rows = rollout_sample_rows(_batch(), tok, iteration=3, count=5)
-    assert rows == [{"iteration": 3, "sample": 0, "prompt": "ab", "response": "xy", "response_length": 3, "reward": 0.5},
-                    {"iteration": 3, "sample": 1, "prompt": "c", "response": "z", "response_length": 1, "reward": 1.0}]
+    assert rows == [
+        {"iteration": 3, "sample": 0, "prompt": "ab", "response": "xy", "response_length": 3, "reward": 0.5},
+        {"iteration": 3, "sample": 1, "prompt": "c", "response": "z", "response_length": 1, "reward": 1.0}]
     log = SampleLog(str(tmp_path), 5, rank=0, resumed_from=0)
     log.write(rows)
     log.close()
