@@ -3,7 +3,7 @@
 # (puzzle/data/bundled/tiny_arithmetic.jsonl, "3+4=" -> "7") from a verifiable reward. No critic,
 # no reference (--kl-coef 0), 16 samples per prompt. The solve rate (solved_fraction) rises from
 # ~0.5% (chance: 1 byte in 259) to ~40% in 80 iterations, 2 ranks, a few minutes on 2 cores.
-# Evaluation: greedy answers to held-out prompts, the sums after a leading space
+# Evaluation: greedy answers to held-out prompts, the sums after a space
 # (tiny_arithmetic_eval.jsonl), at iteration 0, every 20 iterations and at the end (eval/accuracy).
 #   bash examples/run_grpo_tiny.sh --log-dir runs/grpo-tiny        (any flag below can be overridden)
 set -euo pipefail

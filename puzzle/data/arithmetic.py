@@ -2,9 +2,9 @@
 
 ``python -m puzzle.data.arithmetic`` rewrites (deterministic) the training prompts
 ``puzzle/data/bundled/tiny_arithmetic.jsonl``, every ``"a+b="`` with a + b <= 9, and the held-out
-eval prompts ``puzzle/data/bundled/tiny_arithmetic_eval.jsonl``, the same sums written with a
-leading space (``" a+b="``: no eval prompt is a training prompt); the answer is in each record's
-``answer`` field. ``make_records(terms=3)`` gives three-term sums, a harder held-out set.
+eval prompts ``puzzle/data/bundled/tiny_arithmetic_eval.jsonl``, the same sums written after a
+space (``" a+b="``: no eval prompt is a training prompt); the answer is in each record's ``answer``
+field. ``make_records(terms=3)`` gives three-term sums, a harder held-out set.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ PATH = BUNDLED / "tiny_arithmetic.jsonl"
 EVAL_PATH = BUNDLED / "tiny_arithmetic_eval.jsonl"
 
 
-def make_records(terms: int = 2, lead: str = "") -> List[dict]:
+def make_records(terms: int = 2, prefix: str = "") -> List[dict]:
     """Every sum of ``terms`` one-digit numbers whose total is one digit, in lexicographic order,
-    each prompt after ``lead``."""
-    return [{"prompt": lead + "+".join(map(str, digits)) + "=", "answer": str(sum(digits))}
+    each prompt after ``prefix``."""
+    return [{"prompt": prefix + "+".join(map(str, digits)) + "=", "answer": str(sum(digits))}
             for digits in itertools.product(range(10), repeat=terms) if sum(digits) <= 9]
 
 
@@ -33,4 +33,4 @@ def write(path: Path, records: List[dict]) -> None:
 
 if __name__ == "__main__":
     write(PATH, make_records(terms=2))
-    write(EVAL_PATH, make_records(terms=2, lead=" "))
+    write(EVAL_PATH, make_records(terms=2, prefix=" "))

@@ -67,7 +67,7 @@ def test_eval_flags_need_eval_prompts():
 
 def test_bundled_eval_sums_are_held_out_from_the_training_sums():
     train = make_records(2)
-    for held_out in (make_records(2, lead=" "), make_records(3)):
+    for held_out in (make_records(2, prefix=" "), make_records(3)):
         assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
         assert all(int(r["answer"]) == sum(map(int, r["prompt"][:-1].split("+"))) <= 9 for r in held_out)
     assert len(train) == 55 and len(make_records(3)) == 220
@@ -78,5 +78,5 @@ def test_bundled_files_are_the_generators_output():
 
     from puzzle.data.arithmetic import EVAL_PATH, PATH
 
-    for path, lead in ((PATH, ""), (EVAL_PATH, " ")):
-        assert [json.loads(x) for x in path.read_text().splitlines()] == make_records(2, lead=lead)
+    for path, prefix in ((PATH, ""), (EVAL_PATH, " ")):
+        assert [json.loads(x) for x in path.read_text().splitlines()] == make_records(2, prefix=prefix)
