@@ -35,7 +35,7 @@ from tests.harness import world_main
 TOKENS, ROWS = 300, 400  # tokenizer ids, model vocabulary rows (padded to 512)
 TEMPERATURE = 0.8
 ITERS = 2
-COMMON = ["--seq-length", "48", "--max-new-tokens", "8", "--micro-batch-size", "2", "--lr", "5e-3",
+COMMON = ["--seq-length", "48", "--max-new-tokens", "8", "--micro-batch-size", "4", "--lr", "5e-3",
           "--temperature", str(TEMPERATURE), "--train-iters", str(ITERS), "--seed", "7",
           "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
           "--tokenizer-type", "HuggingFaceTokenizer"]
@@ -142,18 +142,16 @@ def _run(argv, tokenizer_dir, after=None):
             metrics.append(m)
             out[f"iter{i}"] = _compare(RECORDS, batches[-1], TEMPERATURE)
         if after is not None:
-            out.update(after(trainer, ds.prompts[:n], cfg))
+            out.update(after(trainer, ds.prompts[:n]))
     finally:
         pipelined_generation.sample_tokens = original
         trainer.close()
     keys = ("reward_mean", "kl", "entropy", "policy_loss", "approx_kl", "actor_grad_norm", "kl_loss", "value_loss")
     out["metrics"] = [{k: m[k] for k in keys if k in m} for m in metrics]
-    f = batches[-1].fields
-    mask = batches[-1].response_mask.bool()
-    out["finite"] = {k: bool(torch.isfinite(f[k][mask]).all()) for k in ("old_logprobs", "ref_logprobs", "entropy")
-                     if k in f}
-    resp = _responses(batches[-1])
-    out["max_response_id"] = int(resp[mask].max())
+    masks = [b.response_mask.bool() for b in batches]
+    out["finite"] = {k: all(bool(torch.isfinite(b.fields[k][m]).all()) for b, m in zip(batches, masks))
+                     for k in ("old_logprobs", "ref_logprobs", "entropy") if k in batches[0].fields}
+    out["max_response_id"] = max(int(_responses(b)[m].max()) for b, m in zip(batches, masks))
     return out
 
 
@@ -188,7 +186,7 @@ def _compare(records, batch, temperature):
             "unused_mass": sum(mass) / max(len(mass), 1)}
 
 
-def _graph_path(trainer, prompts, cfg):
+def _graph_path(trainer, prompts):
     """The --cuda-graph-generation whole-step decode (static shapes, no capture on CPU) samples the
     same tokens as the eager loop on the switch's (1,2,2) shadow model, all of them tokenizer ids."""
     from puzzle.rollout.cuda_graphs import DecodeGraphs
