@@ -33,7 +33,10 @@ MODEL_ARGS=(   # LLaMA-2-7B
 if [[ $BF16 == 1 ]]; then MODEL_ARGS+=(--bf16); fi
 DATA_ARGS=(
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$SFT_DIR"
-    --vocab-size 32000                       # only used when the tokenizer files are absent (--dry-run)
+    # the model's vocabulary rows (LLaMA-2: 32000, as many as its tokenizer has ids). Fewer rows than
+    # the tokenizer's ids is refused at the start; rows beyond them are never sampled nor scored.
+    # Without the tokenizer files (--dry-run on a laptop) it also stands in for the tokenizer's size.
+    --vocab-size 32000
     --prompt-data "$DATA" --prompt-key prompt
 )
 PARALLEL_ARGS=(

@@ -396,7 +396,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     for role in ("actor", "critic", "ref", "reward"):
         if role not in present:
             continue
-        arch = _arch_for(args, role, vocab_size)
+        # the tokenizer's ids are the ones a response may contain (ModelArch.valid_vocab_size)
+        arch = replace(_arch_for(args, role, vocab_size), tokenizer_vocab_size=vocab_size)
         layout = _role_config(LayoutFlags, args, role)
         P, T = layout.pipeline_model_parallel_size, layout.tensor_model_parallel_size
         offset, D = layout.rank_offset, layout.data_parallel_size

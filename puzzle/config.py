@@ -79,8 +79,9 @@ class ModelArch:
     num_query_groups: Optional[int] = _shape_flag(  # None = multi-head attention (groups = heads)
         None, "Query groups for grouped-query attention.")
     vocab_size: int = flag(
-        256, _MODEL, "The model's vocabulary before padding (default: the tokenizer's; not smaller). Stands in "
-        "for the tokenizer's when its files are not at hand (dry runs, planning).", type=int, flag_default=None)
+        256, _MODEL, "The model's vocabulary rows before padding (default: the tokenizer's; not smaller). Rows "
+        "beyond the tokenizer's ids are never sampled nor scored. Stands in for the tokenizer's size when its "
+        "files are not at hand (dry runs, planning).", type=int, flag_default=None)
     make_vocab_size_divisible_by: int = flag(128, _MODEL)
     seq_length: int = flag(128, _MODEL, "Maximum sequence length (prompt + response).", flag_default=None)
     max_position_embeddings: Optional[int] = flag(None, _MODEL, type=int)
@@ -111,6 +112,10 @@ class ModelArch:
     rope_original_max_position_embeddings: int = flag(
         8192, _MODEL, "Llama-3.x RoPE original_max_position_embeddings (default 8192).", flag_default=None)
     sliding_window: Optional[int] = None  # attention window of the checkpoint (None = full)
+    # the run's tokenizer has ids [0, tokenizer_vocab_size) (None: every row of vocab_size is a
+    # token); the model's rows beyond it (Qwen2.5's unused rows, --vocab-size above the tokenizer's)
+    # are never sampled nor scored: see valid_vocab_size
+    tokenizer_vocab_size: Optional[int] = None
     hf_model_type: str = "llama"       # the HF family an export writes (llama, qwen2, qwen3, mistral)
     attention_backend: str = flag(
         "auto", _MODEL, "Core attention (Megatron-LM's names): flash/fused/unfused = transformer-engine "
@@ -139,6 +144,12 @@ class ModelArch:
                        "rotary_base")
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1 (got {self.vocab_size})")
+        if self.tokenizer_vocab_size is not None:
+            if not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
+                raise ValueError(f"the tokenizer has {self.tokenizer_vocab_size} ids but the model has "
+                                 f"{self.vocab_size} vocabulary rows (vocab_size); it needs a row for every id")
+            if self.tokenizer_vocab_size == self.vocab_size:  # the usual case: one form only
+                object.__setattr__(self, "tokenizer_vocab_size", None)
         check(cls, self, "hidden_size", explicit_kv_channels or self.hidden_size % self.num_attention_heads == 0,
               f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads} "
               "(or give --kv-channels)")
@@ -170,13 +181,27 @@ class ModelArch:
                   "sliding-window attention is not implemented (use a seq_length <= the window)")
 
     @property
+    def valid_vocab_size(self) -> int:
+        """The ids a response token may have: [0, valid_vocab_size), the tokenizer's ids.
+
+        The one definition used wherever a distribution over the vocabulary is formed: sampling
+        (every generation path), scoring, training, entropy and the KL terms all give the logits of
+        the other rows -inf, so an id the tokenizer cannot decode is never sampled, and the
+        log-prob generation sampled a token with is the one scoring computes. Rows beyond it are
+        the checkpoint's unused rows (Qwen2.5: 151936 rows, ~151665 tokenizer ids) and the padding
+        to make_vocab_size_divisible_by.
+        """
+        return self.tokenizer_vocab_size or self.vocab_size
+
+    @property
     def padded_vocab_size(self) -> int:
         """The vocabulary padded to a multiple of make_vocab_size_divisible_by.
 
         Unlike Megatron-LM (which pads to a multiple of divisible_by * T), the padding does not
         depend on the layout: every model shape is the same at every (P, D, T), so weights move
         between layouts without re-padding. A plan whose T does not divide it is rejected.
-        Logits of the padding ids are masked out wherever probabilities are formed.
+        Logits of the padding ids (and of every row >= valid_vocab_size) are masked out wherever
+        probabilities are formed.
         """
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple

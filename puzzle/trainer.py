@@ -38,7 +38,11 @@ class PPOTrainer:
         self.cfg, self.tokenizer, self.prompts = cfg, tokenizer, prompts
         self.rank = dist.get_rank()
         self.runtime = runtime()
-        self.vocab = tokenizer.vocab_size
+        # the ids a response may contain: the same mask in generation, scoring, training and KL
+        self.vocab = cfg.roles["actor"].arch.valid_vocab_size
+        if tokenizer.vocab_size != self.vocab:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the run was configured for "
+                             f"{self.vocab} (validate_args with this tokenizer's vocab_size)")
         ppo = cfg.ppo
         self.engines: Dict[str, ModelEngine] = {}
         for role, spec in cfg.roles.items():

@@ -370,8 +370,9 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
                          f"{engine.layout.plan}; only its ranks call generate")
     arch = engine.arch
     _check_prompts(prompts, arch.vocab_size)
-    if any(i >= arch.vocab_size for i in params.stop_ids):
-        raise ValueError(f"eos_id/eos_ids {params.stop_ids} are outside the vocabulary ({arch.vocab_size})")
+    if any(i >= arch.valid_vocab_size for i in params.stop_ids):
+        raise ValueError(f"eos_id/eos_ids {params.stop_ids} are outside the vocabulary ({arch.valid_vocab_size} "
+                         f"ids can be sampled)")
     if not isinstance(sample_offset, int) or sample_offset < 0:
         raise ValueError(f"sample_offset must be an int >= 0 (got {sample_offset!r})")
     b = len(prompts)

@@ -37,7 +37,7 @@ def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: 
                  sample_offset: int) -> None:
     layout = engine.layout
     tp = layout.tp_group
-    vocab = engine.arch.vocab_size
+    vocab = engine.arch.valid_vocab_size  # the tokenizer's ids: scoring masks the same rows
 
     def sample(mb, logits):
         return sample_tokens(mb.select(logits), params, true_vocab=vocab, seed=seed,

@@ -18,7 +18,10 @@ the same result bit for bit, and a result does not depend on T:
   integer tensor ops; each rank hashes only its own vocabulary slice. Same seed, prompts and
   sample indices give the same tokens at any (P, D, T).
 
-Ids >= ``true_vocab`` (the padding of the vocabulary) are never selected.
+Ids >= ``true_vocab`` are never selected. Callers pass ``ModelArch.valid_vocab_size``, the
+tokenizer's ids: the rows beyond it (a checkpoint's unused rows, the padding) get -inf logits
+here exactly as in scoring and training (puzzle/training/vocab_parallel.py), so every sampled
+token is one the tokenizer can decode and its log-prob is the one scoring computes.
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ def vocab_ids_of(local_vocab: int, group, device) -> torch.Tensor:
 
 
 def mask_padding(logits: torch.Tensor, start: int, true_vocab: int) -> torch.Tensor:
-    """-inf on ids >= true_vocab (float32 copy of this rank's slice)."""
+    """-inf on ids >= true_vocab (ModelArch.valid_vocab_size; float32 copy of this rank's slice)."""
     logits = logits.float()
     if start + logits.shape[-1] <= true_vocab:
         return logits

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                             eos_id=tokenizer.eos_id, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id)
     engine = load_engine(args.load, args.role, plan, step=args.ckpt_step, seq_length=args.seq_length,
                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, bf16=args.bf16,
-                         transformer_impl=args.transformer_impl)
+                         transformer_impl=args.transformer_impl, tokenizer_vocab_size=tokenizer.vocab_size)
     lay = engine.layout
     share = math.ceil(len(prompts) / plan.D)
     lo = lay.d * share

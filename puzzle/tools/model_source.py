@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from typing import Optional, Tuple
 
 from puzzle.config import ROLES
@@ -42,9 +43,11 @@ def checkpoint_role_dir(root: str, role: str, step: Optional[int] = None) -> Tup
 
 def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq_length: Optional[int] = None,
                 make_vocab_size_divisible_by: int = 128, bf16: bool = False,
-                transformer_impl: str = "transformer_engine"):
+                transformer_impl: str = "transformer_engine", tokenizer_vocab_size: Optional[int] = None):
     """A frozen ModelEngine of ``role`` at ``plan`` with the weights of ``source`` (collective).
-    ``transformer_impl`` falls back to the local spec where TE cannot run (as train_ppo.py)."""
+    ``transformer_impl`` falls back to the local spec where TE cannot run (as train_ppo.py).
+    ``tokenizer_vocab_size``: the ids the tokenizer has, the only ones generation samples
+    (ModelArch.valid_vocab_size; ValueError naming both sizes when the model has fewer rows)."""
     from puzzle.config import ModelArch
     from puzzle.models.builders import resolve_transformer_impl
     from puzzle.parallel.groups import layout_for
@@ -59,6 +62,8 @@ def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq
         if seq_length:
             overrides["seq_length"] = seq_length
         arch = arch_from_hf_dir(source, **overrides)
+        if tokenizer_vocab_size is not None:
+            arch = replace(arch, tokenizer_vocab_size=tokenizer_vocab_size)
         engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False,
                              transformer_impl=impl)
         load_hf_into_model(engine.module, arch, role, source)
@@ -67,6 +72,8 @@ def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq
 
     role_dir, fields = checkpoint_role_dir(source, role, step)
     arch = ModelArch(**fields)
+    if tokenizer_vocab_size is not None:
+        arch = replace(arch, tokenizer_vocab_size=tokenizer_vocab_size)
     engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False,
                              transformer_impl=impl)
     load_role_weights(engine, role_dir)

@@ -2,8 +2,9 @@
 
 Each TP rank holds logits for its vocabulary slice [b, s, V/T]. Reductions over the vocabulary
 use megatron's differentiable ``reduce_from_tensor_model_parallel_region`` (all-reduce forward,
-identity backward) on the MODEL's TP group — never megatron's global group. Padding ids
-(>= the true vocabulary size) are masked out.
+identity backward) on the MODEL's TP group — never megatron's global group. Ids >= ``true_vocab``
+(``ModelArch.valid_vocab_size``: the tokenizer's ids; beyond it a checkpoint's unused rows and the
+padding) are masked out, as sampling masks them (puzzle/rollout/sampling.py).
 """
 
 from __future__ import annotations

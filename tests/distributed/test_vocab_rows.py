@@ -1,0 +1,47 @@
+"""A tokenizer with fewer ids than the model has vocabulary rows (tests/distributed/worlds/vocab_rows.py):
+PPO and GRPO from flags (--vocab-size above the tokenizer's) and from a Qwen2 HF checkpoint whose
+config.json has more rows than its tokenizer, at (1,1,1) and (2,1,2), over several sampled
+iterations with the unused rows biased to hold most of the unmasked probability. No id the
+tokenizer lacks is sampled, every log-prob is finite, and the log-prob each token was sampled with
+is the one scoring computed."""
+
+import math
+
+import pytest
+
+from tests.harness import run_world
+
+TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    return {1: run_world("distributed/worlds/vocab_rows.py", 1), 4: run_world("distributed/worlds/vocab_rows.py", 4)}
+
+
+RUNS = [(1, "ppo_flags_111"), (1, "grpo_hf_111"), (4, "ppo_hf_212"), (4, "grpo_flags_212")]
+
+
+@pytest.mark.parametrize("size,name", RUNS)
+def test_sampled_tokens_are_tokenizer_ids_scored_as_sampled(worlds, size, name):
+    ranks = [r["runs"][name] for r in worlds[size]]
+    for run in ranks:
+        assert run["arch"] == [400, TOKENS, 512]  # rows, ids a response may have, padded rows
+        assert all(run["finite"].values()) and set(run["finite"]) >= {"old_logprobs", "ref_logprobs", "entropy"}
+        assert run["max_response_id"] < TOKENS
+        for m in run["metrics"]:
+            assert all(math.isfinite(v) for v in m.values()), m
+    for it in ("iter0", "iter1"):
+        sampled = [r[it] for r in ranks if r[it]["compared"]]
+        assert sum(s["compared"] for s in sampled) >= 16, it
+        for s in sampled:
+            assert s["mismatched"] == 0 and s["gap"] < 1e-4, (it, s)
+            # without the mask most sampled tokens would be ids the tokenizer does not have
+            assert s["unused_mass"] > 0.2, (it, s)
+
+
+def test_whole_step_decode_path_samples_only_tokenizer_ids(worlds):
+    for r in worlds[4]:
+        g = r["runs"]["grpo_flags_212"]["graph"]
+        assert (g["T"], g["P"]) == (2, 1) and g["whole_step_settings"] == 1
+        assert g["same_tokens"] and g["max_id"] < TOKENS and g["unused_mass"] > 0.2
