@@ -1,14 +1,20 @@
-"""Scoring samples with a reward function in this process: value checks, per-sample timeouts and
-an optional process pool (``--reward-workers``). No torch.distributed here (see ``distributed.py``).
+"""Scoring samples with a reward function: value checks, timeouts and worker processes
+(``--reward-workers``). No torch.distributed here (see ``distributed.py``).
 
 Every sample comes back as ``(value, None)`` or ``(None, reason)``: a value that is not a real
-number (a string such as ``"0.5"`` is refused, not parsed), NaN, inf, an exception or a timeout
-gives a reason, and the caller applies ``--on-bad-reward``.
+number (a string such as ``"0.5"`` is refused, not parsed), NaN, inf, an exception, a timeout or a
+worker process that died gives a reason, and the caller applies ``--on-bad-reward``.
 
-Timeouts: with ``workers == 0`` each call runs in a daemon thread that is abandoned when it runs
-past the timeout (a function that never returns keeps its thread; use workers for those); with
-workers, calls run in ``spawn`` processes and a pool with a timed-out call is terminated and
-replaced. A per-sample function is timed per sample; a batched one gets ``timeout x samples``.
+Calls: a per-sample function, and a batched one marked :func:`~puzzle.reward_functions.loader.per_sample`
+(the built-in checkers), is called one sample at a time, each call under ``timeout`` seconds: a
+stuck response costs ``timeout`` seconds and one bad reward. Any other batched function is called
+on chunks of samples (one per worker), each call under ``timeout x its samples``: the timeout is
+per call, and a call that runs past it makes all its samples bad.
+
+Timeouts kill: with a timeout (or ``workers > 0``) every call runs in a ``spawn`` worker process
+(``max(1, workers)`` of them, started once and kept); a call that runs past its deadline has its
+process killed and replaced while the other workers go on. Without a timeout and without workers
+the function runs in the caller's process.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import math
 import multiprocessing
 import numbers
-import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from typing import Any, List, Optional, Sequence, Tuple
 
 from puzzle.reward_functions.loader import RewardFunction, load_reward_fn
@@ -78,35 +86,52 @@ def call_chunk(reward: RewardFunction, samples: Sequence[Sample]) -> List[Result
     return [check_value(v) for v in values]
 
 
-def _call_in_thread(reward: RewardFunction, samples: Sequence[Sample], timeout: float) -> List[Result]:
-    box: dict = {}
-
-    def run():
-        box["out"] = call_chunk(reward, samples)
-
-    th = threading.Thread(target=run, daemon=True, name="reward-fn")
-    th.start()
-    th.join(timeout)
-    if th.is_alive() or "out" not in box:
-        return [(None, f"timed out after {timeout:g} s")] * len(samples)
-    return box["out"]
-
-
-# ---- process pool ---------------------------------------------------------------------------------
-_WORKER_FN: Optional[RewardFunction] = None  # set in each pool worker process by its initializer only
-
-
-def _init_worker(spec: str) -> None:
-    global _WORKER_FN
-    _WORKER_FN = load_reward_fn(spec)
+# ---- worker processes -----------------------------------------------------------------------------
+def _worker_main(conn, spec: str) -> None:
+    """A worker process: load the function, then answer (task, samples) messages until EOF."""
+    try:
+        reward = load_reward_fn(spec)
+    except Exception as e:
+        conn.send(("failed", _raised(e)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        task, samples = msg
+        conn.send((task, call_chunk(reward, samples)))
 
 
-def _worker_call(samples: Sequence[Sample]) -> List[Result]:
-    return call_chunk(_WORKER_FN, samples)
+class _Worker:
+    """One spawn process running the reward function; ``kill()`` ends it whatever it is doing."""
+
+    def __init__(self, ctx, spec: str):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True, name="reward-fn")
+        self.proc.start()
+        child.close()
+        self.ready = False
+        self.task: Optional[int] = None
+        self.deadline: Optional[float] = None
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+    def died(self) -> str:
+        self.kill()
+        return f"failed: its reward process died (exit code {self.proc.exitcode})"
 
 
 class RewardScorer:
-    """Scores samples with one reward function: in process (``workers=0``) or in a pool."""
+    """Scores samples with one reward function, in process or in worker processes (see the module
+    docstring); the workers are started on first use and kept until ``close()``."""
 
     def __init__(self, reward: RewardFunction, workers: int = 0, timeout: Optional[float] = None):
         if workers < 0:
@@ -114,10 +139,13 @@ class RewardScorer:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 or None, got {timeout}")
         self.reward, self.workers, self.timeout = reward, workers, timeout
-        self._pool = None
+        self.processes = max(1, workers) if (workers or timeout is not None) else 0
+        self._pool: List[_Worker] = []
+        self._ctx = multiprocessing.get_context("spawn")
 
     def _chunks(self, samples: Sequence[Sample]) -> List[Sequence[Sample]]:
-        if not self.reward.batched:
+        """One sample per call (per-sample functions), else one chunk per worker."""
+        if self.reward.one_sample_per_call:
             return [[s] for s in samples]
         k = max(1, min(self.workers or 1, len(samples)))
         size = -(-len(samples) // k)
@@ -126,37 +154,76 @@ class RewardScorer:
     def score(self, samples: Sequence[Sample]) -> List[Result]:
         if not samples:
             return []
-        if self.workers == 0:
-            if self.timeout is None:
-                return call_chunk(self.reward, samples)
-            return [r for c in self._chunks(samples) for r in _call_in_thread(self.reward, c, self.timeout * len(c))]
-        out: List[Result] = []
+        if not self.processes:
+            return call_chunk(self.reward, samples)
         chunks = self._chunks(samples)
-        for w in range(0, len(chunks), self.workers):  # waves: every call of a wave starts at once
-            wave = chunks[w:w + self.workers]
-            if self._pool is None:
-                self._pool = multiprocessing.get_context("spawn").Pool(
-                    self.workers, initializer=_init_worker, initargs=(self.reward.spec,))
-            pending = [self._pool.apply_async(_worker_call, (list(c),)) for c in wave]
-            stuck = False
-            for c, p in zip(wave, pending):
-                limit = None if self.timeout is None else self.timeout * len(c)
-                try:
-                    out += p.get(timeout=limit)
-                except multiprocessing.TimeoutError:
-                    stuck = True
-                    out += [(None, f"timed out after {limit:g} s")] * len(c)
-                except Exception as e:  # e.g. a result that cannot be pickled back
-                    out += [(None, _raised(e))] * len(c)
-            if stuck:
-                self.close()
-        return out
+        results = self._run(chunks)
+        return [r for chunk_results in results for r in chunk_results]
+
+    def _run(self, chunks: List[Sequence[Sample]]) -> List[List[Result]]:
+        """Every chunk through the workers; a worker past its call's deadline is killed."""
+        results: List[Optional[List[Result]]] = [None] * len(chunks)
+        todo = deque(range(len(chunks)))
+        while todo or any(w.task is not None for w in self._pool):
+            self._pool = [w for w in self._pool if w.proc.is_alive() or w.task is not None]
+            while len(self._pool) < self.processes:
+                self._pool.append(_Worker(self._ctx, self.reward.spec))
+            for w in self._pool:  # hand out work to the idle, started workers
+                if todo and w.ready and w.task is None:
+                    w.task = todo.popleft()
+                    limit = None if self.timeout is None else self.timeout * len(chunks[w.task])
+                    w.deadline = None if limit is None else time.monotonic() + limit
+                    w.conn.send((w.task, list(chunks[w.task])))
+            deadlines = [w.deadline for w in self._pool if w.task is not None and w.deadline is not None]
+            wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            for conn in wait([w.conn for w in self._pool], timeout=wait_s):
+                self._receive(next(w for w in self._pool if w.conn is conn), chunks, results, todo)
+            now = time.monotonic()
+            for w in self._pool:
+                if w.task is not None and w.deadline is not None and now >= w.deadline:
+                    limit = self.timeout * len(chunks[w.task])
+                    results[w.task] = [(None, f"timed out after {limit:g} s (its process was killed)")] * len(chunks[w.task])
+                    w.task = None
+                    w.kill()
+        return results
+
+    def _receive(self, w: _Worker, chunks, results, todo) -> None:
+        try:
+            tag, payload = w.conn.recv()
+        except (EOFError, OSError):
+            why = w.died()
+            if w.task is not None:
+                results[w.task] = [(None, why)] * len(chunks[w.task])
+                w.task = None
+            elif not w.ready:  # died while starting: every call would fail alike
+                self._fail_all(why, chunks, results, todo)
+            return
+        if tag == "ready":
+            w.ready = True
+        elif tag == "failed":
+            w.kill()
+            self._fail_all(f"failed: its reward process could not load it ({payload})", chunks, results, todo)
+        else:
+            results[tag] = payload
+            w.task, w.deadline = None, None
+
+    @staticmethod
+    def _fail_all(why: str, chunks, results, todo) -> None:
+        while todo:
+            i = todo.popleft()
+            results[i] = [(None, why)] * len(chunks[i])
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        for w in self._pool:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 1.0
+        for w in self._pool:
+            w.proc.join(max(0.0, deadline - time.monotonic()))
+            w.kill()
+        self._pool = []
 
 
 def score_samples(reward: RewardFunction, samples: Sequence[Sample], workers: int = 0,
