@@ -11,6 +11,8 @@ def _check(response, record):
         with open(record["pid_file"], "w") as f:
             f.write(str(os.getpid()))
         time.sleep(600)
+    if response == "exit":  # the process dies under the call
+        os._exit(3)
     return 1.0 if response == record.get("answer") else 0.0
 
 

@@ -36,6 +36,8 @@ def test_one_stuck_response_costs_one_bad_reward_and_its_process(tmp_path):
         assert out[1][1] == "timed out after 1 s (its process was killed)"
         assert _gone(int(pid_file.read_text()))  # killed, not left running
         assert [v for v, _ in scorer.score(_samples(["7", "1"], pid_file))] == [1.0, 0.0]  # a fresh worker
+        out = scorer.score(_samples(["exit", "7"], pid_file))  # a worker that dies: that sample only
+        assert out == [(None, "failed: its reward process died (exit code 3)"), (1.0, None)]
     finally:
         scorer.close()
 
