@@ -165,24 +165,36 @@ class RewardScorer:
         results: List[Optional[List[Result]]] = [None] * len(chunks)
         todo = deque(range(len(chunks)))
         while todo or any(w.task is not None for w in self._pool):
+            for w in self._pool:
+                if w.task is None and not w.proc.is_alive():  # killed, or died while idle
+                    w.kill()
             self._pool = [w for w in self._pool if w.proc.is_alive() or w.task is not None]
             while len(self._pool) < self.processes:
                 self._pool.append(_Worker(self._ctx, self.reward.spec))
             for w in self._pool:  # hand out work to the idle, started workers
                 if todo and w.ready and w.task is None:
-                    w.task = todo.popleft()
-                    limit = None if self.timeout is None else self.timeout * len(chunks[w.task])
-                    w.deadline = None if limit is None else time.monotonic() + limit
-                    w.conn.send((w.task, list(chunks[w.task])))
+                    task = todo.popleft()
+                    limit = None if self.timeout is None else self.timeout * len(chunks[task])
+                    try:
+                        w.conn.send((task, list(chunks[task])))
+                    except OSError:  # it died since its last call: the call goes to another worker
+                        todo.appendleft(task)
+                        w.kill()
+                        continue
+                    w.task, w.deadline = task, None if limit is None else time.monotonic() + limit
             deadlines = [w.deadline for w in self._pool if w.task is not None and w.deadline is not None]
             wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-            for conn in wait([w.conn for w in self._pool], timeout=wait_s):
+            live = [w.conn for w in self._pool if not w.conn.closed]
+            if not live:
+                continue  # every worker just died: the loop starts new ones
+            for conn in wait(live, timeout=wait_s):
                 self._receive(next(w for w in self._pool if w.conn is conn), chunks, results, todo)
             now = time.monotonic()
             for w in self._pool:
                 if w.task is not None and w.deadline is not None and now >= w.deadline:
                     limit = self.timeout * len(chunks[w.task])
-                    results[w.task] = [(None, f"timed out after {limit:g} s (its process was killed)")] * len(chunks[w.task])
+                    why = f"timed out after {limit:g} s (its process was killed)"
+                    results[w.task] = [(None, why)] * len(chunks[w.task])
                     w.task = None
                     w.kill()
         return results
