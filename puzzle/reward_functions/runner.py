@@ -88,13 +88,15 @@ def call_chunk(reward: RewardFunction, samples: Sequence[Sample]) -> List[Result
 
 # ---- worker processes -----------------------------------------------------------------------------
 def _worker_main(conn, spec: str) -> None:
-    """A worker process: load the function, then answer (task, samples) messages until EOF."""
+    """A worker process: load the function, then answer (samples, one_per_call) messages until
+    EOF: one ("sample", i, result) message per sample as each call ends (one_per_call), else one
+    ("call", None, results) for the whole batched call."""
     try:
         reward = load_reward_fn(spec)
     except Exception as e:
-        conn.send(("failed", _raised(e)))
+        conn.send(("failed", None, _raised(e)))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", None, None))
     while True:
         try:
             msg = conn.recv()
@@ -102,12 +104,18 @@ def _worker_main(conn, spec: str) -> None:
             return
         if msg is None:
             return
-        task, samples = msg
-        conn.send((task, call_chunk(reward, samples)))
+        samples, one_per_call = msg
+        if one_per_call:
+            for i, sample in enumerate(samples):
+                conn.send(("sample", i, call_chunk(reward, [sample])[0]))
+        else:
+            conn.send(("call", None, call_chunk(reward, samples)))
 
 
 class _Worker:
-    """One spawn process running the reward function; ``kill()`` ends it whatever it is doing."""
+    """One spawn process running the reward function; ``kill()`` ends it whatever it is doing.
+    ``task``: the sample indices of the work it holds, ``done``: how many of them have come back,
+    ``deadline``: when the call in progress (the sample ``task[done]``, or the batched call) ends."""
 
     def __init__(self, ctx, spec: str):
         self.conn, child = ctx.Pipe()
@@ -115,7 +123,8 @@ class _Worker:
         self.proc.start()
         child.close()
         self.ready = False
-        self.task: Optional[int] = None
+        self.task: Optional[List[int]] = None
+        self.done = 0
         self.deadline: Optional[float] = None
 
     def kill(self) -> None:
@@ -123,10 +132,6 @@ class _Worker:
             self.proc.kill()
         self.proc.join()
         self.conn.close()
-
-    def died(self) -> str:
-        self.kill()
-        return f"failed: its reward process died (exit code {self.proc.exitcode})"
 
 
 class RewardScorer:
@@ -143,87 +148,17 @@ class RewardScorer:
         self._pool: List[_Worker] = []
         self._ctx = multiprocessing.get_context("spawn")
 
-    def _chunks(self, samples: Sequence[Sample]) -> List[Sequence[Sample]]:
-        """One sample per call (per-sample functions), else one chunk per worker."""
-        if self.reward.one_sample_per_call:
-            return [[s] for s in samples]
-        k = max(1, min(self.workers or 1, len(samples)))
-        size = -(-len(samples) // k)
-        return [samples[i:i + size] for i in range(0, len(samples), size)]
-
     def score(self, samples: Sequence[Sample]) -> List[Result]:
         if not samples:
             return []
         if not self.processes:
             return call_chunk(self.reward, samples)
-        chunks = self._chunks(samples)
-        results = self._run(chunks)
-        return [r for chunk_results in results for r in chunk_results]
-
-    def _run(self, chunks: List[Sequence[Sample]]) -> List[List[Result]]:
-        """Every chunk through the workers; a worker past its call's deadline is killed."""
-        results: List[Optional[List[Result]]] = [None] * len(chunks)
-        todo = deque(range(len(chunks)))
-        while todo or any(w.task is not None for w in self._pool):
-            for w in self._pool:
-                if w.task is None and not w.proc.is_alive():  # killed, or died while idle
-                    w.kill()
-            self._pool = [w for w in self._pool if w.proc.is_alive() or w.task is not None]
-            while len(self._pool) < self.processes:
-                self._pool.append(_Worker(self._ctx, self.reward.spec))
-            for w in self._pool:  # hand out work to the idle, started workers
-                if todo and w.ready and w.task is None:
-                    task = todo.popleft()
-                    limit = None if self.timeout is None else self.timeout * len(chunks[task])
-                    try:
-                        w.conn.send((task, list(chunks[task])))
-                    except OSError:  # it died since its last call: the call goes to another worker
-                        todo.appendleft(task)
-                        w.kill()
-                        continue
-                    w.task, w.deadline = task, None if limit is None else time.monotonic() + limit
-            deadlines = [w.deadline for w in self._pool if w.task is not None and w.deadline is not None]
-            wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-            live = [w.conn for w in self._pool if not w.conn.closed]
-            if not live:
-                continue  # every worker just died: the loop starts new ones
-            for conn in wait(live, timeout=wait_s):
-                self._receive(next(w for w in self._pool if w.conn is conn), chunks, results, todo)
-            now = time.monotonic()
-            for w in self._pool:
-                if w.task is not None and w.deadline is not None and now >= w.deadline:
-                    limit = self.timeout * len(chunks[w.task])
-                    why = f"timed out after {limit:g} s (its process was killed)"
-                    results[w.task] = [(None, why)] * len(chunks[w.task])
-                    w.task = None
-                    w.kill()
+        k = max(1, min(self.processes, len(samples)))  # one share per worker
+        size = -(-len(samples) // k)
+        todo = deque(list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size))
+        results: List[Optional[Result]] = [None] * len(samples)
+        _Run(self, samples, results, todo).run()
         return results
-
-    def _receive(self, w: _Worker, chunks, results, todo) -> None:
-        try:
-            tag, payload = w.conn.recv()
-        except (EOFError, OSError):
-            why = w.died()
-            if w.task is not None:
-                results[w.task] = [(None, why)] * len(chunks[w.task])
-                w.task = None
-            elif not w.ready:  # died while starting: every call would fail alike
-                self._fail_all(why, chunks, results, todo)
-            return
-        if tag == "ready":
-            w.ready = True
-        elif tag == "failed":
-            w.kill()
-            self._fail_all(f"failed: its reward process could not load it ({payload})", chunks, results, todo)
-        else:
-            results[tag] = payload
-            w.task, w.deadline = None, None
-
-    @staticmethod
-    def _fail_all(why: str, chunks, results, todo) -> None:
-        while todo:
-            i = todo.popleft()
-            results[i] = [(None, why)] * len(chunks[i])
 
     def close(self) -> None:
         for w in self._pool:
@@ -236,6 +171,100 @@ class RewardScorer:
             w.proc.join(max(0.0, deadline - time.monotonic()))
             w.kill()
         self._pool = []
+
+
+class _Run:
+    """One ``score()`` through the scorer's workers: shares handed to idle workers, results as
+    they come, a worker past its deadline killed (its call's samples bad, the rest of its share
+    handed out again)."""
+
+    def __init__(self, scorer: RewardScorer, samples, results, todo):
+        self.scorer, self.samples, self.results, self.todo = scorer, samples, results, todo
+        self.one_per_call = scorer.reward.one_sample_per_call
+
+    def _call_limit(self, w: _Worker) -> Optional[float]:
+        t = self.scorer.timeout
+        return None if t is None else t * (1 if self.one_per_call else len(w.task))
+
+    def run(self) -> None:
+        pool = self.scorer._pool
+        while self.todo or any(w.task is not None for w in pool):
+            for w in pool:
+                if w.task is None and not w.proc.is_alive():  # killed, or died while idle
+                    w.kill()
+            pool[:] = [w for w in pool if w.proc.is_alive() or w.task is not None]
+            while len(pool) < self.scorer.processes:
+                pool.append(_Worker(self.scorer._ctx, self.scorer.reward.spec))
+            for w in pool:
+                if self.todo and w.ready and w.task is None:
+                    self._hand_out(w)
+            deadlines = [w.deadline for w in pool if w.task is not None and w.deadline is not None]
+            wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            live = [w.conn for w in pool if not w.conn.closed]
+            if live:
+                for conn in wait(live, timeout=wait_s):
+                    self._receive(next(w for w in pool if w.conn is conn))
+            now = time.monotonic()
+            for w in pool:
+                if w.task is not None and w.deadline is not None and now >= w.deadline:
+                    self._end_call(w, f"timed out after {self._call_limit(w):g} s (its process was killed)")
+
+    def _hand_out(self, w: _Worker) -> None:
+        share = self.todo.popleft()
+        try:
+            w.conn.send(([self.samples[i] for i in share], self.one_per_call))
+        except OSError:  # it died since its last call: the share goes to another worker
+            self.todo.appendleft(share)
+            w.kill()
+            return
+        w.task, w.done = share, 0
+        limit = self._call_limit(w)
+        w.deadline = None if limit is None else time.monotonic() + limit
+
+    def _end_call(self, w: _Worker, why: str) -> None:
+        """The call in progress failed (timeout, or the process died): its samples are bad, the
+        worker is killed, the rest of a per-sample share goes back to the queue."""
+        failed = w.task[w.done:w.done + 1] if self.one_per_call else w.task[w.done:]
+        for i in failed:
+            self.results[i] = (None, why)
+        rest = w.task[w.done + len(failed):]
+        if rest:
+            self.todo.appendleft(rest)
+        w.task, w.deadline = None, None
+        w.kill()
+
+    def _receive(self, w: _Worker) -> None:
+        try:
+            kind, i, payload = w.conn.recv()
+        except (EOFError, OSError):
+            w.kill()
+            why = f"failed: its reward process died (exit code {w.proc.exitcode})"
+            if w.task is not None:
+                self._end_call(w, why)
+            elif not w.ready:  # died while starting: every call would fail alike
+                self._fail_all(why)
+            return
+        if kind == "ready":
+            w.ready = True
+        elif kind == "failed":
+            w.kill()
+            self._fail_all(f"failed: its reward process could not load it ({payload})")
+        elif kind == "call":  # a batched call's results
+            for j, r in zip(w.task, payload):
+                self.results[j] = r
+            w.task, w.deadline = None, None
+        else:  # one sample's result: the next sample's call starts now
+            self.results[w.task[i]] = payload
+            w.done = i + 1
+            if w.done == len(w.task):
+                w.task, w.deadline = None, None
+            else:
+                w.deadline = time.monotonic() + self.scorer.timeout if self.scorer.timeout is not None else None
+
+    def _fail_all(self, why: str) -> None:
+        while self.todo:
+            for i in self.todo.popleft():
+                self.results[i] = (None, why)
 
 
 def score_samples(reward: RewardFunction, samples: Sequence[Sample], workers: int = 0,
