@@ -42,3 +42,16 @@ def test_crafted_answers_do_not_run_and_do_not_crash(template, tmp_path):
     # the whole reward: a response and a ground truth carrying it score 0, no exception
     assert math_answer(["p", "p"], [f"\\boxed{{{text}}}", "#### 1"], [{"answer": "1"}, {"answer": text}]) == [0.0, 0.0]
     assert not marker.exists()
+
+
+def test_no_eval_or_exec_while_comparing(monkeypatch):
+    import builtins
+
+    pairs = [("x^2-1", "(x-1)(x+1)"), ("\\frac{\\pi}{2}", "1.5707963267948966"), ("2^{10}", "1024"),
+             ("\\sqrt[3]{27}", "3"), ("__import__('os')", "1")]
+    expected = [answers_equal(a, b) for a, b in pairs]  # first: sympy's own lazy imports
+    called = []
+    monkeypatch.setattr(builtins, "eval", lambda *a, **k: called.append(a))
+    monkeypatch.setattr(builtins, "exec", lambda *a, **k: called.append(a))
+    assert [answers_equal(a, b) for a, b in pairs] == expected == [True, True, True, True, False]
+    assert called == []
