@@ -7,16 +7,9 @@ import sys
 
 
 def main(argv=None) -> int:
-    import logging
-    import warnings
+    from puzzle.tools.fail_fast import quiet_startup_warnings
 
-    from puzzle.parallel import launcher
-
-    # megatron-core warns at import that the optional TE/Apex kernels are absent (README explains)
-    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|apex).*")
-    if launcher.rank() != 0:  # warnings (megatron-core's, torch's): once, from rank 0
-        warnings.simplefilter("ignore")
-        logging.getLogger("megatron").setLevel(logging.ERROR)
+    quiet_startup_warnings()  # megatron-core's TE/Apex notes dropped; warnings once, from rank 0
     import megatron_patches
 
     megatron_patches.apply()

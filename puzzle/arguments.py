@@ -64,6 +64,10 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(f"{message} (see {self.prog} --help)")
 
 
+#: the tools' parsers: an unknown or malformed flag raises ArgumentError (see puzzle.tools.fail_fast)
+RaisingArgumentParser = _Parser
+
+
 def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argparse.ArgumentParser:
     """``raise_errors``: an unknown or malformed flag raises ArgumentError instead of exiting."""
     from puzzle.algorithms import KL_KINDS, LOSS_AGG_MODES

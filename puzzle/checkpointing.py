@@ -307,15 +307,25 @@ def _fingerprints_match(a, b) -> bool:
 
 
 # ---- RNG ------------------------------------------------------------------------------------------
+# rng/rank_*.pt holds tensors, numbers and strings only (numpy's and Python's generator states as
+# int64 tensors) and is read with torch.load(weights_only=True), which refuses any other Python
+# object before creating it. Files of earlier versions hold numpy's state as an ndarray: numpy's
+# array reconstruction is allowed for them (torch's documented way of reading plain arrays safely).
+
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    state = {"torch_cpu": torch.get_rng_state(), "python": random.getstate(),
+    version, internal, gauss_next = random.getstate()
+    state = {"torch_cpu": torch.get_rng_state(),
+             "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss_next},
              "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     except ImportError:
         pass
     if torch.cuda.is_available() and not _on_cpu():
@@ -323,17 +333,57 @@ def _rng_state() -> dict:
     return state
 
 
+def _numpy_array_globals() -> list:
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+
+
+def read_rng_file(path: str) -> dict:
+    """The RNG states of ``path`` (rng/rank_*.pt), loaded without running anything the file names:
+    a file holding any other Python object is a CheckpointError naming it (nothing is created)."""
+    import pickle
+
+    try:
+        import numpy  # noqa: F401  (only earlier files need it)
+
+        allowed = _numpy_array_globals()
+    except ImportError:
+        allowed = []
+    try:
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        named = re.search(r"GLOBAL (\S+)", str(e))
+        why = (f"it names the Python object {named.group(1)}, which loading would create or call"
+               if named else _first_line(e))
+        raise CheckpointError(f"{path}: refused, not an RNG state file of tensors and numbers ({why}); "
+                              f"nothing in it was run. Resume without it with --no-load-rng") from None
+    if not isinstance(state, dict) or not isinstance(state.get("torch_cpu"), torch.Tensor):
+        raise CheckpointError(f"{path}: not an RNG state file (expected a dict with 'torch_cpu'); "
+                              f"resume without it with --no-load-rng")
+    return state
+
+
 def _set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     torch.set_rng_state(state["torch_cpu"])
-    random.setstate(state["python"])
+    py = state["python"]
+    if isinstance(py, dict):
+        py = (py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss_next"])
+    random.setstate(py)
     if state.get("tracker"):
         get_cuda_rng_tracker().set_states(state["tracker"])
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        npst = state["numpy"]
+        if isinstance(npst, dict):
+            npst = (npst["name"], npst["keys"].numpy().astype(np.uint32), npst["pos"], npst["has_gauss"],
+                    npst["cached_gaussian"])
+        np.random.set_state(npst)
     if "cuda" in state and torch.cuda.is_available() and not _on_cpu():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -447,8 +497,22 @@ def _verified(root: str, it: int) -> List[str]:
     names = sorted(meta.get("files") or {})
     mine = names[dist.get_rank()::dist.get_world_size()]
     local = _file_problems(d, meta, files=mine, hashes=True) if names else _file_problems(d, meta)
+    intact = [f for f in mine if not any(p.startswith(os.path.join(d, f) + ":") for p in local)]
+    local += _rng_file_problems(d, intact)
     parts = _all_gather_objects(local if names or dist.get_rank() == 0 else [])
     return sorted({p for part in parts for p in part})
+
+
+def _rng_file_problems(d: str, names: List[str]) -> List[str]:
+    """Each RNG file of ``names`` that is not tensors and numbers only (read_rng_file)."""
+    problems = []
+    for rel in names:
+        if re.fullmatch(r"rng/rank_\d+\.pt", rel.replace(os.sep, "/")):
+            try:
+                read_rng_file(os.path.join(d, rel))
+            except CheckpointError as e:
+                problems.append(str(e))
+    return problems
 
 
 def verify_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[int]:
@@ -560,11 +624,29 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
             _log(f"world size {meta['world_size']} -> {dist.get_world_size()}: RNG states not restored "
                  f"(sampling and shuffling are keyed by (seed, iteration), so numbers are unaffected)")
         else:
-            _set_rng_state(torch.load(path, weights_only=False))
+            _restore_rng(path)
     dist.barrier()
     _log(f"resumed iteration {it} from {d} in {time.perf_counter() - t0:.2f}s"
          + ("" if load_optim else " (weights only: --no-load-optim)"))
     return trainer.iteration
+
+
+def _restore_rng(path: str) -> None:
+    """Collective: this rank's RNG states from ``path``; a file that cannot be used is one
+    CheckpointError on every rank (the first rank's message)."""
+    problem = None
+    try:
+        state = read_rng_file(path)
+    except CheckpointError as e:
+        problem = str(e)
+    if problem is None:
+        try:
+            _set_rng_state(state)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            problem = f"{path}: unusable RNG states ({_first_line(e)}); resume without them with --no-load-rng"
+    problems = [p for p in _all_gather_objects(problem) if p]
+    if problems:
+        raise CheckpointError(problems[0])
 
 
 def _refresh_main_params(engine) -> None:

@@ -43,9 +43,9 @@ def run(argv) -> int:
                                       skip_bad_records=cfg.skip_bad_records)
         eval_dataset = _eval_dataset(cfg, tokenizer)
     except (ArgumentError, ValueError, OSError) as e:  # OSError: unreadable tokenizer or data files
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        from puzzle.tools.fail_fast import report_usage_error
+
+        return report_usage_error(e)
     if rank == 0:
         _print_plan(cfg)
     return _train(cfg, tokenizer, dataset, eval_dataset)

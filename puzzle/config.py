@@ -490,9 +490,11 @@ class RunConfig:
     reward_model: Optional[str] = flag(
         None, _PPO, "Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.", type=str)
     reward_workers: int = flag(
-        0, _REWARD_FN, "Processes per rank that run the reward function (0: in the rank's process).")
+        0, _REWARD_FN, "Processes per rank that run the reward function (0: one when --reward-timeout is "
+        "set, else the rank's own process).")
     reward_timeout: Optional[float] = flag(
-        60.0, _REWARD_FN, "Seconds per sample before a reward counts as bad (0: no timeout).")
+        60.0, _REWARD_FN, "Seconds per sample (per-sample functions, the built-in checkers; a batched call: "
+        "per call, S x its samples) before the call is killed and its rewards are bad (0: no timeout).")
     on_bad_reward: str = flag(
         "default", _REWARD_FN, "A reward that is not a number, NaN/inf, raises or times out: substitute "
         "--bad-reward-value (counted as bad_rewards) or stop the run.", choices=("default", "error"))

@@ -141,16 +141,17 @@ def search_main(argv: Optional[List[str]] = None) -> int:
     from puzzle.arguments import ArgumentError, build_parser, config_for_planning
     from puzzle.plan_search.search import InfeasibleError
 
-    parser = build_parser(prog="search_plan.py")
-    _add_search_args(parser)
-    args = parser.parse_args(argv)
+    from puzzle.tools.fail_fast import report_usage_error
+
     try:
+        parser = build_parser(prog="search_plan.py", raise_errors=True)
+        _add_search_args(parser)
+        args = parser.parse_args(argv)
         cfg = config_for_planning(args)
         profile = load_profile(args.profile or "a100_80gb")
         result, check = search(cfg, profile, exhaustive=args.exhaustive)
-    except (ArgumentError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (ArgumentError, ValueError, OSError) as e:  # bad input: one line, exit 2 (as train_ppo.py)
+        return report_usage_error(e)
     except InfeasibleError as e:
         print(f"error: no plan fits: {e}", file=sys.stderr)
         return 3

@@ -1,12 +1,14 @@
 """Built-in reward functions (``--reward-fn puzzle.reward_functions.builtin:NAME``).
 
-The batched ones read the ground truth from the record field ``answer`` (see docs/grpo.md).
+The batched ones read the ground truth from the record field ``answer`` (see docs/grpo.md); they
+are marked ``per_sample``: each sample is its own call under ``--reward-timeout``.
 """
 
 from __future__ import annotations
 
 from typing import List
 
+from puzzle.reward_functions.loader import per_sample
 from puzzle.reward_functions.math_checker import answers_equal, extract_answer
 
 ANSWER_KEY = "answer"
@@ -18,6 +20,7 @@ def _truth(record: dict) -> str:
     return str(record[ANSWER_KEY])
 
 
+@per_sample
 def math_answer(prompts: List[str], responses: List[str], records: List[dict]) -> List[float]:
     """1.0 when the response's final answer (``\\boxed{}`` or ``####``) equals the record's
     ``answer`` mathematically, else 0.0 (also when the response has no final answer)."""
@@ -30,6 +33,7 @@ def math_answer(prompts: List[str], responses: List[str], records: List[dict]) -
     return out
 
 
+@per_sample
 def exact_match(prompts: List[str], responses: List[str], records: List[dict]) -> List[float]:
     """1.0 when the response, stripped of surrounding whitespace, is the record's ``answer``."""
     return [1.0 if r.strip() == _truth(rec).strip() else 0.0 for r, rec in zip(responses, records)]
@@ -43,6 +47,7 @@ def lowercase_fraction(prompt_text, response_text, prompt_ids, response_ids) -> 
     return sum(1 for t in response_ids if 97 <= t <= 122) / len(response_ids)
 
 
+@per_sample
 def answer_prefix(prompts: List[str], responses: List[str], records: List[dict]) -> List[float]:
     """1.0 when the response starts with the record's ``answer`` (short answers, e.g. the bundled
     one-digit sums of the tiny GRPO run), else 0.0."""

@@ -8,11 +8,27 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+PER_SAMPLE_ATTR = "reward_per_sample"
+
+
+def per_sample(fn: Callable) -> Callable:
+    """Marks a batched reward function whose samples are independent of each other (the built-in
+    checkers): it is then called one sample at a time, each call under ``--reward-timeout``, so a
+    stuck response costs one timeout and one bad reward instead of its whole call."""
+    setattr(fn, PER_SAMPLE_ATTR, True)
+    return fn
+
+
 @dataclass(frozen=True)
 class RewardFunction:
     spec: str         # "module:function" as given to --reward-fn
     fn: Callable
     batched: bool     # fn(prompts, responses, records) -> list[float]; else per sample
+    marked_per_sample: bool = False  # batched, but called one sample at a time (per_sample)
+
+    @property
+    def one_sample_per_call(self) -> bool:
+        return not self.batched or self.marked_per_sample
 
 
 def _positional_count(fn: Callable):
@@ -41,4 +57,4 @@ def load_reward_fn(spec: str) -> RewardFunction:
         raise ValueError(f"--reward-fn {spec!r}: expected fn(prompts, responses, records) -> list[float] "
                          f"(batched) or fn(prompt_text, response_text, prompt_ids, response_ids) -> float; "
                          f"{fn_name} takes {n if n is not None else 'a variable number of'} positional arguments")
-    return RewardFunction(spec=spec, fn=fn, batched=n == 3)
+    return RewardFunction(spec=spec, fn=fn, batched=n == 3, marked_per_sample=bool(getattr(fn, PER_SAMPLE_ATTR, False)))

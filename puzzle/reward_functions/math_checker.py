@@ -1,13 +1,21 @@
 """Math answer checking: extract the final answer of a response and compare it with the ground
-truth. ``\\boxed{...}`` (the last one) or ``#### answer`` (GSM8K) answers; equality through the
-``math-verify`` package when it is installed (``pip install math-verify``), else through a
-normalised string match, a numeric match and a ``sympy`` difference that simplifies to 0.
+truth. ``\\boxed{...}`` (the last one) or ``#### answer`` (GSM8K) answers; equality through a
+normalised string match, a numeric match, then the ``math-verify`` package when it is installed
+(``pip install math-verify``; its LaTeX parser only), else the whitelist parser of ``safe_math``.
+
+Nothing here evaluates text as code: responses and data files are untrusted. sympy's
+``parse_expr``/``sympify`` (which call ``eval``) are never used, nor math-verify's plain-expression
+extraction (which uses ``parse_expr``); latex2sympy2's LaTeX conversion builds sympy objects from
+its own grammar.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional
+
+from puzzle.reward_functions.safe_math import math_equal
 
 _HASHES = re.compile(r"####\s*([^\n]+)")
 
@@ -53,37 +61,15 @@ def normalize(ans: str) -> str:
     return s
 
 
-def _to_sympy_text(s: str) -> str:
-    for _ in range(4):  # nested fractions
-        s = re.sub(r"\\frac\{([^{}]*)\}\{([^{}]*)\}", r"((\1)/(\2))", s)
-    s = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", s)
-    for a, b in (("\\cdot", "*"), ("\\times", "*"), ("\\pi", "pi"), ("^", "**"), ("{", "("), ("}", ")")):
-        s = s.replace(a, b)
-    return s
-
-
-def _sympy_equal(a: str, b: str) -> bool:
-    try:
-        import sympy
-        from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
-                                                standard_transformations)
-
-        tr = standard_transformations + (implicit_multiplication_application,)
-        x = parse_expr(_to_sympy_text(a), transformations=tr, evaluate=True)
-        y = parse_expr(_to_sympy_text(b), transformations=tr, evaluate=True)
-        return bool(sympy.simplify(x - y) == 0)
-    except Exception:
-        return False
-
-
 def _math_verify_equal(pred: str, truth: str) -> Optional[bool]:
     try:
-        from math_verify import parse, verify
+        from math_verify import LatexExtractionConfig, parse, verify
     except ImportError:
         return None
-    try:  # timeouts off: math-verify's own use SIGALRM, which only works in the main thread
-        gold = parse("$" + truth + "$", parsing_timeout=None)
-        guess = parse("$" + pred + "$", parsing_timeout=None)
+    latex_only = [LatexExtractionConfig()]  # its ExprExtractionConfig path calls sympy's parse_expr
+    try:  # timeouts off: math-verify's own use SIGALRM; the caller's per-sample timeout bounds the call
+        gold = parse("$" + truth + "$", extraction_config=latex_only, parsing_timeout=None)
+        guess = parse("$" + pred + "$", extraction_config=latex_only, parsing_timeout=None)
         return bool(verify(gold, guess, timeout_seconds=None))
     except Exception:
         return None
@@ -97,10 +83,11 @@ def answers_equal(pred: str, truth: str) -> bool:
     if p == t:
         return True
     try:
-        return abs(float(p) - float(t)) <= 1e-6 * max(1.0, abs(float(t)))
+        x, y = float(p), float(t)
+        return math.isfinite(x) and math.isfinite(y) and abs(x - y) <= 1e-6 * max(1.0, abs(y))
     except ValueError:
         pass
     mv = _math_verify_equal(p, t)
     if mv is not None:
         return mv
-    return _sympy_equal(p, t)
+    return math_equal(p, t)

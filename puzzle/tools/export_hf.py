@@ -21,8 +21,10 @@ from puzzle.tools.model_source import add_source_args
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m puzzle.tools.export_hf", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
+    from puzzle.arguments import RaisingArgumentParser
+
+    p = RaisingArgumentParser(prog="python -m puzzle.tools.export_hf", description=__doc__.split("\n\n")[0],
+                              allow_abbrev=False)
     add_source_args(p)
     g = p.add_argument_group("destination")
     g.add_argument("--save", required=True, help="destination HF directory")
@@ -32,21 +34,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    from puzzle.models.hf_checkpoint import export_hf
-    from puzzle.tools.model_source import end_world, load_engine, start_world
+def _export(argv) -> int:
+    from puzzle.tools.model_source import (apply_patches, end_world, load_engine, plan_from_flags, source_arch,
+                                           start_world)
 
-    rank, plan, owns_world = start_world(args)
-    engine = load_engine(args.load, args.role, plan, step=args.ckpt_step,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                         transformer_impl=args.transformer_impl)
+    apply_patches()
+    args = _parser().parse_args(argv)
+    plan = plan_from_flags(args)  # every input is checked before the process group starts
+    arch = source_arch(args.load, args.role, plan, step=args.ckpt_step,
+                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    from puzzle.models.hf_checkpoint import export_hf
+
+    rank, owns_world = start_world()
+    engine = load_engine(args.load, args.role, plan, arch, step=args.ckpt_step, transformer_impl=args.transformer_impl)
     files = export_hf(engine.module, engine.arch, args.role, args.save, dtype=args.dtype,
                       max_shard_bytes=args.max_shard_size_mb * 2 ** 20)
     if rank == 0:
         print(f"export_hf: {args.load} -> {args.save} at {plan}: {', '.join(files)}", flush=True)
     end_world(owns_world)
     return 0
+
+
+def main(argv=None) -> int:
+    """Bad input: one ``error:`` line from rank 0 and exit status 2 (as train_ppo.py)."""
+    from puzzle.tools.fail_fast import run_failing_fast
+
+    return run_failing_fast(_export, argv)
 
 
 if __name__ == "__main__":

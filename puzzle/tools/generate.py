@@ -26,14 +26,17 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 from typing import List
 
 from puzzle.tools.model_source import add_source_args
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m puzzle.tools.generate", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
+    from puzzle.arguments import RaisingArgumentParser
+
+    p = RaisingArgumentParser(prog="python -m puzzle.tools.generate", description=__doc__.split("\n\n")[0],
+                              allow_abbrev=False)
     add_source_args(p)
     g = p.add_argument_group("model")
     g.add_argument("--seq-length", type=int, default=None,
@@ -102,28 +105,37 @@ def read_prompts(path: str, tokenizer, key: str = "prompt", chat: bool = False):
     return records, ids
 
 
-def main(argv=None) -> int:
+def _generate(argv) -> int:
+    from puzzle.tools.model_source import (apply_patches, end_world, load_engine, plan_from_flags, source_arch,
+                                           start_world)
+
+    apply_patches()
     args = _parser().parse_args(argv)
     from puzzle.config import ROLES
+    from puzzle.config_flags import ArgumentError
 
     if not ROLES[args.role].lm_head:
-        raise SystemExit(f"--role: generation needs an LM (actor or ref), got {args.role}")
-    from puzzle.tools.model_source import end_world, load_engine, start_world
-
-    rank, plan, owns_world = start_world(args)
-    import torch.distributed as dist
-
-    from puzzle.rollout.generation import generate
-    from puzzle.rollout.sampling import SamplingParams
-
+        raise ArgumentError(f"--role: generation needs an LM (actor or ref), got {args.role}")
+    plan = plan_from_flags(args)  # every input is checked before the process group starts
+    arch = source_arch(args.load, args.role, plan, step=args.ckpt_step, seq_length=args.seq_length,
+                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     tokenizer = _tokenizer(args)
     records, prompts = read_prompts(args.prompts, tokenizer, args.prompt_key, args.apply_chat_template)
+    # generation samples only the tokenizer's ids (ModelArch.valid_vocab_size); ValueError naming
+    # both sizes when the model has fewer rows than the tokenizer has ids
+    arch = replace(arch, tokenizer_vocab_size=tokenizer.vocab_size)
+    from puzzle.rollout.sampling import SamplingParams
+
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
                             eos_id=tokenizer.eos_id, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id)
-    engine = load_engine(args.load, args.role, plan, step=args.ckpt_step, seq_length=args.seq_length,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, bf16=args.bf16,
-                         transformer_impl=args.transformer_impl, tokenizer_vocab_size=tokenizer.vocab_size)
+    rank, owns_world = start_world()
+    import torch.distributed as dist
+
+    from puzzle.rollout.generation import generate
+
+    engine = load_engine(args.load, args.role, plan, arch, step=args.ckpt_step, bf16=args.bf16,
+                         transformer_impl=args.transformer_impl)
     lay = engine.layout
     share = math.ceil(len(prompts) / plan.D)
     lo = lay.d * share
@@ -148,6 +160,13 @@ def main(argv=None) -> int:
         print(f"generate: {len(records)} prompts from {args.load} at {plan} -> {args.output}", flush=True)
     end_world(owns_world)
     return 0
+
+
+def main(argv=None) -> int:
+    """Bad input: one ``error:`` line from rank 0 and exit status 2 (as train_ppo.py)."""
+    from puzzle.tools.fail_fast import run_failing_fast
+
+    return run_failing_fast(_generate, argv)
 
 
 if __name__ == "__main__":

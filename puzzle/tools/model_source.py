@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from typing import Optional, Tuple
 
 from puzzle.config import ROLES
@@ -33,7 +32,7 @@ def checkpoint_role_dir(root: str, role: str, step: Optional[int] = None) -> Tup
     with open(os.path.join(d, METADATA)) as f:
         meta = json.load(f)
     if role not in meta["roles"]:
-        raise KeyError(f"{d}: no role {role!r} in the checkpoint (has {', '.join(meta['roles'])})")
+        raise ValueError(f"{d}: no role {role!r} in the checkpoint (has {', '.join(meta['roles'])})")
     if not os.path.isdir(os.path.join(d, role)):
         raise FileNotFoundError(f"{d}/{role}: the checkpoint holds no weights of {role} (only trainable "
                                 f"roles are saved; a frozen one comes from its source "
@@ -41,42 +40,48 @@ def checkpoint_role_dir(root: str, role: str, step: Optional[int] = None) -> Tup
     return os.path.join(d, role), meta["roles"][role]["arch"]
 
 
-def load_engine(source: str, role: str, plan, *, step: Optional[int] = None, seq_length: Optional[int] = None,
-                make_vocab_size_divisible_by: int = 128, bf16: bool = False,
-                transformer_impl: str = "transformer_engine", tokenizer_vocab_size: Optional[int] = None):
-    """A frozen ModelEngine of ``role`` at ``plan`` with the weights of ``source`` (collective).
-    ``transformer_impl`` falls back to the local spec where TE cannot run (as train_ppo.py).
-    ``tokenizer_vocab_size``: the ids the tokenizer has, the only ones generation samples
-    (ModelArch.valid_vocab_size; ValueError naming both sizes when the model has fewer rows)."""
+def source_arch(source: str, role: str, plan, *, step: Optional[int] = None, seq_length: Optional[int] = None,
+                make_vocab_size_divisible_by: int = 128):
+    """The ModelArch of ``role`` in ``source``, read from its files only (config.json or the
+    checkpoint's metadata.json) and checked against ``plan``: an unsupported HF family or a model
+    the layout cannot split is a ValueError naming the file or the layout, before any process
+    group or allocation."""
     from puzzle.config import ModelArch
-    from puzzle.models.builders import resolve_transformer_impl
-    from puzzle.parallel.groups import layout_for
-    from puzzle.training.engine import ModelEngine
+    from puzzle.models.builders import check_layout
 
-    impl, _ = resolve_transformer_impl(transformer_impl)
-    layout = layout_for(plan)
     if is_hf_dir(source):
-        from puzzle.models.hf_checkpoint import arch_from_hf_dir, load_hf_into_model
+        from puzzle.models.hf_checkpoint import arch_from_hf_dir
 
         overrides = {"make_vocab_size_divisible_by": make_vocab_size_divisible_by}
         if seq_length:
             overrides["seq_length"] = seq_length
         arch = arch_from_hf_dir(source, **overrides)
-        if tokenizer_vocab_size is not None:
-            arch = replace(arch, tokenizer_vocab_size=tokenizer_vocab_size)
-        engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False,
-                             transformer_impl=impl)
-        load_hf_into_model(engine.module, arch, role, source)
-        return engine
-    from puzzle.checkpointing import load_role_weights
+    else:
+        arch = ModelArch(**checkpoint_role_dir(source, role, step)[1])
+    check_layout(arch, plan, role)
+    return arch
 
-    role_dir, fields = checkpoint_role_dir(source, role, step)
-    arch = ModelArch(**fields)
-    if tokenizer_vocab_size is not None:
-        arch = replace(arch, tokenizer_vocab_size=tokenizer_vocab_size)
-    engine = ModelEngine(role, arch, layout, trainable=False, bf16=bf16, layout_independent_init=False,
-                             transformer_impl=impl)
-    load_role_weights(engine, role_dir)
+
+def load_engine(source: str, role: str, plan, arch, *, step: Optional[int] = None, bf16: bool = False,
+                transformer_impl: str = "transformer_engine"):
+    """A frozen ModelEngine of ``role`` (``arch``: source_arch's) at ``plan`` with the weights of
+    ``source`` (collective). ``transformer_impl`` falls back to the local spec where TE cannot
+    run (as train_ppo.py)."""
+    from puzzle.models.builders import resolve_transformer_impl
+    from puzzle.parallel.groups import layout_for
+    from puzzle.training.engine import ModelEngine
+
+    impl, _ = resolve_transformer_impl(transformer_impl)
+    engine = ModelEngine(role, arch, layout_for(plan), trainable=False, bf16=bf16, layout_independent_init=False,
+                         transformer_impl=impl)
+    if is_hf_dir(source):
+        from puzzle.models.hf_checkpoint import load_hf_into_model
+
+        load_hf_into_model(engine.module, arch, role, source)
+    else:
+        from puzzle.checkpointing import load_role_weights
+
+        load_role_weights(engine, checkpoint_role_dir(source, role, step)[0])
     return engine
 
 
@@ -94,24 +99,38 @@ def add_source_args(parser) -> None:
                    help="layer implementation (transformer_engine falls back to local without CUDA + TE)")
 
 
-def start_world(args):
-    """Patches, process group (joined when already initialised), and the (P, D, T) plan over the
-    whole world from the layout flags. Returns (rank, plan, owns_world)."""
+def plan_from_flags(args):
+    """The (P, D, T) plan over the launcher's world from the layout flags (no process group yet)."""
+    from puzzle.config_flags import ArgumentError
+    from puzzle.parallel import launcher
+    from puzzle.parallel.plan import ParallelPlan
+
+    T, P, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, launcher.world_size()
+    if T < 1 or P < 1 or world % (T * P):
+        raise ArgumentError(f"--tensor-model-parallel-size/--pipeline-model-parallel-size: T*P = {T * P} "
+                            f"does not divide the world size {world}")
+    return ParallelPlan(P, world // (T * P), T)
+
+
+def apply_patches() -> None:
+    """megatron_patches.apply(), first thing, as train_ppo.py does (before megatron-core is imported)."""
+    from puzzle.tools.fail_fast import quiet_startup_warnings
+
+    quiet_startup_warnings()
     import megatron_patches
 
     megatron_patches.apply()
+
+
+def start_world():
+    """The process group (joined when already initialised). Returns (rank, owns_world)."""
     import torch.distributed as dist
 
     from puzzle.parallel.groups import init_distributed
-    from puzzle.parallel.plan import ParallelPlan
 
     owns_world = not dist.is_initialized()
-    rank, world = init_distributed()
-    T, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if T < 1 or P < 1 or world % (T * P):
-        raise SystemExit(f"--tensor-model-parallel-size/--pipeline-model-parallel-size: T*P = {T * P} "
-                         f"does not divide the world size {world}")
-    return rank, ParallelPlan(P, world // (T * P), T), owns_world
+    rank, _ = init_distributed()
+    return rank, owns_world
 
 
 def end_world(owns_world: bool) -> None:

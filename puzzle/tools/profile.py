@@ -81,15 +81,22 @@ SHAPES = {
 
 
 def _pow2_list(text: str, what: str) -> List[int]:
-    vals = sorted({int(v) for v in text.split(",") if v.strip()})
+    from puzzle.config_flags import ArgumentError
+
+    try:
+        vals = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        vals = []
     if not vals or any(v < 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"{what}: expected positive integers, got {text!r}")
+        raise ArgumentError(f"{what}: expected positive integers, got {text!r}")
     return vals
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="Profile per-layer and collective times into a plan-search profile JSON.",
-                                 allow_abbrev=False)
+    from puzzle.arguments import RaisingArgumentParser
+
+    ap = RaisingArgumentParser(prog="python -m puzzle.tools.profile", allow_abbrev=False,
+                               description="Profile per-layer and collective times into a plan-search profile JSON.")
     ap.add_argument("--out", required=True, help="profile JSON to write")
     ap.add_argument("--name", default=None, help="profile name (default: cpu-<procs>ranks or the GPU name)")
     ap.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="a named shape set instead of model flags")
@@ -122,16 +129,24 @@ def spec_from_args(args) -> dict:
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups or args.num_attention_heads, swiglu=args.swiglu,
         seq_length=args.seq_length, vocab_size=args.vocab_size)
+    from puzzle.config_flags import ArgumentError
+    from puzzle.parallel.plan import ParallelPlan
+
     tps = _pow2_list(args.tp_sizes, "--tp-sizes")
     if any(t & (t - 1) for t in tps):
-        raise SystemExit(f"--tp-sizes must be powers of two, got {tps}")
+        raise ArgumentError(f"--tp-sizes: must be powers of two, got {tps}")
     seqs = _pow2_list(args.seq_lengths, "--seq-lengths") if args.seq_lengths else sorted(
         {max(8, shape["seq_length"] // 2), shape["seq_length"]})
     if max(seqs) > shape["seq_length"]:
-        raise SystemExit(f"--seq-lengths {seqs} exceed --seq-length {shape['seq_length']}")
+        raise ArgumentError(f"--seq-lengths: {seqs} exceed --seq-length {shape['seq_length']}")
     procs = args.procs or max(tps)
     if any(procs % t for t in tps):
-        raise SystemExit(f"--procs {procs} must be a multiple of every T in {tps}")
+        raise ArgumentError(f"--procs: {procs} must be a multiple of every T in {tps}")
+    for t in tps:  # the model must split at every T, before any worker starts
+        ParallelPlan(1, procs // t, t).check_model(
+            num_layers=shape["num_layers"], num_attention_heads=shape["num_attention_heads"],
+            num_query_groups=shape["num_query_groups"], ffn_hidden_size=shape["ffn_hidden_size"],
+            hidden_size=shape["hidden_size"], what="--tp-sizes: the model")
     return {"shape": shape, "tp_sizes": tps, "micro_batch_sizes": _pow2_list(args.micro_batch_sizes, "--micro-batch-sizes"),
             "seq_lengths": seqs, "decode_batch_sizes": _pow2_list(args.decode_batch_sizes, "--decode-batch-sizes"),
             "procs": procs, "repeats": max(1, args.repeats), "rounds": args.rounds,
@@ -662,6 +677,13 @@ def worker(spec_path: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Bad input: one ``error:`` line and exit status 2 (as train_ppo.py), before any worker starts."""
+    from puzzle.tools.fail_fast import run_failing_fast
+
+    return run_failing_fast(_profile, argv)
+
+
+def _profile(argv: Optional[List[str]]) -> int:
     args = build_parser().parse_args(argv)
     if args.worker:
         worker(args.worker)
