@@ -12,6 +12,8 @@ Patches:
   loads a checkpoint (two megatron-core 0.16 bugs on the fully_reshardable path); CPU and GPU.
 - ``tied_embedding_checkpoint``: the last stage's tied embedding copy takes its DP rank from the
   model's own DP group in sharded state dicts (P > 1 with tied embeddings); CPU and GPU.
+- ``moe_router_without_te``: megatron's MoE router gating runs without transformer-engine (it
+  named an undefined ``te_general_gemm``); CPU and GPU.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     """
     global _applied
     check_version()
-    from megatron_patches import cpu_backend, distrib_optimizer_step, tied_embedding_checkpoint
+    from megatron_patches import (cpu_backend, distrib_optimizer_step, moe_router_without_te,
+                                  tied_embedding_checkpoint)
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
     result = {"cpu_backend": False}
@@ -67,6 +70,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     result["distrib_optimizer_step"] = True
     tied_embedding_checkpoint.apply()
     result["tied_embedding_checkpoint"] = True
+    moe_router_without_te.apply()
+    result["moe_router_without_te"] = True
     _applied = True
     return result
 

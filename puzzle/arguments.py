@@ -168,9 +168,11 @@ _HF_SHAPE_FIELDS = {"num-layers": "num_hidden_layers", "hidden-size": "hidden_si
 #: flags are compared per role above; seq length, vocabulary and position bounds below)
 _HF_DECIDES = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type", "rotary_base",
                "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-               "use_rope_scaling") + _ROPE_FIELDS
+               "use_rope_scaling", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
+               "moe_router_pre_softmax") + _ROPE_FIELDS
 #: ModelArch fields that are the run's, not the checkpoint's
-_RUN_FIELDS = ("attention_dropout", "hidden_dropout", "attention_backend", "init_method_std")
+_RUN_FIELDS = ("attention_dropout", "hidden_dropout", "attention_backend", "init_method_std",
+               "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_token_dispatcher_type")
 
 
 def _rope_flags_given(args) -> List[str]:

@@ -34,6 +34,8 @@ def param_specs(arch: ModelArch, role: str):
         position_embedding_type=arch.position_embedding_type,
         max_sequence_length=arch.max_position_embeddings,
         add_qkv_bias=arch.add_qkv_bias, qk_layernorm=arch.qk_layernorm,
+        num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_layers=[arch.is_moe_layer(i) for i in range(arch.num_layers)] if arch.is_moe else None,
     )
 
 

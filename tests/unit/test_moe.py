@@ -1,0 +1,124 @@
+"""Mixture-of-experts models (pure parts): HF Qwen3-MoE / Mixtral config.json <-> ModelArch, the
+parameter table, the HF mapping of routers and experts, and the refusals."""
+
+import pytest
+import torch
+
+from puzzle.config import ModelArch
+from puzzle.config_flags import ArgumentError
+from puzzle.models.hf_mapping import (UnsupportedHFModel, arch_from_hf_config, hf_config_from_arch, hf_entries,
+                                      hf_shapes, hf_to_ours, ours_to_hf)
+from puzzle.models.init import param_specs
+from puzzle.models.param_layout import check_tp_split
+
+BASE = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "vocab_size": 200, "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "tie_word_embeddings": False}
+QWEN3_MOE = dict(BASE, model_type="qwen3_moe", intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                 head_dim=16)
+MIXTRAL = dict(BASE, model_type="mixtral", intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+
+
+def _arch(cfg, **kw):
+    return arch_from_hf_config(dict(cfg, **kw), make_vocab_size_divisible_by=64)
+
+
+def test_qwen3_moe_config():
+    a = _arch(QWEN3_MOE)
+    assert (a.num_experts, a.moe_router_topk, a.moe_ffn_hidden_size, a.ffn_hidden_size) == (4, 2, 32, 96)
+    assert a.moe_layer_pattern == (1, 0, 1) and not a.moe_router_pre_softmax and a.qk_layernorm
+    assert [a.is_moe_layer(i) for i in range(3)] == [True, False, True]
+    # norm_topk_prob false: the top-k of the softmax over all experts (megatron's pre-softmax)
+    assert _arch(QWEN3_MOE, norm_topk_prob=False).moe_router_pre_softmax
+    # decoder_sparse_step 2: layers 1, 3, ... are sparse (HF: (i + 1) % step == 0)
+    assert _arch(QWEN3_MOE, decoder_sparse_step=2, mlp_only_layers=[]).moe_layer_pattern == (0, 1, 0)
+    assert _arch(QWEN3_MOE, mlp_only_layers=[]).moe_layer_pattern is None  # every layer sparse
+
+
+def test_mixtral_config():
+    a = _arch(MIXTRAL)
+    assert (a.num_experts, a.moe_router_topk, a.moe_ffn_hidden_size, a.ffn_hidden_size) == (4, 2, 48, 48)
+    assert a.moe_layer_pattern is None and not a.moe_router_pre_softmax and not a.qk_layernorm
+
+
+@pytest.mark.parametrize("cfg", [QWEN3_MOE, MIXTRAL, dict(QWEN3_MOE, norm_topk_prob=False, mlp_only_layers=[])])
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_config_round_trip(cfg, role):
+    a = _arch(cfg)
+    back = arch_from_hf_config(hf_config_from_arch(a, role), make_vocab_size_divisible_by=64)
+    assert back == a
+    assert hf_config_from_arch(a, role)["architectures"][0].endswith(
+        "ForCausalLM" if role == "actor" else "ForSequenceClassification")
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"shared_expert_intermediate_size": 64}, r"shared_expert_intermediate_size=64 \(shared experts"),
+    ({"n_shared_experts": 1}, "n_shared_experts=1"),
+    ({"kv_lora_rank": 16}, r"kv_lora_rank=16 \(multi-latent attention"),
+    ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+    ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+    ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+    ({"num_experts_per_tok": None}, "needs num_experts"),
+    ({"mlp_only_layers": [0, 1, 2]}, "leave no MoE layer"),
+])
+def test_unsupported_moe_fields_are_named(change, needle):
+    with pytest.raises(UnsupportedHFModel, match=needle) as e:
+        arch_from_hf_config(dict(QWEN3_MOE, **change), source="/ckpt/m/config.json")
+    assert "/ckpt/m/config.json" in str(e.value)
+
+
+def test_dense_family_with_experts_is_refused():
+    with pytest.raises(UnsupportedHFModel, match="num_local_experts=8 .*supported: mixtral, qwen3_moe"):
+        arch_from_hf_config(dict(BASE, model_type="llama", intermediate_size=96, num_local_experts=8))
+
+
+def test_moe_arch_checks():
+    with pytest.raises(ArgumentError, match="--moe-router-topk: 3 exceeds --num-experts 2"):
+        ModelArch.llama(num_experts=2, moe_router_topk=3)
+    with pytest.raises(ArgumentError, match="--num-experts: moe_ffn_hidden_size needs --num-experts"):
+        ModelArch.llama(moe_ffn_hidden_size=8)
+    with pytest.raises(ArgumentError, match="--num-experts: the MoE layer pattern"):
+        ModelArch.llama(num_layers=2, num_experts=2, moe_layer_pattern=(1, 0, 1))
+    with pytest.raises(ArgumentError, match="--moe-token-dispatcher-type: must be one of"):
+        ModelArch.llama(num_experts=2, moe_token_dispatcher_type="flex")
+    a = ModelArch.llama(num_layers=2, num_experts=2, moe_layer_pattern=[0, 1])  # JSON gives lists
+    assert a.moe_layer_pattern == (0, 1) and a.moe_ffn_hidden_size == a.ffn_hidden_size
+
+
+def test_param_table_of_moe_layers():
+    a = _arch(QWEN3_MOE)
+    names = [s.name for s in param_specs(a, "actor")]
+    layer0 = [n[len("decoder.layers.0."):] for n in names if n.startswith("decoder.layers.0.mlp")]
+    assert layer0 == ["mlp.router.weight"] + [f"mlp.experts.local_experts.{e}.linear_fc{k}.weight"
+                                              for e in range(4) for k in (1, 2)]
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in names  # the dense layer
+    specs = {s.name: s for s in param_specs(a, "actor")}
+    fc1 = specs["decoder.layers.2.mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1.global_shape == (64, 64) and fc1.kind == "swiglu_fc1"
+    assert specs["decoder.layers.0.mlp.router.weight"].kind == "replicated"
+    assert "moe_ffn_hidden_size=32 is not divisible by T=3" in check_tp_split(fc1, 3)
+
+
+@pytest.mark.parametrize("cfg, router, gate, down", [
+    (QWEN3_MOE, "mlp.gate.weight", "mlp.experts.1.gate_proj.weight", "mlp.experts.1.down_proj.weight"),
+    (MIXTRAL, "block_sparse_moe.gate.weight", "block_sparse_moe.experts.1.w1.weight",
+     "block_sparse_moe.experts.1.w2.weight")])
+def test_hf_round_trip_bitwise(cfg, router, gate, down):
+    a = _arch(cfg)
+    g = torch.Generator().manual_seed(0)
+    hf = {}
+    entries = hf_entries(a, "actor")
+    for e in entries:
+        for name, shape in hf_shapes(e, a).items():
+            hf[name] = torch.randn(shape, generator=g)
+    assert f"model.layers.0.{router}" in hf and f"model.layers.2.{gate}" in hf and f"model.layers.0.{down}" in hf
+    ours = {e.ours: hf_to_ours(e, hf, a) for e in entries}
+    assert torch.equal(ours["decoder.layers.0.mlp.router.weight"], hf[f"model.layers.0.{router}"])
+    up = gate.replace("gate_proj", "up_proj").replace(".w1.", ".w3.")
+    assert torch.equal(ours["decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"],
+                       torch.cat([hf[f"model.layers.2.{gate}"], hf[f"model.layers.2.{up}"]]))
+    back = {}
+    for e in entries:
+        back.update(ours_to_hf(e, ours[e.ours], a))
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
