@@ -14,6 +14,8 @@ Patches:
   model's own DP group in sharded state dicts (P > 1 with tied embeddings); CPU and GPU.
 - ``moe_router_without_te``: megatron's MoE router gating runs without transformer-engine (it
   named an undefined ``te_general_gemm``); CPU and GPU.
+- ``moe_alltoall_cpu``: the all-to-all MoE token dispatcher's split sizes reach gloo as host
+  arrays (CPU only).
 """
 
 from __future__ import annotations
@@ -58,14 +60,16 @@ def apply(force_cpu: bool | None = None) -> dict:
     """
     global _applied
     check_version()
-    from megatron_patches import (cpu_backend, distrib_optimizer_step, moe_router_without_te,
+    from megatron_patches import (cpu_backend, distrib_optimizer_step, moe_alltoall_cpu, moe_router_without_te,
                                   tied_embedding_checkpoint)
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
-    result = {"cpu_backend": False}
+    result = {"cpu_backend": False, "moe_alltoall_cpu": False}
     if use_cpu:
         cpu_backend.apply()  # first: it must precede other megatron imports (JIT fuser)
         result["cpu_backend"] = True
+        moe_alltoall_cpu.apply()
+        result["moe_alltoall_cpu"] = True
     distrib_optimizer_step.apply()
     result["distrib_optimizer_step"] = True
     tied_embedding_checkpoint.apply()

@@ -54,6 +54,7 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     plan = layout.plan
+    check_experts_split(arch, plan)
     plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
                      num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
                      hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size)
@@ -111,7 +112,8 @@ def seed_model_rng(seed: int, layout: Layout) -> None:
     """
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    model_parallel_cuda_manual_seed(seed, tp_rank=max(layout.t, 0), ep_rank=0, etp_rank=0,
+    model_parallel_cuda_manual_seed(seed, tp_rank=max(layout.t, 0), ep_rank=max(layout.ep, 0),
+                                    etp_rank=max(layout.etp, 0),
                                     force_reset_rng=True)
 
 
@@ -166,7 +168,7 @@ def moe_config(arch: ModelArch, layout: Layout) -> dict:
         moe_router_load_balancing_type=arch.moe_router_load_balancing_type,
         moe_token_dispatcher_type=arch.moe_token_dispatcher_type,
         moe_grouped_gemm=False, moe_permute_fusion=False,
-        expert_model_parallel_size=1, expert_tensor_parallel_size=layout.plan.T,
+        expert_model_parallel_size=layout.plan.E, expert_tensor_parallel_size=layout.plan.ETP,
     )
 
 
@@ -232,8 +234,26 @@ def te_available() -> bool:
     return True
 
 
+def check_experts_split(arch: ModelArch, plan, what: str = "model") -> None:
+    """PlanError when ``plan``'s E / ETP cannot split the experts of ``arch`` (or a dense model
+    is given expert parallelism)."""
+    from puzzle.parallel.plan import PlanError
+
+    if not arch.is_moe:
+        if plan.has_experts_split:
+            raise PlanError(f"{what} has no experts: plan {plan} needs E=1 and ETP=T "
+                            "(--expert-model-parallel-size / --expert-tensor-parallel-size)")
+        return
+    if arch.num_experts % plan.E:
+        raise PlanError(f"{what} cannot use plan {plan}: num_experts={arch.num_experts} is not divisible by E={plan.E}")
+    if arch.moe_ffn_hidden_size % plan.ETP:
+        raise PlanError(f"{what} cannot use plan {plan}: moe_ffn_hidden_size={arch.moe_ffn_hidden_size} is not "
+                        f"divisible by ETP={plan.ETP}")
+
+
 def check_layout(arch: ModelArch, plan, role: str) -> None:
     """Raise PlanError naming the role when ``arch`` cannot be split by ``plan``."""
+    check_experts_split(arch, plan, role)
     plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
                      num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
                      hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size, what=role)

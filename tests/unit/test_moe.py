@@ -122,3 +122,45 @@ def test_hf_round_trip_bitwise(cfg, router, gate, down):
     for e in entries:
         back.update(ours_to_hf(e, ours[e.ours], a))
     assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+# ---- expert parallelism in the plan (pure) ----------------------------------------------------------
+def test_expert_groups_follow_megatron_order():
+    from puzzle.parallel.plan import ParallelPlan
+
+    p = ParallelPlan(1, 2, 2, E=2)  # ETP = T: the expert ranks of one TP rank span the DP replicas
+    assert str(p) == "(P=1, D=2, T=2, E=2)" and p.ETP == 2 and p.EDP == 1
+    assert p.ep_groups() == [[0, 2], [1, 3]] and p.expt_tp_groups() == [[0, 1], [2, 3]]
+    assert p.tp_ep_groups() == [[0, 1, 2, 3]] and [p.expert_coords(r) for r in p.ranks] == [
+        (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 0, 1, 1)]
+    q = ParallelPlan(1, 2, 2, E=2, ETP=1)  # experts whole, split over the TP ranks
+    assert str(q) == "(P=1, D=2, T=2, E=2, ETP=1)"
+    assert q.ep_groups() == [[0, 1], [2, 3]] and q.expt_dp_groups() == [[0, 2], [1, 3]]
+    r = ParallelPlan(2, 2, 1, E=2)
+    assert r.ep_groups() == [[0, 1], [2, 3]] and r.tp_ep_pp_groups() == [[0, 1, 2, 3]]
+    dense = ParallelPlan(2, 2, 2)  # E = 1: the expert groups are the dense ones
+    assert str(dense) == "(P=2, D=2, T=2)" and not dense.has_experts_split
+    assert dense.expt_tp_groups() == dense.tp_groups() and dense.expt_dp_groups() == dense.dp_groups()
+    assert sorted(dense.tp_ep_pp_groups()) == sorted(dense.mp_groups())
+
+
+def test_generation_shares_keep_expert_groups_together():
+    from puzzle.parallel.plan import ParallelPlan
+
+    assert [ParallelPlan(1, 4, 1, E=4).generation_share(r) for r in range(4)] == [(0, 1)] * 4
+    assert [ParallelPlan(1, 4, 1, E=2).generation_share(r) for r in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [ParallelPlan(1, 2, 2, E=2, ETP=1).generation_share(r) for r in range(4)] == [(0, 2), (0, 2),
+                                                                                        (1, 2), (1, 2)]
+
+
+def test_expert_split_errors():
+    from puzzle.models.builders import check_layout
+    from puzzle.parallel.plan import ParallelPlan, PlanError
+
+    with pytest.raises(PlanError, match="E=4 x expert tensor parallelism ETP=1 must divide the D\\*T=2"):
+        ParallelPlan(1, 2, 1, E=4)
+    moe = _arch(MIXTRAL)
+    with pytest.raises(PlanError, match="actor cannot use plan .*num_experts=4 is not divisible by E=3"):
+        check_layout(moe, ParallelPlan(1, 3, 1, E=3), "actor")
+    with pytest.raises(PlanError, match="critic has no experts"):
+        check_layout(ModelArch.llama(), ParallelPlan(1, 2, 1, E=2), "critic")
