@@ -81,6 +81,14 @@ class Layout:
             raise PlanError(f"rank {self.rank} is not in plan {self.plan}")
         return P2PCommunicator(pp_group=self.pg_collection.pp, config=config)
 
+    def generation_share(self):
+        """(share, shares, first): the part of a batch this rank generates, the number of parts,
+        and whether it is the first DP rank of its part. The DP ranks of one expert-parallel
+        group generate the same part, so their MoE layers' collectives run in step (with E = 1
+        and ETP = T: (d, D, True))."""
+        share, shares = self.plan.generation_share(self.rank)
+        return share, shares, self.d == share * (self.plan.D // shares)
+
     # convenience accessors -------------------------------------------------------------
     @property
     def tp_group(self):

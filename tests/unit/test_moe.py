@@ -164,3 +164,50 @@ def test_expert_split_errors():
         check_layout(moe, ParallelPlan(1, 3, 1, E=3), "actor")
     with pytest.raises(PlanError, match="critic has no experts"):
         check_layout(ModelArch.llama(), ParallelPlan(1, 2, 1, E=2), "critic")
+
+
+# ---- the run's flags ----------------------------------------------------------------------------------
+def _run_cfg(*extra, world=4):
+    from puzzle.arguments import parse_args, validate_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+            "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--micro-batch-size", "2",
+            "--rollout-batch-size", "8", "--max-new-tokens", "16", "--num-experts", "4",
+            "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]
+    return validate_args(parse_args(base + list(extra)), world, 259)
+
+
+def test_expert_layout_flags_per_role():
+    cfg = _run_cfg("--expert-model-parallel-size", "2", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.01",
+                   "--moe-token-dispatcher-type", "alltoall", "--critic-expert-model-parallel-size", "4")
+    actor, critic = cfg.roles["actor"], cfg.roles["critic"]
+    assert (actor.plan.E, actor.plan.ETP, actor.gen_plan, critic.plan.E) == (2, 1, actor.plan, 4)
+    assert actor.arch.moe_router_topk == 1 and actor.arch.moe_aux_loss_coeff == 0.01
+    assert actor.arch.moe_token_dispatcher_type == "alltoall" and critic.arch.num_experts == 4
+    # scoring-only roles may use T > 1 (their experts split over ETP = T)
+    cfg = _run_cfg("--expert-model-parallel-size", "2", "--ref-tensor-model-parallel-size", "2")
+    assert (cfg.roles["ref"].plan.T, cfg.roles["ref"].plan.ETP, cfg.roles["ref"].plan.E) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--tensor-model-parallel-size", "2"], "training the MoE actor at .* needs T = ETP = 1"),
+    (["--critic-tensor-model-parallel-size", "2"], "--critic-tensor-model-parallel-size/--critic-expert-tensor-"),
+    (["--actor-gen-expert-model-parallel-size", "2"], "the switch between layouts does not move experts yet"),
+    (["--save", "/tmp/ckpt"], "--save: checkpoints of mixture-of-experts models"),
+    (["--expert-model-parallel-size", "3"], "num_experts=4 is not divisible by E=3|E=3 x expert tensor"),
+    (["--moe-router-topk", "5"], "--moe-router-topk: 5 exceeds --num-experts 4"),
+])
+def test_unsupported_moe_runs_are_refused(extra, needle):
+    from puzzle.config_flags import ArgumentError
+
+    with pytest.raises(ArgumentError, match=needle):
+        _run_cfg(*extra)
+
+
+def test_plan_search_refuses_moe():
+    from puzzle.config_flags import ArgumentError
+    from puzzle.plan_search.command import shapes_from_config
+
+    with pytest.raises(ArgumentError, match="--num-experts: actor: the memory and cost models"):
+        shapes_from_config(_run_cfg())
