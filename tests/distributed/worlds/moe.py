@@ -30,8 +30,7 @@ _E2, _E4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size
 #: (family, layout name (P,D,T,E), flags) of puzzle.tools.generate over the 4 ranks (D fills the rest)
 TOOL_RUNS = [("qwen3_moe", "(1,4,1,4)", _E4), ("mixtral", "(2,2,1,2)", _P2 + _E2),
              ("qwen3_moe", "(1,2,2,2)", _T2 + _E2), ("mixtral", "(1,2,2,2) ETP=1", _T2 + _E2 +
-                                                    ["--expert-tensor-parallel-size", "1"]),
-             ("mixtral", "(2,1,2,1)", _T2 + _P2)]
+                                                    ["--expert-tensor-parallel-size", "1"])]
 #: export_hf layouts per family
 EXPORT_LAYOUTS = {"qwen3_moe": _P2 + _E2, "mixtral": _T2 + _E2}
 _DIRS = {}
