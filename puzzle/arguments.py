@@ -479,7 +479,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--sequence-parallel", "needs --transformer-impl transformer_engine (TE on a CUDA machine): "
                                      "megatron-core's local layer spec normalises with torch norms, which "
                                      "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
-    _check_moe_paths(args, roles)
+    _check_moe_paths(args, roles, impl)
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops,
@@ -487,7 +487,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         transformer_impl_note=impl_note)
 
 
-def _check_moe_paths(args, roles) -> None:
+def _check_moe_paths(args, roles, transformer_impl: str) -> None:
     """Mixture-of-experts models run generation, scoring and training (T = 1 when trained); the
     paths not built for them yet are refused here, before anything is allocated."""
     moe = [r for r, spec in roles.items() if spec.arch.is_moe]
@@ -513,6 +513,9 @@ def _check_moe_paths(args, roles) -> None:
     if args.cuda_graph_generation:
         _fail("--cuda-graph-generation", "MoE layers' token dispatchers synchronise with the host: "
                                          "not captured in CUDA graphs yet")
+    if transformer_impl == "transformer_engine":
+        _fail("--transformer-impl", "MoE models run megatron-core's local layer spec (SequentialMLP experts); "
+                                    "the transformer-engine MoE spec is not supported yet: use --transformer-impl local")
 
 
 def resolve_world_size(args) -> int:
