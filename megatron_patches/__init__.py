@@ -12,6 +12,12 @@ Patches:
   loads a checkpoint (two megatron-core 0.16 bugs on the fully_reshardable path); CPU and GPU.
 - ``tied_embedding_checkpoint``: the last stage's tied embedding copy takes its DP rank from the
   model's own DP group in sharded state dicts (P > 1 with tied embeddings); CPU and GPU.
+- ``moe_router_without_te``: megatron's MoE router gating runs without transformer-engine (it
+  named an undefined ``te_general_gemm``); CPU and GPU.
+- ``moe_alltoall_cpu``: the all-to-all MoE token dispatcher's split sizes reach gloo as host
+  arrays (CPU only).
+- ``cpu_backward_devices``: megatron's tensor-parallel gathers, reduce-scatters and all-to-all
+  allocate on the CPU in backward passes (MoE dispatchers; CPU only).
 """
 
 from __future__ import annotations
@@ -56,17 +62,24 @@ def apply(force_cpu: bool | None = None) -> dict:
     """
     global _applied
     check_version()
-    from megatron_patches import cpu_backend, distrib_optimizer_step, tied_embedding_checkpoint
+    from megatron_patches import (cpu_backend, cpu_backward_devices, distrib_optimizer_step, moe_alltoall_cpu,
+                                  moe_router_without_te, tied_embedding_checkpoint)
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
-    result = {"cpu_backend": False}
+    result = {"cpu_backend": False, "moe_alltoall_cpu": False, "cpu_backward_devices": False}
     if use_cpu:
         cpu_backend.apply()  # first: it must precede other megatron imports (JIT fuser)
         result["cpu_backend"] = True
+        moe_alltoall_cpu.apply()
+        result["moe_alltoall_cpu"] = True
+        cpu_backward_devices.apply()
+        result["cpu_backward_devices"] = True
     distrib_optimizer_step.apply()
     result["distrib_optimizer_step"] = True
     tied_embedding_checkpoint.apply()
     result["tied_embedding_checkpoint"] = True
+    moe_router_without_te.apply()
+    result["moe_router_without_te"] = True
     _applied = True
     return result
 

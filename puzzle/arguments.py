@@ -173,9 +173,11 @@ _HF_SHAPE_FIELDS = {"num-layers": "num_hidden_layers", "hidden-size": "hidden_si
 #: flags are compared per role above; seq length, vocabulary and position bounds below)
 _HF_DECIDES = ("normalization", "norm_epsilon", "swiglu", "position_embedding_type", "rotary_base",
                "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-               "use_rope_scaling") + _ROPE_FIELDS
+               "use_rope_scaling", "num_experts", "moe_ffn_hidden_size", "moe_router_topk",
+               "moe_router_pre_softmax") + _ROPE_FIELDS
 #: ModelArch fields that are the run's, not the checkpoint's
-_RUN_FIELDS = ("attention_dropout", "hidden_dropout", "attention_backend", "init_method_std")
+_RUN_FIELDS = ("attention_dropout", "hidden_dropout", "attention_backend", "init_method_std",
+               "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_token_dispatcher_type")
 
 
 def _rope_flags_given(args) -> List[str]:
@@ -225,7 +227,7 @@ def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: s
 
 
 def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str, *,
-              offset: int = 0, D=None, size=None):
+              offset: int = 0, D=None, size=None, E: int = 1, ETP=None):
     """The role's plan on ranks offset.. (D given, or all the ranks of ``size`` / the rest)."""
     from puzzle.parallel.plan import ParallelPlan, PlanError
 
@@ -238,7 +240,7 @@ def _plan_for(args, role: str, world_size: int, P: int, T: int, flags: str, *,
                          f"(world size {world_size}, offset {offset})")
         D = avail // (P * T)
     try:
-        plan = ParallelPlan(P=P, D=D, T=T, offset=offset)
+        plan = ParallelPlan(P=P, D=D, T=T, offset=offset, E=E, ETP=ETP)
         plan.check_world(world_size, what=role)
     except PlanError as e:
         _fail(flags, str(e))
@@ -412,7 +414,11 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
             P, T, offset, D = home.P, home.T, home.offset, home.D
         if offset or D:
             flags += f"/--{role}-rank-offset/--{role}-data-parallel-size"
-        plan = _plan_for(args, role, world_size, P, T, flags, offset=offset, D=D)
+        E, ETP = layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
+        if E > 1 or ETP is not None:
+            flags += ("/--expert-model-parallel-size/--expert-tensor-parallel-size" if role == "actor" else
+                      f"/--{role}-expert-model-parallel-size/--{role}-expert-tensor-parallel-size")
+        plan = _plan_for(args, role, world_size, P, T, flags, offset=offset, D=D, E=E, ETP=ETP)
         try:
             check_layout(arch, plan, role)
         except PlanError as e:
@@ -420,13 +426,17 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         gen_plan = None
         if role == "actor":
             gen = _role_config(LayoutFlags, args, GENERATION, fallback=LayoutFlags(
-                tensor_model_parallel_size=T, pipeline_model_parallel_size=P))
+                tensor_model_parallel_size=T, pipeline_model_parallel_size=P, expert_model_parallel_size=E,
+                expert_tensor_parallel_size=ETP))
             gP, gT = gen.pipeline_model_parallel_size, gen.tensor_model_parallel_size
             if home is not None and layouts.actor_generation is not None:
                 gP, gT = layouts.actor_generation.P, layouts.actor_generation.T
             gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
+            if gen.expert_model_parallel_size > 1 or gen.expert_tensor_parallel_size is not None:
+                gflags += "/--actor-gen-expert-model-parallel-size/--actor-gen-expert-tensor-parallel-size"
             gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags,
-                                 offset=plan.offset, size=plan.size)
+                                 offset=plan.offset, size=plan.size, E=gen.expert_model_parallel_size,
+                                 ETP=gen.expert_tensor_parallel_size)
             try:
                 check_layout(arch, gen_plan, "actor (generation layout)")
             except PlanError as e:
@@ -475,11 +485,43 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--sequence-parallel", "needs --transformer-impl transformer_engine (TE on a CUDA machine): "
                                      "megatron-core's local layer spec normalises with torch norms, which "
                                      "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
+    _check_moe_paths(args, roles, impl)
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops,
         evaluation=from_args(EvalConfig, args), reward_timeout=args.reward_timeout or None, precision=precision,
         transformer_impl=impl, transformer_impl_note=impl_note)
+
+
+def _check_moe_paths(args, roles, transformer_impl: str) -> None:
+    """Mixture-of-experts models run generation, scoring and training (T = 1 when trained); the
+    paths not built for them yet are refused here, before anything is allocated."""
+    moe = [r for r, spec in roles.items() if spec.arch.is_moe]
+    if not moe:
+        return
+    for role in moe:
+        spec = roles[role]
+        prefix = "" if role == "actor" else f"{role}-"
+        if ROLES[role].trainable and (spec.plan.T > 1 or spec.plan.ETP > 1):
+            _fail(f"--{prefix}tensor-model-parallel-size/--{prefix}expert-tensor-parallel-size",
+                  f"training the MoE {role} at {spec.plan} needs T = ETP = 1: megatron-core trains MoE layers "
+                  "with T > 1 only under --sequence-parallel, which the local layer spec does not support; "
+                  "split the experts with --expert-model-parallel-size instead")
+    actor = roles.get("actor")
+    if actor is not None and actor.arch.is_moe and actor.gen_plan not in (None, actor.plan):
+        _fail("--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size/"
+              "--actor-gen-expert-model-parallel-size",
+              f"the MoE actor generates at {actor.gen_plan} but trains at {actor.plan}: the switch between "
+              "layouts does not move experts yet; give the actor one layout")
+    for flag, value in (("--save", args.save), ("--load", args.load)):
+        if value:
+            _fail(flag, f"checkpoints of mixture-of-experts models ({', '.join(moe)}) are not supported yet")
+    if args.cuda_graph_generation:
+        _fail("--cuda-graph-generation", "MoE layers' token dispatchers synchronise with the host: "
+                                         "not captured in CUDA graphs yet")
+    if transformer_impl == "transformer_engine":
+        _fail("--transformer-impl", "MoE models run megatron-core's local layer spec (SequentialMLP experts); "
+                                    "the transformer-engine MoE spec is not supported yet: use --transformer-impl local")
 
 
 def resolve_world_size(args) -> int:

@@ -56,6 +56,11 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 _MODEL = "model"
+_MOE = "mixture of experts"
+#: --moe-router-load-balancing-type values puzzle runs (Megatron-LM's names; sinkhorn is refused)
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+#: --moe-token-dispatcher-type values puzzle runs (flex needs DeepEP on GPUs)
+MOE_DISPATCHERS = ("alltoall", "allgather")
 #: roles whose model-shape and layout flags have prefixed overrides (--critic-num-layers)
 ROLE_PREFIXED = ("critic", "reward", "ref")
 
@@ -111,6 +116,21 @@ class ModelArch:
         4.0, _MODEL, "Llama-3.x RoPE high_freq_factor (default 4).", flag_default=None)
     rope_original_max_position_embeddings: int = flag(
         8192, _MODEL, "Llama-3.x RoPE original_max_position_embeddings (default 8192).", flag_default=None)
+    # mixture of experts (megatron-core's MoELayer, TopKRouter; Megatron-LM's flag names)
+    num_experts: Optional[int] = flag(None, _MOE, "Experts per MoE layer (default: a dense model).", type=int)
+    moe_ffn_hidden_size: Optional[int] = flag(
+        None, _MOE, "Hidden size of each expert's MLP (default --ffn-hidden-size).", type=int)
+    moe_router_topk: int = flag(2, _MOE, "Experts each token is routed to.", type=int, flag_default=None)
+    moe_router_pre_softmax: bool = flag(
+        False, _MOE, "Softmax over all experts before the top-k, the top-k probabilities not renormalised "
+        "(HF norm_topk_prob=false); default: softmax over the top-k logits (norm_topk_prob=true, Mixtral).")
+    #: per layer 1 = MoE, 0 = dense MLP (HF decoder_sparse_step / mlp_only_layers); None = every layer
+    moe_layer_pattern: Optional[Tuple[int, ...]] = None
+    moe_aux_loss_coeff: float = flag(0.0, _MOE, "Scale of the load-balancing loss (0: none).", type=float)
+    moe_router_load_balancing_type: str = flag(
+        "aux_loss", _MOE, "Load-balancing loss of the router.", choices=MOE_LOAD_BALANCING_TYPES)
+    moe_token_dispatcher_type: str = flag(
+        "allgather", _MOE, "How tokens reach their experts' ranks.", choices=MOE_DISPATCHERS)
     sliding_window: Optional[int] = None  # attention window of the checkpoint (None = full)
     # the run's tokenizer has ids [0, tokenizer_vocab_size) (None: every row of vocab_size is a
     # token); the model's rows beyond it (Qwen2.5's unused rows, --vocab-size above the tokenizer's)
@@ -175,10 +195,44 @@ class ModelArch:
             check_at_least(cls, self, 1, "rope_original_max_position_embeddings")
             check(cls, self, "rope_high_freq_factor", self.rope_high_freq_factor > self.rope_low_freq_factor,
                   f"{self.rope_high_freq_factor} must exceed --rope-low-freq-factor {self.rope_low_freq_factor}")
+        self._check_moe()
         if self.sliding_window is not None and self.sliding_window < self.seq_length:
             check(cls, self, "seq_length", False,
                   f"sliding_window={self.sliding_window} is shorter than seq_length={self.seq_length}: "
                   "sliding-window attention is not implemented (use a seq_length <= the window)")
+
+    def _check_moe(self) -> None:
+        cls = ModelArch
+        if self.moe_layer_pattern is not None:
+            object.__setattr__(self, "moe_layer_pattern", tuple(int(x) for x in self.moe_layer_pattern))
+        if self.num_experts is None:
+            for name in ("moe_ffn_hidden_size", "moe_layer_pattern"):
+                check(cls, self, "num_experts", getattr(self, name) is None, f"{name} needs --num-experts")
+            return
+        check_at_least(cls, self, 1, "num_experts", "moe_router_topk")
+        if self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        check_at_least(cls, self, 1, "moe_ffn_hidden_size")
+        check(cls, self, "moe_router_topk", self.moe_router_topk <= self.num_experts,
+              f"{self.moe_router_topk} exceeds --num-experts {self.num_experts}")
+        check_at_least(cls, self, 0, "moe_aux_loss_coeff")
+        for name, allowed in (("moe_router_load_balancing_type", MOE_LOAD_BALANCING_TYPES),
+                              ("moe_token_dispatcher_type", MOE_DISPATCHERS)):
+            check(cls, self, name, getattr(self, name) in allowed,
+                  f"must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
+        pattern = self.moe_layer_pattern
+        check(cls, self, "num_experts", pattern is None or (len(pattern) == self.num_layers
+                                                            and set(pattern) <= {0, 1} and 1 in pattern),
+              f"the MoE layer pattern {pattern} must give 0 or 1 for each of the {self.num_layers} layers, "
+              "one at least 1")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` has a MoE MLP (else a dense one)."""
+        return self.is_moe and (self.moe_layer_pattern is None or bool(self.moe_layer_pattern[layer]))
 
     @property
     def valid_vocab_size(self) -> int:

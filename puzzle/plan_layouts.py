@@ -37,6 +37,13 @@ class LayoutFlags:
     pipeline_model_parallel_size: int = flag(
         1, PARALLEL_GROUP, "Actor training P (default for every role).", roles=_ROLES + (GENERATION,),
         role_help={GENERATION: "Actor generation-layout P (default: its training layout)."})
+    expert_model_parallel_size: int = flag(
+        1, PARALLEL_GROUP, "Actor training E: ranks the experts of MoE layers are split over (default for "
+        "every role).", roles=_ROLES + (GENERATION,),
+        role_help={GENERATION: "Actor generation-layout E (default: its training layout)."})
+    expert_tensor_parallel_size: Optional[int] = flag(
+        None, PARALLEL_GROUP, "Actor training ETP: ranks each expert is split over (default T).", type=int,
+        roles=_ROLES + (GENERATION,), role_help={GENERATION: "Actor generation-layout ETP (default: T)."})
     data_parallel_size: Optional[int] = flag(
         None, PARALLEL_GROUP, type=int, roles=_ROLES, role_only=True,
         role_help="{role}: D (default: the ranks from its offset to the end / (P*T)).")
@@ -45,7 +52,9 @@ class LayoutFlags:
 
     def __post_init__(self):
         cls = LayoutFlags
-        check_at_least(cls, self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        check_at_least(cls, self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                       "expert_model_parallel_size")
+        check_at_least(cls, self, 1, "expert_tensor_parallel_size", optional=True)
         check_at_least(cls, self, 1, "data_parallel_size", optional=True)
         check_at_least(cls, self, 0, "rank_offset")
 

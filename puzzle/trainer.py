@@ -30,6 +30,7 @@ from puzzle.training import steps
 from puzzle.parallel.device import runtime
 from puzzle.training import nonfinite
 from puzzle.training.batch import RolloutBatch, gather_outputs, rollout_from_generation
+from puzzle.training.moe_metrics import moe_aux_loss_metrics
 from puzzle.training.engine import ModelEngine
 
 
@@ -168,8 +169,11 @@ class PPOTrainer:
         layout, R = engine.layout, ppo.max_new_tokens
         responses = lengths = None
         share = B // layout.plan.D
+        part = layout.d
         if engine.member:
-            mine = prompt_ids[layout.d * share:(layout.d + 1) * share]
+            part, parts, _ = layout.generation_share()  # E > 1: an expert-parallel group generates together
+            share = B // parts
+            mine = prompt_ids[part * share:(part + 1) * share]
             params = SamplingParams(max_new_tokens=R, temperature=ppo.temperature, top_k=ppo.top_k,
                                     top_p=ppo.top_p, greedy=ppo.greedy or greedy,
                                     eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
@@ -177,7 +181,7 @@ class PPOTrainer:
             out = generate(engine, mine, params, seed=self.cfg.seed * 100003 + self.iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
-                           sample_offset=round_ * B + layout.d * share, progress=self.generation_progress)
+                           sample_offset=round_ * B + part * share, progress=self.generation_progress)
             Lp = out.tokens.shape[1] - R
             responses, lengths = out.tokens[:, Lp:], out.response_lengths
         batch = rollout_from_generation(prompt_ids, responses, lengths, layout, R, self.tokenizer.pad_id,
@@ -325,11 +329,12 @@ class PPOTrainer:
                         sums[4:7] += torch.stack([o["value_loss_sum"], o["value_clip_sum"],
                                                   o["tokens"]]).double()
         dist.all_reduce(sums)
+        moe = moe_aux_loss_metrics(trained, batch.size, ppo.ppo_epochs, ppo.micro_batch_size, self.runtime.device)
         norms = self.runtime.all_reduce([max(grad_norms["actor"] or [0.0]),
                                          max(grad_norms["critic"] or [0.0])], op="max")
         tok, vtok, weight = max(float(sums[3]), 1.0), max(float(sums[6]), 1.0), max(float(sums[7]), 1.0)
         skipped = {"nonfinite_skipped_steps": self.nonfinite_skipped} if self.cfg.ops.skip_nonfinite_iterations else {}
-        stats = {**skipped, "policy_loss": float(sums[0]) / weight, "clip_frac": float(sums[1]) / tok,
+        stats = {**skipped, **moe, "policy_loss": float(sums[0]) / weight, "clip_frac": float(sums[1]) / tok,
                  "approx_kl": float(sums[2]) / tok, "value_loss": float(sums[4]) / vtok,
                  "value_clip_frac": float(sums[5]) / vtok,
                  "actor_grad_norm": float(norms[0]), "critic_grad_norm": float(norms[1])}

@@ -57,8 +57,9 @@ def te_attention_config(backend: str, transformer_impl: str) -> dict:
 
 
 def attention_layer_spec(normalization: str, backend: str, transformer_impl: str,
-                         qk_layernorm: bool = False):
-    """megatron-core GPT layer spec whose core attention is the one ``backend`` names.
+                         qk_layernorm: bool = False, num_experts=None):
+    """megatron-core GPT layer spec whose core attention is the one ``backend`` names
+    (``num_experts``: its MLP is megatron-core's MoELayer with SequentialMLP experts).
 
     (megatron-core 0.16's TE spec has no ``normalization`` argument: TE's fused layernorm-linear
     modules take the norm type from the TransformerConfig.)"""
@@ -68,9 +69,13 @@ def attention_layer_spec(normalization: str, backend: str, transformer_impl: str
 
     spec = attention_choice(backend, transformer_impl)[0]
     if spec == "te":
+        if num_experts:
+            raise ValueError("MoE models run megatron-core's local layer spec: use --transformer-impl local "
+                             "(the transformer-engine MoE spec is not supported yet)")
         layer = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
-        layer = specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+        layer = specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm,
+                                               num_experts=num_experts)
     attn = layer.submodules.self_attention
     core = attn.submodules.core_attention
     if spec == "te":

@@ -54,6 +54,7 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     plan = layout.plan
+    check_experts_split(arch, plan)
     plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
                      num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
                      hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size)
@@ -99,6 +100,7 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
         recompute_num_layers=1 if recompute else None,
         variable_seq_lengths=False,
         deallocate_pipeline_outputs=False,
+        **moe_config(arch, layout),
     )
 
 
@@ -110,7 +112,8 @@ def seed_model_rng(seed: int, layout: Layout) -> None:
     """
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    model_parallel_cuda_manual_seed(seed, tp_rank=max(layout.t, 0), ep_rank=0, etp_rank=0,
+    model_parallel_cuda_manual_seed(seed, tp_rank=max(layout.t, 0), ep_rank=max(layout.ep, 0),
+                                    etp_rank=max(layout.etp, 0),
                                     force_reset_rng=True)
 
 
@@ -128,14 +131,45 @@ def resolve_transformer_impl(requested: str) -> tuple:
     return requested, None
 
 
-def layer_spec(arch: ModelArch, transformer_impl: str = "local"):
+def layer_spec(arch: ModelArch, transformer_impl: str = "local", layout: Optional[Layout] = None):
     """megatron-core's transformer-engine or local GPT layer spec, its core attention the one
-    ``arch.attention_backend`` names (puzzle/models/attention_backend.py)."""
+    ``arch.attention_backend`` names (puzzle/models/attention_backend.py). A MoE model gets the
+    block spec of ``layout``'s pipeline stage: each layer dense or MoE as ``arch`` says."""
     if transformer_impl == "transformer_engine" and not te_available():
         raise RuntimeError("transformer_impl='transformer_engine' needs CUDA and transformer_engine; "
                            "resolve it with resolve_transformer_impl first")
-    return attention_layer_spec(arch.normalization, arch.attention_backend, transformer_impl,
-                                qk_layernorm=arch.qk_layernorm)
+    if not arch.is_moe:
+        return attention_layer_spec(arch.normalization, arch.attention_backend, transformer_impl,
+                                    qk_layernorm=arch.qk_layernorm)
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    from puzzle.models.param_layout import resolve_layers_per_stage
+
+    p, P = (layout.p, layout.plan.P) if layout is not None else (0, 1)
+    lps = resolve_layers_per_stage(arch.num_layers, P)
+    first = sum(lps[:p])
+    specs = {moe: attention_layer_spec(arch.normalization, arch.attention_backend, transformer_impl,
+                                       qk_layernorm=arch.qk_layernorm, num_experts=arch.num_experts if moe else None)
+             for moe in (False, True)}
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[arch.is_moe_layer(i)] for i in range(first, first + lps[p])], layer_norm=LayerNormImpl)
+
+
+def moe_config(arch: ModelArch, layout: Layout) -> dict:
+    """The TransformerConfig fields of a MoE model (megatron-core's MoELayer and TopKRouter)."""
+    if not arch.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk, moe_router_pre_softmax=arch.moe_router_pre_softmax,
+        moe_router_score_function="softmax",
+        moe_layer_freq=list(arch.moe_layer_pattern) if arch.moe_layer_pattern else 1,
+        moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=arch.moe_router_load_balancing_type,
+        moe_token_dispatcher_type=arch.moe_token_dispatcher_type,
+        moe_grouped_gemm=False, moe_permute_fusion=False,
+        expert_model_parallel_size=layout.plan.E, expert_tensor_parallel_size=layout.plan.ETP,
+    )
 
 
 def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool = False,
@@ -161,7 +195,7 @@ def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool =
     seed_model_rng(head_seed, layout)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, transformer_impl),
+        transformer_layer_spec=layer_spec(arch, transformer_impl, layout),
         vocab_size=arch.padded_vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=layout.is_first_stage,
@@ -200,8 +234,26 @@ def te_available() -> bool:
     return True
 
 
+def check_experts_split(arch: ModelArch, plan, what: str = "model") -> None:
+    """PlanError when ``plan``'s E / ETP cannot split the experts of ``arch`` (or a dense model
+    is given expert parallelism)."""
+    from puzzle.parallel.plan import PlanError
+
+    if not arch.is_moe:
+        if plan.has_experts_split:
+            raise PlanError(f"{what} has no experts: plan {plan} needs E=1 and ETP=T "
+                            "(--expert-model-parallel-size / --expert-tensor-parallel-size)")
+        return
+    if arch.num_experts % plan.E:
+        raise PlanError(f"{what} cannot use plan {plan}: num_experts={arch.num_experts} is not divisible by E={plan.E}")
+    if arch.moe_ffn_hidden_size % plan.ETP:
+        raise PlanError(f"{what} cannot use plan {plan}: moe_ffn_hidden_size={arch.moe_ffn_hidden_size} is not "
+                        f"divisible by ETP={plan.ETP}")
+
+
 def check_layout(arch: ModelArch, plan, role: str) -> None:
     """Raise PlanError naming the role when ``arch`` cannot be split by ``plan``."""
+    check_experts_split(arch, plan, role)
     plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
                      num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
                      hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size, what=role)

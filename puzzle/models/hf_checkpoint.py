@@ -25,7 +25,7 @@ import torch
 from puzzle.config import ROLES, ModelArch
 from puzzle.models.hf_mapping import (HEAD_NAMES, UnsupportedHFModel, arch_from_hf_config,
                                       assemble, hf_config_from_arch, hf_entries, ours_to_hf)
-from puzzle.models.init import param_specs, spec_name_of
+from puzzle.models.init import is_expert_param, layout_spec_name, param_specs, tp_split
 from puzzle.models.param_layout import resolve_layers_per_stage, shard_slices
 
 __all__ = ["HFCheckpoint", "arch_from_hf_dir", "arch_from_hf_config", "load_hf_into_model", "export_hf",
@@ -144,14 +144,14 @@ def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_d
     lps = resolve_layers_per_stage(arch.num_layers, plan.P)
     filled = 0
     for local, param in module.named_parameters():
-        name = spec_name_of(local, role, arch, layout.p, lps)
+        name = layout_spec_name(local, role, arch, layout, lps)
         if name not in specs:
             raise KeyError(f"{role}: parameter {local} (global {name}) has no layout description")
         if name == "value_head.weight" and head is None:
             continue  # allow_missing_head
         spec, entry = specs[name], entries[name]
         parts = [assemble(entry, box, arch, ckpt.read, dtype=param.dtype)
-                 for box in shard_slices(spec, plan.T, layout.t)]
+                 for box in shard_slices(spec, *tp_split(name, layout))]
         value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.split_dim)
         if tuple(value.shape) != tuple(param.shape):
             raise RuntimeError(f"{role}: {local} local shape {tuple(param.shape)} != HF-built "
@@ -165,20 +165,21 @@ def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_d
 
 # ---- export --------------------------------------------------------------------------------------
 def _local_shards(module, arch: ModelArch, role: str) -> Optional[dict]:
-    """{spec name: local tensor} of this rank when it is in DP replica 0, else None."""
+    """{spec name: (ways, index, local tensor)} of the shards this rank holds in replica 0 (DP
+    replica 0 for dense parameters, expert-DP replica 0 for experts), else None."""
     if module is None:
         return None
     layout = module.puzzle_layout
-    if layout.d != 0:
-        return None
     lps = resolve_layers_per_stage(arch.num_layers, layout.plan.P)
     out = {}
     for local, param in module.named_parameters():
-        name = spec_name_of(local, role, arch, layout.p, lps)
+        name = layout_spec_name(local, role, arch, layout, lps)
         if name == _EMBED and not layout.is_first_stage:
             continue  # the tied copy on the last stage; the first stage's is the original
-        out[name] = param.detach().cpu().clone()
-    return {"T": layout.plan.T, "t": layout.t, "shards": out}
+        if (layout.edp if is_expert_param(name) else layout.d) != 0:
+            continue
+        out[name] = tp_split(name, layout) + (param.detach().cpu().clone(),)
+    return {"shards": out} if out else None
 
 
 def gather_full_state(module, arch: ModelArch, role: str, dst: int = 0) -> Optional[Dict[str, torch.Tensor]]:
@@ -197,11 +198,12 @@ def gather_full_state(module, arch: ModelArch, role: str, dst: int = 0) -> Optio
     got = [g for g in got if g is not None]
     if not got:
         raise RuntimeError(f"{role}: no rank holds the model")
-    T = got[0]["T"]
     full = {}
     for spec in param_specs(arch, role):
-        by_t = {g["t"]: g["shards"][spec.name] for g in got if spec.name in g["shards"]}
-        if len(by_t) != T:
+        held = [g["shards"][spec.name] for g in got if spec.name in g["shards"]]
+        T = held[0][0] if held else 0
+        by_t = {t: shard for _, t, shard in held}
+        if not held or len(by_t) != T:
             raise RuntimeError(f"{role}: {spec.name}: shards of TP ranks {sorted(by_t)} of T={T} arrived")
         out = torch.empty(spec.global_shape, dtype=by_t[0].dtype)
         for t, shard in by_t.items():

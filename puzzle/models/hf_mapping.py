@@ -1,5 +1,5 @@
-"""The ONE mapping between HF LLaMA-family tensors (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3) and
-our global ParamSpec names (pure).
+"""The ONE mapping between HF LLaMA-family tensors (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3, and the
+mixture-of-experts Qwen3-MoE and Mixtral: puzzle/models/hf_moe.py) and our global ParamSpec names (pure).
 
 ==========================================================  =============================================
 ours (global ParamSpec name)                                HF LLaMA
@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from puzzle.models.hf_moe import DENSE_REFUSED, MOE_FAMILIES, moe_arch_fields, moe_hf_config, moe_layer_names
 
 Box = Tuple[Tuple[int, int], ...]
 
@@ -105,9 +107,11 @@ def hf_entries(arch, role: str = "actor", *, prefix: str = "model.", head_name: 
             kind, hf = fixed[spec.name]
         else:
             parts = spec.name.split(".", 3)  # decoder, layers, i, rest
-            if parts[:2] != ["decoder", "layers"] or parts[3] not in per_layer:
+            found = per_layer.get(parts[3]) if parts[:2] == ["decoder", "layers"] else None
+            found = found or moe_layer_names(arch.hf_model_type, parts[3])
+            if found is None:
                 raise KeyError(f"no HF LLaMA name for {spec.name}")
-            kind, names = per_layer[parts[3]]
+            kind, names = found
             hf = tuple(f"{m}layers.{parts[2]}.{n}" for n in names)
         out.append(HFEntry(spec.name, hf, kind, spec.global_shape))
     assert ROLES[role].lm_head or out[-1].ours == "value_head.weight"
@@ -226,8 +230,8 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", "MistralForSequenceClassification"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification"),
+    **MOE_FAMILIES,
 }
-_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
 def _rope_fields(config: dict, problems: list):
@@ -265,13 +269,17 @@ def arch_from_hf_config(config: dict, source: str = "config.json", **overrides):
     mt = config.get("model_type")
     if mt not in FAMILIES:
         problems.append(f"model_type={mt!r} (supported: {', '.join(sorted(FAMILIES))})")
-    for f in _MOE_FIELDS:
+    moe = {}
+    if mt in MOE_FAMILIES:
+        moe = moe_arch_fields(config, mt, problems)
+    for f in DENSE_REFUSED if mt not in MOE_FAMILIES else ():
         if config.get(f):
-            problems.append(f"{f}={config[f]} (mixture-of-experts models are not supported)")
+            problems.append(f"{f}={config[f]} (mixture-of-experts {mt} models are not supported; "
+                            f"supported: {', '.join(sorted(MOE_FAMILIES))})")
     theta, llama3 = _rope_fields(config, problems)
     if config.get("mlp_bias"):
         problems.append("mlp_bias=true (MLP biases are not supported)")
-    if mt in ("llama", "qwen3") and config.get("attention_bias"):
+    if mt in ("llama", "qwen3", "qwen3_moe", "mixtral") and config.get("attention_bias"):
         problems.append("attention_bias=true (an o_proj bias is not supported)")
     act = config.get("hidden_act", "silu")
     if act != "silu":
@@ -280,9 +288,9 @@ def arch_from_hf_config(config: dict, source: str = "config.json", **overrides):
         if config.get(f) not in (None, 1, 1.0):
             problems.append(f"{f}={config[f]} (only full rotary)")
     window = None
-    if mt == "mistral" and config.get("sliding_window"):
+    if mt in ("mistral", "mixtral") and config.get("sliding_window"):
         window = int(config["sliding_window"])
-    if mt in ("qwen2", "qwen3") and config.get("use_sliding_window") and config.get("sliding_window"):
+    if mt in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window") and config.get("sliding_window"):
         window = int(config["sliding_window"])
     h, nh = config.get("hidden_size"), config.get("num_attention_heads")
     hd = config.get("head_dim") if mt != "qwen2" else None  # Qwen2 always uses hidden / heads
@@ -303,7 +311,7 @@ def arch_from_hf_config(config: dict, source: str = "config.json", **overrides):
         norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), swiglu=True, position_embedding_type="rope",
         rotary_base=theta, untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
         add_bias_linear=False, add_qkv_bias=mt == "qwen2" or bool(mt == "mistral" and config.get("attention_bias")),
-        qk_layernorm=mt == "qwen3", sliding_window=window, hf_model_type=mt,
+        qk_layernorm=mt in ("qwen3", "qwen3_moe"), sliding_window=window, hf_model_type=mt,
         attention_dropout=0.0, hidden_dropout=0.0,
         init_method_std=float(config.get("initializer_range", 0.02)),
     )
@@ -312,6 +320,7 @@ def arch_from_hf_config(config: dict, source: str = "config.json", **overrides):
                   rope_low_freq_factor=float(llama3["low_freq_factor"]),
                   rope_high_freq_factor=float(llama3["high_freq_factor"]),
                   rope_original_max_position_embeddings=int(llama3["original_max_position_embeddings"]))
+    kw.update(moe)
     kw.update(overrides)
     try:
         return ModelArch(**kw)
@@ -356,9 +365,9 @@ def hf_config_from_arch(arch, role: str = "actor", dtype: str = "float32", **ext
     }
     if mt == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif mt == "mistral":
+    elif mt in ("mistral", "mixtral"):
         cfg.update(sliding_window=arch.sliding_window)
-    else:  # qwen2 / qwen3
+    else:  # qwen2 / qwen3 / qwen3_moe
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=arch.num_layers,
                    layer_types=["full_attention"] * arch.num_layers)
         if mt == "qwen2":
@@ -367,6 +376,13 @@ def hf_config_from_arch(arch, role: str = "actor", dtype: str = "float32", **ext
             del cfg["head_dim"]  # Qwen2 derives it from hidden / heads
         else:
             cfg.update(attention_bias=False)
+    if arch.is_moe:
+        if mt not in MOE_FAMILIES:
+            raise ValueError(f"model_type {mt!r} has no experts; a MoE model exports as one of "
+                             f"{', '.join(sorted(MOE_FAMILIES))}")
+        cfg.update(moe_hf_config(arch))
+    elif mt in MOE_FAMILIES:
+        raise ValueError(f"model_type {mt!r} needs experts (--num-experts)")
     if not lm:
         cfg.update({"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}})
     cfg.update(extra)

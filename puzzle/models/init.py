@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 
 import torch
 
@@ -34,17 +35,49 @@ def param_specs(arch: ModelArch, role: str):
         position_embedding_type=arch.position_embedding_type,
         max_sequence_length=arch.max_position_embeddings,
         add_qkv_bias=arch.add_qkv_bias, qk_layernorm=arch.qk_layernorm,
+        num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_layers=[arch.is_moe_layer(i) for i in range(arch.num_layers)] if arch.is_moe else None,
     )
 
 
-def spec_name_of(local: str, role: str, arch: ModelArch, p: int, layers_per_stage) -> str:
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
+
+
+def spec_name_of(local: str, role: str, arch: ModelArch, p: int, layers_per_stage, experts_offset: int = 0) -> str:
     """The global canonical spec name of a module parameter on stage ``p``, whichever layer
-    spec (local or transformer_engine) built it."""
+    spec (local or transformer_engine) built it. ``experts_offset``: the global index of the
+    rank's first local expert (expert parallelism, :func:`experts_offset`)."""
     if is_scalar_head(local, role):
         return HEAD_SPEC_NAME
     if local == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"  # the last stage's copy of tied word embeddings
-    return global_name(canonical_param_name(local), p, layers_per_stage)
+    name = global_name(canonical_param_name(local), p, layers_per_stage)
+    if experts_offset:
+        name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + experts_offset}.", name)
+    return name
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether a (local or global) parameter name is an expert's (split by E and ETP, not T)."""
+    return ".mlp.experts." in name
+
+
+def experts_offset(arch: ModelArch, layout) -> int:
+    """Global index of the first expert this rank holds (experts split in E contiguous blocks)."""
+    return layout.ep * (arch.num_experts // layout.plan.E) if arch.is_moe else 0
+
+
+def layout_spec_name(local: str, role: str, arch: ModelArch, layout, layers_per_stage) -> str:
+    """spec_name_of for a rank of ``layout`` (its stage and its experts)."""
+    return spec_name_of(local, role, arch, layout.p, layers_per_stage, experts_offset(arch, layout))
+
+
+def tp_split(name: str, layout):
+    """(ways, this rank's index) of the tensor-parallel split of parameter ``name``: the expert
+    tensor-parallel split for experts, else the model's T."""
+    if is_expert_param(name):
+        return layout.plan.ETP, layout.etp
+    return layout.plan.T, layout.t
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -79,11 +112,11 @@ def init_layout_independent(module: torch.nn.Module, arch: ModelArch, role: str,
     specs = {s.name: s for s in param_specs(arch, role)}
     lps = resolve_layers_per_stage(arch.num_layers, plan.P)
     for local, param in module.named_parameters():
-        name = spec_name_of(local, role, arch, layout.p, lps)
+        name = layout_spec_name(local, role, arch, layout, lps)
         if name not in specs:
             raise KeyError(f"{role}: parameter {local} (global {name}) has no layout description")
         spec = specs[name]
-        value = local_shard(spec, global_init_value(spec, arch, seed), plan.T, layout.t)
+        value = local_shard(spec, global_init_value(spec, arch, seed), *tp_split(name, layout))
         if tuple(value.shape) != tuple(param.shape):
             raise RuntimeError(f"{role}: {local} local shape {tuple(param.shape)} != expected "
                                f"{tuple(value.shape)} at plan {plan}")

@@ -140,13 +140,20 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
                     add_bias_linear: bool = False, add_qkv_bias: bool = False, untie_embeddings: bool = True,
                     normalization: str = "RMSNorm", head: str = "lm", kv_channels: Optional[int] = None,
                     position_embedding_type: str = "rope",
-                    max_sequence_length: Optional[int] = None, qk_layernorm: bool = False) -> List[ParamSpec]:
-    """Parameters of a GPTModel built with ``get_gpt_layer_local_spec`` (no MoE), in
+                    max_sequence_length: Optional[int] = None, qk_layernorm: bool = False,
+                    num_experts: Optional[int] = None, moe_ffn_hidden_size: Optional[int] = None,
+                    moe_layers: Optional[Sequence[bool]] = None) -> List[ParamSpec]:
+    """Parameters of a GPTModel built with ``get_gpt_layer_local_spec``, in
     ``named_parameters()`` order, with global (canonical) names. The transformer_engine spec's
     names and order follow from these (puzzle.models.param_names).
 
     qk_layernorm: per-head q and k norms ``self_attention.{q,k}_layernorm.weight`` [head dim]
     (+ ``.bias`` for LayerNorm), replicated on every TP rank.
+
+    num_experts: the MLP of the layers ``moe_layers`` marks (default: every layer) is megatron's
+    MoELayer: ``mlp.router.weight`` [num_experts, hidden] (replicated), then per expert e
+    ``mlp.experts.local_experts.<e>.linear_fc1.weight`` / ``linear_fc2.weight`` (SequentialMLP,
+    split like a dense MLP of ``moe_ffn_hidden_size`` over the expert-tensor-parallel ranks).
 
     head: 'lm' (output_layer.weight, or tied to the embedding), 'value' / 'score' (a
     ``value_head.weight`` [1, hidden], replicated, instead of the output layer).
@@ -201,6 +208,9 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
             norm(f"{pre}.self_attention.q_layernorm", hd, layer=i)
             norm(f"{pre}.self_attention.k_layernorm", hd, layer=i)
         norm(f"{pre}.pre_mlp_layernorm", layer=i)
+        if num_experts and (moe_layers is None or moe_layers[i]):
+            specs.extend(_moe_specs(pre, i, h, num_experts, moe_ffn_hidden_size or ffn, swiglu, add_bias_linear))
+            continue
         specs.append(ParamSpec(f"{pre}.mlp.linear_fc1.weight", (fc1_rows, h), fc1_kind, layer=i, **ffns))
         if add_bias_linear:
             specs.append(ParamSpec(f"{pre}.mlp.linear_fc1.bias", (fc1_rows,), fc1_kind, layer=i, **ffns))
@@ -215,6 +225,20 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
     else:
         specs.append(ParamSpec("value_head.weight", (1, h), "replicated", stage_hint="last"))
     return specs
+
+
+def _moe_specs(pre: str, i: int, h: int, num_experts: int, ffn: int, swiglu: bool, bias: bool) -> List[ParamSpec]:
+    """The MoELayer of layer ``i``: the router, then each expert's MLP (SequentialMLP)."""
+    if bias:
+        raise ValueError("MoE layers with linear biases are not supported")
+    ffns = dict(split_units=ffn, split_label="moe_ffn_hidden_size")
+    out = [ParamSpec(f"{pre}.mlp.router.weight", (num_experts, h), "replicated", layer=i)]
+    for e in range(num_experts):
+        ex = f"{pre}.mlp.experts.local_experts.{e}"
+        out.append(ParamSpec(f"{ex}.linear_fc1.weight", (2 * ffn if swiglu else ffn, h),
+                             "swiglu_fc1" if swiglu else "column", layer=i, **ffns))
+        out.append(ParamSpec(f"{ex}.linear_fc2.weight", (h, ffn), "row", layer=i, **ffns))
+    return out
 
 
 # ---- pipeline stages --------------------------------------------------------------------------

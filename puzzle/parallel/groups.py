@@ -56,6 +56,9 @@ class Layout:
     p: int = -1
     d: int = -1
     t: int = -1
+    ep: int = 0     # expert-parallel rank (expert layers)
+    edp: int = -1   # expert-data-parallel rank (expert layers)
+    etp: int = -1   # expert-tensor-parallel rank (expert layers)
 
     @property
     def member(self) -> bool:
@@ -77,6 +80,14 @@ class Layout:
         if not self.member:
             raise PlanError(f"rank {self.rank} is not in plan {self.plan}")
         return P2PCommunicator(pp_group=self.pg_collection.pp, config=config)
+
+    def generation_share(self):
+        """(share, shares, first): the part of a batch this rank generates, the number of parts,
+        and whether it is the first DP rank of its part. The DP ranks of one expert-parallel
+        group generate the same part, so their MoE layers' collectives run in step (with E = 1
+        and ETP = T: (d, D, True))."""
+        share, shares = self.plan.generation_share(self.rank)
+        return share, shares, self.d == share * (self.plan.D // shares)
 
     # convenience accessors -------------------------------------------------------------
     @property
@@ -110,24 +121,31 @@ def layout_for(plan: ParallelPlan) -> Layout:
         "all": _my_group([plan.ranks]),
         "tp_dp": _my_group([plan.ranks[i:i + plan.D * plan.T]
                             for i in range(0, plan.size, plan.D * plan.T)]),
+        # expert layers (E, ETP; the same groups as tp / dp / mp when E = 1 and ETP = T)
+        "ep": _my_group(plan.ep_groups()),
+        "expt_tp": _my_group(plan.expt_tp_groups()),
+        "expt_dp": _my_group(plan.expt_dp_groups()),
+        "tp_ep": _my_group(plan.tp_ep_groups()),
+        "tp_ep_pp": _my_group(plan.tp_ep_pp_groups()),
     }
     if not plan.contains(me):
         layout = Layout(plan=plan, rank=me, pg_collection=None)
     else:
         p, d, t = plan.coords(me)
-        # No context or expert parallelism: those groups collapse onto the ones above.
+        _, edp, ep, etp = plan.expert_coords(me)
+        # No context parallelism: its groups collapse onto the ones above.
         pgc = ProcessGroupCollection(
             tp=groups["tp"], pp=groups["pp"], mp=groups["mp"], embd=groups["embd"],
             pos_embd=groups["pos_embd"], cp=groups["cp"], tp_cp=groups["tp"],
-            hcp=None, ep=groups["cp"], expt_tp=groups["tp"], tp_ep=groups["tp"],
-            tp_ep_pp=groups["mp"], tp_dp_cp=groups["tp_dp"], dp=groups["dp"],
-            dp_cp=groups["dp"], expt_dp=groups["dp"], intra_dp_cp=groups["dp"],
-            intra_expt_dp=groups["dp"], inter_dist_opt=None,
+            hcp=None, ep=groups["ep"], expt_tp=groups["expt_tp"], tp_ep=groups["tp_ep"],
+            tp_ep_pp=groups["tp_ep_pp"], tp_dp_cp=groups["tp_dp"], dp=groups["dp"],
+            dp_cp=groups["dp"], expt_dp=groups["expt_dp"], intra_dp_cp=groups["dp"],
+            intra_expt_dp=groups["expt_dp"], inter_dist_opt=None,
             # the whole optimizer instance (all ranks of the model), not the DP group:
             # megatron's grad-norm reduction runs over it
             intra_dist_opt=groups["all"],
         )
-        layout = Layout(plan=plan, rank=me, pg_collection=pgc, p=p, d=d, t=t)
+        layout = Layout(plan=plan, rank=me, pg_collection=pgc, p=p, d=d, t=t, ep=ep, edp=edp, etp=etp)
     _LAYOUTS[plan] = layout
     return layout
 

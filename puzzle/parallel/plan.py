@@ -3,12 +3,21 @@
 Rank order follows the PUZZLE paper (Algorithm 1): T fastest, then D, then P::
 
     rank = offset + p * D * T + d * T + t
+
+Expert layers (mixture of experts) re-split each pipeline stage's D*T ranks as megatron-core
+does: expert-tensor rank fastest, then expert-parallel rank, then expert-data-parallel rank::
+
+    i = d * T + t  (the rank's index inside its stage)
+    etp = i % ETP,  ep = (i // ETP) % E,  edp = i // (ETP * E)
+
+E (``--expert-model-parallel-size``) splits the experts, ETP (``--expert-tensor-parallel-size``,
+default T) splits each expert's MLP; E * ETP must divide D * T.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 
 class PlanError(ValueError):
@@ -24,14 +33,21 @@ class ParallelPlan:
     D: int = 1
     T: int = 1
     offset: int = 0
+    E: int = 1                    # expert-parallel size
+    ETP: Optional[int] = None     # expert-tensor-parallel size (None: T)
 
     def __post_init__(self):
-        for name in ("P", "D", "T"):
+        if self.ETP is None:
+            object.__setattr__(self, "ETP", self.T)
+        for name in ("P", "D", "T", "E", "ETP"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PlanError(f"ParallelPlan.{name} must be a positive integer, got {v!r}")
         if not isinstance(self.offset, int) or self.offset < 0:
             raise PlanError(f"ParallelPlan.offset must be a non-negative integer, got {self.offset!r}")
+        if (self.D * self.T) % (self.E * self.ETP):
+            raise PlanError(f"expert parallelism E={self.E} x expert tensor parallelism ETP={self.ETP} must "
+                            f"divide the D*T={self.D * self.T} ranks of a pipeline stage")
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -43,8 +59,15 @@ class ParallelPlan:
     def ranks(self) -> List[int]:
         return list(range(self.offset, self.offset + self.size))
 
+    @property
+    def has_experts_split(self) -> bool:
+        """Whether expert layers are laid out differently from dense ones (E > 1 or ETP != T)."""
+        return self.E > 1 or self.ETP != self.T
+
     def __str__(self) -> str:
         s = f"(P={self.P}, D={self.D}, T={self.T})"
+        if self.has_experts_split:
+            s = s[:-1] + f", E={self.E}" + (f", ETP={self.ETP})" if self.ETP != self.T else ")")
         return s if self.offset == 0 else f"{s}@{self.offset}"
 
     # ---- coordinates -------------------------------------------------------------------
@@ -57,6 +80,64 @@ class ParallelPlan:
             raise PlanError(f"rank {rank} is not in plan {self} (ranks {self.offset}..{self.offset + self.size - 1})")
         r = rank - self.offset
         return r // (self.D * self.T), (r // self.T) % self.D, r % self.T
+
+    def expert_coords(self, rank: int) -> Tuple[int, int, int, int]:
+        """(p, edp, ep, etp) of a global rank: its stage, expert-data-parallel, expert-parallel and
+        expert-tensor-parallel ranks (see the module docstring)."""
+        p, d, t = self.coords(rank)
+        i = d * self.T + t
+        return p, i // (self.ETP * self.E), (i // self.ETP) % self.E, i % self.ETP
+
+    def expert_rank(self, p: int, edp: int, ep: int, etp: int) -> int:
+        return self.offset + p * self.D * self.T + (edp * self.E + ep) * self.ETP + etp
+
+    @property
+    def EDP(self) -> int:
+        """Expert-data-parallel size: replicas of each expert's shard per stage."""
+        return self.D * self.T // (self.E * self.ETP)
+
+    def _expert_groups(self, vary: str) -> List[List[int]]:
+        """Groups over which the coordinates in ``vary`` (letters of 'dei': edp, ep, etp) change."""
+        sizes = {"d": self.EDP, "e": self.E, "i": self.ETP}
+        fixed = [c for c in "dei" if c not in vary]
+        out = []
+        import itertools
+
+        for p in range(self.P):
+            for f in itertools.product(*(range(sizes[c]) for c in fixed)):
+                base = dict(zip(fixed, f))
+                group = []
+                for v in itertools.product(*(range(sizes[c]) for c in vary)):
+                    c = dict(base, **dict(zip(vary, v)))
+                    group.append(self.expert_rank(p, c["d"], c["e"], c["i"]))
+                out.append(sorted(group))
+        return out
+
+    def ep_groups(self) -> List[List[int]]:
+        return self._expert_groups("e")
+
+    def expt_tp_groups(self) -> List[List[int]]:
+        return self._expert_groups("i")
+
+    def expt_dp_groups(self) -> List[List[int]]:
+        return self._expert_groups("d")
+
+    def tp_ep_groups(self) -> List[List[int]]:
+        """Expert-tensor x expert-parallel ranks of one stage (the MoE dispatcher's group)."""
+        return self._expert_groups("ei")
+
+    def tp_ep_pp_groups(self) -> List[List[int]]:
+        return [sorted(r for p in range(self.P) for r in self._expert_groups("ei")[p * self.EDP + k])
+                for k in range(self.EDP)]
+
+    def generation_share(self, rank: int) -> Tuple[int, int]:
+        """(share, shares): which part of a batch the rank generates when every rank of one
+        expert-parallel group must run the same steps (they generate the same prompts)."""
+        p, d, t = self.coords(rank)
+        width = max(1, self.E * self.ETP // self.T)
+        if self.D % width:
+            raise PlanError(f"plan {self}: E*ETP/T={width} must divide D={self.D} for generation")
+        return d // width, self.D // width
 
     def rank(self, p: int, d: int, t: int) -> int:
         if not (0 <= p < self.P and 0 <= d < self.D and 0 <= t < self.T):

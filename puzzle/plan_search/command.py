@@ -23,6 +23,11 @@ def shapes_from_config(cfg) -> Dict[str, ModelShape]:
     out = {}
     for role, spec in cfg.roles.items():
         a = spec.arch
+        if a.is_moe:
+            from puzzle.config_flags import fail
+
+            fail("--num-experts", f"{role}: the memory and cost models (--dry-run, --plan auto, search_plan.py) "
+                                  "do not model mixture-of-experts layers yet")
         out[role] = ModelShape(num_layers=a.num_layers, hidden_size=a.hidden_size,
                                ffn_hidden_size=a.ffn_hidden_size, num_attention_heads=a.num_attention_heads,
                                num_query_groups=a.num_query_groups, vocab_size=a.padded_vocab_size,

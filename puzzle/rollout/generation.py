@@ -455,6 +455,8 @@ def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[i
 
     if not megatron_patches.on_cpu():
         return contextlib.nullcontext()
+    if getattr(hooks.model.config, "num_moe_experts", None):
+        return contextlib.nullcontext()  # megatron's MoE router and dispatchers name CUDA devices
     unfused = [a for a in hooks.attention if isinstance(a, UnfusedCoreAttention)]
     if unfused:
         from megatron.core import parallel_state

@@ -137,14 +137,15 @@ def _generate(argv) -> int:
     engine = load_engine(args.load, args.role, plan, arch, step=args.ckpt_step, bf16=args.bf16,
                          transformer_impl=args.transformer_impl)
     lay = engine.layout
-    share = math.ceil(len(prompts) / plan.D)
-    lo = lay.d * share
+    part, parts = plan.generation_share(rank)  # the ranks of an expert-parallel group generate together
+    share = math.ceil(len(prompts) / parts)
+    lo = part * share
     mine = prompts[lo:lo + share]
     rows: List[tuple] = []
     if mine:
         out = generate(engine, mine, params, seed=args.seed, micro_batch_size=args.micro_batch_size,
                        sample_offset=lo)
-        if lay.p == 0 and lay.t == 0:
+        if lay.p == 0 and lay.t == 0 and lay.d == part * (plan.D // parts):
             rows = [(lo + i, r) for i, r in enumerate(out.responses())]
     got = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(rows, got, dst=0)

@@ -94,6 +94,8 @@ def add_source_args(parser) -> None:
     g.add_argument("--ckpt-step", type=int, default=None, help="checkpoint iteration (default: the latest)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="E: ranks the experts are split over")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="ETP: each expert's split (default T)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
                    help="layer implementation (transformer_engine falls back to local without CUDA + TE)")
@@ -109,7 +111,13 @@ def plan_from_flags(args):
     if T < 1 or P < 1 or world % (T * P):
         raise ArgumentError(f"--tensor-model-parallel-size/--pipeline-model-parallel-size: T*P = {T * P} "
                             f"does not divide the world size {world}")
-    return ParallelPlan(P, world // (T * P), T)
+    from puzzle.parallel.plan import PlanError
+
+    try:
+        return ParallelPlan(P, world // (T * P), T, E=args.expert_model_parallel_size,
+                            ETP=args.expert_tensor_parallel_size)
+    except PlanError as e:
+        raise ArgumentError(f"--expert-model-parallel-size/--expert-tensor-parallel-size: {e}") from None
 
 
 def apply_patches() -> None:

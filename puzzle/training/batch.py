@@ -118,16 +118,18 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
                             pad_id: int, device: torch.device, seq_multiple: int = 1) -> RolloutBatch:
     """The world's RolloutBatch from each generation DP rank's [b, R] responses and [b] lengths.
 
-    ``responses``/``lengths`` are this rank's rows (prompts ``d*b .. (d+1)*b`` of the batch) on the
-    ranks that generated (any may pass None off the layout); rows are contributed once, by the
-    first pipeline stage's TP rank 0 of each DP rank. The sequence length is rounded up to
+    ``responses``/``lengths`` are this rank's rows (prompts ``d*b .. (d+1)*b`` of the batch; with
+    E > 1 the part of its expert-parallel group, Layout.generation_share) on the ranks that
+    generated (any may pass None off the layout); rows are contributed once, by the first pipeline
+    stage's TP rank 0 of each part. The sequence length is rounded up to
     ``seq_multiple`` (sequence parallelism splits it over T); padding after a sequence does not
     change it (causal attention).
     """
     B, R = len(prompt_ids), max_new_tokens
-    share = B // layout.plan.D
-    owner = layout.member and layout.p == 0 and layout.t == 0
-    d0 = max(layout.d, 0) * share
+    part, parts, first = layout.generation_share() if layout.member else (0, layout.plan.D, False)
+    share = B // parts
+    owner = first and layout.p == 0 and layout.t == 0
+    d0 = part * share
     responses = world_assemble(responses, d0, B, (R,), torch.long, owner, device)
     lengths = world_assemble(lengths, d0, B, (), torch.long, owner, device)
     prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)

@@ -60,7 +60,8 @@ def test_right_pad_rollout_matches_the_row_by_row_definition():
 
 
 def test_rollout_from_generation_world_of_one_rounds_for_sequence_parallel():
-    layout = SimpleNamespace(plan=SimpleNamespace(D=1), member=True, p=0, t=0, d=0)
+    layout = SimpleNamespace(plan=SimpleNamespace(D=1), member=True, p=0, t=0, d=0,
+                             generation_share=lambda: (0, 1, True))
     prompts = [[5, 6, 7], [8]]
     responses = torch.tensor([[1, 2, 0], [3, 0, 0]])
     lengths = torch.tensor([2, 1])

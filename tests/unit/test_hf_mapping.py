@@ -46,7 +46,7 @@ def test_arch_from_hf_config():
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"model_type": "mixtral"}, "model_type='mixtral'"),
+    ({"model_type": "mixtral"}, "mixtral needs num_experts"),
     ({"model_type": "qwen2_moe"}, "model_type='qwen2_moe'"),
     ({"num_experts": 8}, "num_experts=8"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope_parameters \(llama3\) lacks low_freq_factor"),

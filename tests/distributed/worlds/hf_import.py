@@ -65,7 +65,7 @@ def _make_hf_models():
             .save_pretrained(_DIRS["critic"])
         os.makedirs(_DIRS["bad"])
         cfg = json.load(open(os.path.join(_DIRS["lm"], "config.json")))
-        cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"])
+        cfg.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
         json.dump(cfg, open(os.path.join(_DIRS["bad"], "config.json"), "w"))
     dist.barrier()
 
