@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-from puzzle.config import ROLES, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
+from puzzle.config import ROLES, MemoryLevers, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
 from puzzle.config_flags import (add_dataclass_args, field_value, flag, flag_name, flagged_fields, flags_given,
                                  from_args, role_flags_given)
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
@@ -52,7 +52,8 @@ class CommandOptions:
 
 
 #: the configs whose fields declare the flags, in the order of their groups in --help
-FLAG_CONFIGS = (ModelArch, LayoutFlags, OptimConfig, PPOParams, RoleSpec, RunConfig, Operations, CommandOptions)
+FLAG_CONFIGS = (ModelArch, LayoutFlags, OptimConfig, PPOParams, RoleSpec, RunConfig, Operations, CommandOptions,
+                MemoryLevers)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -350,6 +351,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--seq-length", "is required")
     optim = from_args(OptimConfig, args)  # the configs that check themselves
     ops = from_args(Operations, args)
+    levers = from_args(MemoryLevers, args)
     flag_checks.check_values(args)
     if args.vocab_size is not None and args.vocab_size < vocab_size:
         _fail("--vocab-size", f"{args.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})")
@@ -469,11 +471,21 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--sequence-parallel", "needs --transformer-impl transformer_engine (TE on a CUDA machine): "
                                      "megatron-core's local layer spec normalises with torch norms, which "
                                      "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
+    _check_recompute_layers(levers, roles)
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
-        RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops,
+        RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers,
         reward_timeout=args.reward_timeout or None, precision=precision, transformer_impl=impl,
         transformer_impl_note=impl_note)
+
+
+def _check_recompute_layers(levers: MemoryLevers, roles) -> None:
+    """--recompute-num-layers fits every trainable model's layers per pipeline stage."""
+    n = levers.recompute_num_layers
+    for role, spec in roles.items():
+        per_stage = spec.arch.num_layers // spec.plan.P
+        if n is not None and ROLES[role].trainable and n > per_stage:
+            _fail("--recompute-num-layers", f"{n} exceeds the {role}'s {per_stage} layers per pipeline stage")
 
 
 def resolve_world_size(args) -> int:
