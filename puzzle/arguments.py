@@ -452,6 +452,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--generation-micro-batch-size", f"{gmb} must divide the samples per generation DP rank "
                                                f"({samples // gen_D})")
 
+    ppo = _kv_budget_micro_batch(levers, ppo, roles["actor"], samples // gen_D, 4 if precision == "fp32" else 2)
     if args.cuda_graph_generation and roles["actor"].gen_plan.P > 1:
         _fail("--cuda-graph-generation", f"needs an actor generation layout with P=1 "
                                          f"(got P={roles['actor'].gen_plan.P})")
@@ -477,6 +478,33 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers,
         reward_timeout=args.reward_timeout or None, precision=precision, transformer_impl=impl,
         transformer_impl_note=impl_note)
+
+
+def kv_bytes_per_sequence(arch, plan, seq_len: int, bytes_per_value: int) -> int:
+    """KV-cache bytes of one sequence of ``seq_len`` tokens on a rank of the generation layout."""
+    return seq_len * 2 * arch.num_query_groups * arch.kv_channels // plan.T * bytes_per_value * (
+        arch.num_layers // plan.P)
+
+
+def _kv_budget_micro_batch(levers: MemoryLevers, ppo, actor, samples_per_rank: int, value_bytes: int):
+    """--inference-dynamic-batching-buffer-size-gb: the generation micro-batch (KV-cache rows of the
+    continuous-batching loop) that fits the budget, the largest that divides the rank's samples."""
+    budget = levers.inference_dynamic_batching_buffer_size_gb
+    if budget is None:
+        return ppo
+    flag = "--inference-dynamic-batching-buffer-size-gb"
+    if ppo.generation_micro_batch_size is not None:
+        _fail(flag, "sets --generation-micro-batch-size from the KV budget; give one of them")
+    gen = actor.gen_plan
+    if gen.P > 1:
+        _fail(flag, f"needs an actor generation layout with P=1 (continuous batching; got P={gen.P})")
+    width = ppo.max_prompt_length + ppo.max_new_tokens
+    per_seq = kv_bytes_per_sequence(actor.arch, gen, width, value_bytes)
+    fit = int(budget * (1 << 30) // per_seq)
+    if fit < 1:
+        _fail(flag, f"{budget} GiB holds no sequence of {width} tokens ({per_seq / (1 << 30):.2f} GiB each)")
+    rows = max(d for d in range(1, min(fit, samples_per_rank) + 1) if samples_per_rank % d == 0)
+    return replace(ppo, generation_micro_batch_size=rows)
 
 
 def _check_recompute_layers(levers: MemoryLevers, roles) -> None:

@@ -422,6 +422,14 @@ class MemoryLevers:
         type=str, choices=RECOMPUTE_METHODS)
     recompute_num_layers: Optional[int] = flag(
         None, _MEMORY, "Layers per recompute group (uniform) or recomputed per pipeline stage (block).", type=int)
+    rl_offload_optimizer_during_inference: bool = flag(
+        False, _MEMORY, "Megatron-LM RL: the trainable models' gradients and optimizer states go to (pinned) "
+        "host memory after the optimizer step and come back before training; the frozen models' weights are "
+        "on the host during generation.")
+    inference_dynamic_batching_buffer_size_gb: Optional[float] = flag(
+        None, _MEMORY, "KV-cache GiB per rank for generation (Megatron-LM's inference flag): as many sequences "
+        "are live at once as fit (the --generation-micro-batch-size it sets); waiting prompts take the slots of "
+        "finished ones. Default: every sequence of the rank at once.", type=float)
 
     def __post_init__(self):
         cls = MemoryLevers
@@ -433,6 +441,7 @@ class MemoryLevers:
               "needs --recompute-granularity full" if not full else
               "--recompute-granularity full needs --recompute-num-layers N")
         check_at_least(cls, self, 1, "recompute_num_layers", optional=True)
+        check_at_least(cls, self, 0, "inference_dynamic_batching_buffer_size_gb", strict=True, optional=True)
 
     @property
     def recompute(self) -> Recompute:

@@ -15,7 +15,7 @@ import sys
 from typing import Dict, List, Optional
 
 from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles, stage_seconds
-from puzzle.plan_search.memory_model import GiB, MemoryModel, fmt_plan
+from puzzle.plan_search.memory_model import LOGITS_CHUNK_BYTES, GiB, MemoryModel, fmt_plan
 from puzzle.plan_search.profile_data import load_profile
 
 
@@ -38,7 +38,11 @@ def workload_from_config(cfg) -> PPOWorkload:
                        ppo_minibatches=ppo.num_samples // ppo.mini_batch_size,
                        distributed_optimizer=cfg.optim.use_distributed_optimizer,
                        generation_micro_batch_size=ppo.generation_micro_batch_size,
-                       cuda_graphs=ppo.cuda_graph_generation)
+                       cuda_graphs=ppo.cuda_graph_generation,
+                       recompute_granularity=cfg.levers.recompute_granularity,
+                       recompute_method=cfg.levers.recompute_method,
+                       recompute_num_layers=cfg.levers.recompute_num_layers,
+                       offload_during_inference=cfg.levers.rl_offload_optimizer_during_inference)
 
 
 def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:
@@ -97,6 +101,8 @@ def print_dry_run(cfg, profile, out=sys.stdout) -> bool:
     print(f"  placements: scoring {cfg.score_placement}, training {cfg.train_placement}", file=out)
     est = stage_estimate(cfg, profile)
     print("  estimated stage seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in est.items()), file=out)
+    for line in lever_lines(cfg, profile):
+        print("  " + line, file=out)
     worst = max(reports, key=lambda r: r.total)
     print(f"  per-device memory estimate (worst stage, GiB; device {profile.device_memory_bytes / GiB:.0f}):",
           file=out)
@@ -109,6 +115,33 @@ def print_dry_run(cfg, profile, out=sys.stdout) -> bool:
         print("error: the estimate exceeds device memory; try python search_plan.py with the same flags, "
               "--plan auto, smaller --rollout-batch-size/--max-new-tokens, or more ranks", file=out)
     return fits
+
+
+def lever_lines(cfg, profile) -> List[str]:
+    """Which memory levers are on, and the busiest rank's memory in every stage with them."""
+    lv, ppo = cfg.levers, cfg.ppo
+    mem, placement, roles, shadow = _memory_setup(cfg, profile)
+    gen_plan = cfg.roles["actor"].gen_plan
+    rows, b = mem.generation_rows(gen_plan), cfg.ppo.num_samples // gen_plan.D
+    recompute = ("off" if lv.recompute_granularity is None else lv.recompute_granularity if
+                 lv.recompute_granularity == "selective" else
+                 f"full, {lv.recompute_method}, {lv.recompute_num_layers} layer(s)")
+    budget = lv.inference_dynamic_batching_buffer_size_gb
+    waves = -(-b // rows)
+    kv = (f"{rows} of {b} sequences live per generation rank" + (f" ({budget:g} GiB KV budget)" if budget else "")
+          + (f", {waves} waves" if waves > 1 else ""))
+    lines = ["memory levers: recompute " + recompute
+             + f"; offload during inference {'on' if lv.rl_offload_optimizer_during_inference else 'off'}"
+             + "; log-probs a sequence chunk at a time where the logits exceed "
+             + f"{LOGITS_CHUNK_BYTES >> 20} MiB of fp32; KV cache: {kv}"]
+    by_stage: Dict[str, object] = {}
+    for r in range(cfg.world_size):
+        for rep in mem.stage_reports(r, placement, roles, shadow):
+            if rep.stage not in by_stage or rep.total > by_stage[rep.stage].total:
+                by_stage[rep.stage] = rep
+    for stage, rep in by_stage.items():
+        lines.append(f"  {stage:10s} " + rep.describe())
+    return lines
 
 
 def job_from_config(cfg, profile):

@@ -93,21 +93,41 @@ def sequence_chunk(shape, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> int:
 
 def logprobs_in_chunks(logits: torch.Tensor, targets: torch.Tensor, tp_group, true_vocab: int,
                        temperature: float, with_entropy: bool, chunk: int):
-    """:func:`vocab_parallel_logprobs` over ``chunk`` positions of the sequence at a time, each
-    chunk's fp32 intermediates dropped after its forward and recomputed in its backward
-    (activation checkpointing of the chunk). The same numbers, per position, as the whole
-    computation; every TP rank takes the same chunks, so the collectives stay matched."""
-    from torch.utils.checkpoint import checkpoint
+    """:func:`vocab_parallel_logprobs` over ``chunk`` positions of the sequence at a time. The
+    forward keeps no chunk's fp32 intermediates; the backward recomputes one chunk at a time and
+    writes its gradient into one gradient of the logits (no per-chunk copies). The same numbers,
+    per position, as the whole computation; every TP rank takes the same chunks, so the
+    collectives stay matched."""
+    lp, ent = _ChunkedLogprobs.apply(logits, targets, tp_group, true_vocab, temperature, with_entropy, chunk)
+    return (lp, ent) if with_entropy else lp
 
-    def one(x, t):
-        out = vocab_parallel_logprobs(x, t, tp_group, true_vocab, temperature, with_entropy)
-        return out if with_entropy else (out,)
 
-    parts = []
-    for x, t in zip(logits.split(chunk, dim=1), targets.split(chunk, dim=1)):
-        if torch.is_grad_enabled() and x.requires_grad:
-            parts.append(checkpoint(one, x, t, use_reentrant=False, preserve_rng_state=False))
-        else:
-            parts.append(one(x, t))
-    outs = tuple(torch.cat(p, dim=1) for p in zip(*parts))
-    return outs if with_entropy else outs[0]
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, tp_group, true_vocab, temperature, with_entropy, chunk):
+        ctx.save_for_backward(logits, targets)
+        ctx.args = (tp_group, true_vocab, temperature, with_entropy, chunk)
+        lps, ents = [], []
+        for x, t in zip(logits.split(chunk, dim=1), targets.split(chunk, dim=1)):
+            out = vocab_parallel_logprobs(x, t, tp_group, true_vocab, temperature, with_entropy)
+            lp, ent = out if with_entropy else (out, None)
+            lps.append(lp)
+            if ent is not None:
+                ents.append(ent)
+        lp = torch.cat(lps, dim=1)
+        return lp, torch.cat(ents, dim=1) if ents else torch.zeros_like(lp)
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        logits, targets = ctx.saved_tensors
+        tp_group, true_vocab, temperature, with_entropy, chunk = ctx.args
+        grad = torch.empty_like(logits)
+        for i in range(0, logits.shape[1], chunk):
+            x = logits[:, i:i + chunk].detach().requires_grad_(True)
+            with torch.enable_grad():
+                out = vocab_parallel_logprobs(x, targets[:, i:i + chunk], tp_group, true_vocab, temperature,
+                                              with_entropy)
+            outs, grads = ((out[0], out[1]), (grad_lp[:, i:i + chunk], grad_ent[:, i:i + chunk])) \
+                if with_entropy else ((out,), (grad_lp[:, i:i + chunk],))
+            grad[:, i:i + chunk] = torch.autograd.grad(outs, x, grads)[0]
+        return grad, None, None, None, None, None, None

@@ -76,3 +76,43 @@ def test_chunk_size_follows_the_budget():
     assert 4 * c * 152064 <= LOGITS_CHUNK_BYTES < 4 * (c + 1) * 152064
     assert sequence_chunk((4, 8191, 152064)) == c // 4
     assert sequence_chunk((64, 10, 10 ** 7)) == 1
+
+
+def test_memory_model_knows_the_levers():
+    import dataclasses
+
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles
+    from puzzle.plan_search.memory_model import LOGITS_CHUNK_BYTES, MemoryModel
+    from puzzle.plan_search.profile_data import load_profile
+    from puzzle.training import vocab_parallel
+
+    assert LOGITS_CHUNK_BYTES == vocab_parallel.LOGITS_CHUNK_BYTES  # the planner's copy of the chunk
+    shape = ModelShape(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                       num_query_groups=8, vocab_size=128256, swiglu=True)
+    roles = ppo_roles(shape, None, shape, None)
+    base = PPOWorkload(rollout_batch_size=512, prompt_len=512, gen_len=7680, micro_batch_size=2)
+    prof, plan = load_profile("a100_80gb"), ParallelPlan(1, 4, 2)
+
+    def items(w, kind, role="actor"):
+        mm = MemoryModel(prof, w)
+        got = mm.static_items(roles[role], plan, 0, kind) + (mm.items(kind, roles[role], plan, 0)
+                                                              if role == "actor" else [])
+        return dict(got)
+
+    full = dataclasses.replace(base, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    act, act_full = items(base, "training")["actor activations"], items(full, "training")["actor activations"]
+    assert act_full < act / 5  # layer inputs only, + one layer recomputed
+    block = dataclasses.replace(full, recompute_method="block", recompute_num_layers=16)
+    assert act_full < items(block, "training")["actor activations"] < act
+    off = dataclasses.replace(base, offload_during_inference=True)
+    assert "actor grads" in items(base, "generation") and "actor grads" not in items(off, "generation")
+    assert "actor optimizer" in items(off, "training") and "ref weights" not in items(off, "generation", "ref")
+    assert "ref weights" in items(off, "scoring", "ref")
+    budget = dataclasses.replace(base, generation_micro_batch_size=16)
+    assert items(budget, "generation")["actor KV cache"] * 8 == items(base, "generation")["actor KV cache"]
+    cm, cm_full, cm_off = CostModel(prof, base), CostModel(prof, full), CostModel(prof, off)
+    assert cm_full.train_cost(roles["actor"], plan).total > cm.train_cost(roles["actor"], plan).total
+    assert cm.offload_cost(roles["actor"], plan) == 0 < cm_off.offload_cost(roles["actor"], plan)
+    assert CostModel(prof, budget).generation_cost(roles["actor"], plan).total > \
+        cm.generation_cost(roles["actor"], plan).total  # 8 waves of 16 sequences
