@@ -24,3 +24,20 @@ def test_chunked_logprobs_at_tp2(world):
         r = res["chunked_logprobs_tp2"]
         assert r["grad_sum"] > 0
         assert r["max_diff_1"] < 1e-5 and r["max_diff_5"] < 1e-5, r
+
+
+def test_offload_round_trip_is_bitwise(world):
+    for res in world:
+        for name, r in res["offload_round_trip"].items():
+            assert r["params_equal"] and r["ref_logprobs_equal"], (name, r)
+            assert r["opt_storages_freed"] and r["ref_freed"] and r["grads_freed"], (name, r)
+            assert r["opt_bytes_on_host"] > 0, (name, r)
+
+
+def test_generation_under_a_kv_budget_gives_the_same_tokens(world):
+    for res in world:
+        r = res["budgeted_generation"]
+        assert r["rows"] == 3
+        for name in ("greedy", "sampled"):
+            assert r[name]["equal"], (name, r)
+            assert len(r[name]["lengths"]) > 1, r  # rows finish at different steps: slots are refilled

@@ -116,3 +116,27 @@ def test_memory_model_knows_the_levers():
     assert cm.offload_cost(roles["actor"], plan) == 0 < cm_off.offload_cost(roles["actor"], plan)
     assert CostModel(prof, budget).generation_cost(roles["actor"], plan).total > \
         cm.generation_cost(roles["actor"], plan).total  # 8 waves of 16 sequences
+
+
+def test_kv_budget_sets_the_generation_micro_batch():
+    from puzzle.arguments import kv_bytes_per_sequence
+
+    base = _cfg()
+    gen = base.roles["actor"].gen_plan
+    per_rank = base.ppo.num_samples // gen.D
+    width = base.ppo.max_prompt_length + base.ppo.max_new_tokens
+    per_seq = kv_bytes_per_sequence(base.roles["actor"].arch, gen, width, 4)
+    assert base.ppo.generation_micro_batch_size is None
+    for fit, rows in ((per_rank, per_rank), (per_rank + 5, per_rank), (1, 1), (3, 2)):  # divisors of 2 per rank
+        gib = (fit + 0.5) * per_seq / (1 << 30)
+        c = _cfg("--inference-dynamic-batching-buffer-size-gb", str(gib))
+        assert c.ppo.generation_micro_batch_size == min(rows, per_rank), (fit, per_rank)
+    with pytest.raises(ArgumentError, match="^--inference-dynamic-batching-buffer-size-gb: .* holds no sequence"):
+        _cfg("--inference-dynamic-batching-buffer-size-gb", str(0.5 * per_seq / (1 << 30)))
+    with pytest.raises(ArgumentError, match="give one of them"):
+        _cfg("--inference-dynamic-batching-buffer-size-gb", "1", "--generation-micro-batch-size", "1")
+    with pytest.raises(ArgumentError, match="needs an actor generation layout with P=1"):
+        _cfg("--inference-dynamic-batching-buffer-size-gb", "1", "--pipeline-model-parallel-size", "2")
+    with pytest.raises(ArgumentError, match="^--inference-dynamic-batching-buffer-size-gb: must be > 0"):
+        _cfg("--inference-dynamic-batching-buffer-size-gb", "0")
+    assert _cfg("--rl-offload-optimizer-during-inference").levers.rl_offload_optimizer_during_inference

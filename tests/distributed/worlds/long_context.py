@@ -71,6 +71,76 @@ def check_chunked_logprobs_tp2():
     return out
 
 
+def _train_twice(plan, offload, distributed_optimizer):
+    """Actor and a frozen reference in ``plan``: two training steps; with ``offload``, the
+    stage offload runs its whole cycle between them. Returns (actor params, frozen state seen
+    while offloaded, reference log-probs after)."""
+    from puzzle.training.offload import StageOffload
+
+    layout = layout_for(plan)
+    optim = OptimConfig(lr=1e-2, use_distributed_optimizer=distributed_optimizer)
+    actor = ModelEngine("actor", ARCH, layout, trainable=True, optim=optim, seed=3)
+    ref = ModelEngine("ref", ARCH, layout, trainable=False, seed=3)
+    stages = StageOffload({"actor": actor, "ref": ref}, enabled=offload)
+    share = B // plan.D
+    mine = _tokens(2)[layout.d * share:(layout.d + 1) * share]
+    seen = {}
+    for it in range(2):
+        stages.before("generation")
+        if offload and it == 1:
+            opt_copy, ref_copy = stages.copies["actor"], stages.copies["ref"]
+            seen = {"opt_bytes_on_host": opt_copy.nbytes,
+                    "opt_storages_freed": all(s.size() == 0 for s in opt_copy.storages.values()),
+                    "ref_freed": all(p.untyped_storage().size() == 0 for p in ref.module.parameters()),
+                    "grads_freed": all(b.grad_data.untyped_storage().size() == 0 for b in actor.model.buffers)}
+        stages.before("scoring")
+        stages.before("training")
+        actor.train_step(lm_nll_step(ARCH.vocab_size), iter(mine.split(1)), share, S, 1)
+    store = []
+    with torch.no_grad():
+        ref.forward_backward(lm_nll_step(ARCH.vocab_size, store), iter(mine.split(share)), 1, S, share,
+                             forward_only=True)
+    return [p.detach().clone() for p in actor.module.parameters()], seen, store
+
+
+def check_offload_round_trip():
+    """Training after an offload round trip equals training without it, bitwise (T=2 with the
+    plain optimizer, D=2 with the distributed optimizer); the offloaded storages are freed."""
+    out = {}
+    for name, plan, dist_opt in (("tp2", TP2, False), ("dp2_distopt", ParallelPlan(1, 2, 1), True)):
+        ref_params, _, ref_lp = _train_twice(plan, False, dist_opt)
+        params, seen, lp = _train_twice(plan, True, dist_opt)
+        out[name] = {"params_equal": all(torch.equal(a, b) for a, b in zip(ref_params, params)),
+                     "ref_logprobs_equal": all(torch.equal(a, b) for a, b in zip(ref_lp, lp)), **seen}
+    return out
+
+
+def check_budgeted_generation():
+    """Generation under a KV budget that holds 3 of the 8 sequences (the rows the budget flag
+    derives) streams them through 3 cache slots: the tokens equal those of all 8 at once, greedy
+    and sampled (seeded), at T=2, with EOS so that slots free up at different steps."""
+    from puzzle.arguments import kv_bytes_per_sequence
+    from puzzle.rollout import SamplingParams, generate
+
+    eng = ModelEngine("actor", ARCH, layout_for(TP2), trainable=False, seed=3)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, ARCH.vocab_size, (n,), generator=g).tolist() for n in (5, 3, 8, 2, 6, 4, 7, 3)]
+    max_new = 10
+    per_seq = kv_bytes_per_sequence(ARCH, TP2, 8 + max_new, 4)
+    rows = int(3.5 * per_seq) // per_seq
+    out = {"rows": rows}
+    greedy = generate(eng, prompts, SamplingParams(max_new, greedy=True), seed=9).responses()
+    eos = greedy[0][2]
+    for name, params in (("greedy", SamplingParams(max_new, greedy=True, eos_id=eos)),
+                         ("sampled", SamplingParams(max_new, temperature=0.9, top_p=0.9, eos_id=eos))):
+        whole = generate(eng, prompts, params, seed=9).responses()
+        budgeted = generate(eng, prompts, params, seed=9, micro_batch_size=rows).responses()
+        out[name] = {"equal": whole == budgeted, "lengths": sorted({len(r) for r in whole})}
+    return out
+
+
 if __name__ == "__main__":
     world_main([("recompute_gradients", check_recompute_gradients),
-                ("chunked_logprobs_tp2", check_chunked_logprobs_tp2)])
+                ("chunked_logprobs_tp2", check_chunked_logprobs_tp2),
+                ("offload_round_trip", check_offload_round_trip),
+                ("budgeted_generation", check_budgeted_generation)])
