@@ -193,6 +193,9 @@ class MemoryModel:
     def items(self, kind: str, role: ModelRole, plan: ParallelPlan, p: int, shadow: bool = True):
         if kind == "static":
             return self.static_items(role, plan, p)
+        if kind == "offload_saving":  # what offload frees during generation
+            kept = sum(b for _, b in self.static_items(role, plan, p, "generation"))
+            return [("offloaded", sum(b for _, b in self.static_items(role, plan, p)) - kept)]
         if kind == "training":
             return self.train_items(role, plan, p)
         if kind == "scoring":

@@ -140,3 +140,28 @@ def test_kv_budget_sets_the_generation_micro_batch():
     with pytest.raises(ArgumentError, match="^--inference-dynamic-batching-buffer-size-gb: must be > 0"):
         _cfg("--inference-dynamic-batching-buffer-size-gb", "0")
     assert _cfg("--rl-offload-optimizer-during-inference").levers.rl_offload_optimizer_during_inference
+
+
+LLAMA_8B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads",
+            "32", "--group-query-attention", "--num-query-groups", "8", "--max-position-embeddings", "32768",
+            "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+            "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16", "--vocab-size", "128256",
+            "--use-distributed-optimizer", "--micro-batch-size", "2", "--global-batch-size", "128",
+            "--advantage-estimator", "grpo", "--n-samples-per-prompt", "8", "--rollout-batch-size", "64",
+            "--kl-coef", "0", "--use-kl-loss", "--reward-fn", "puzzle.reward_functions.builtin:math_answer",
+            "--max-prompt-length", "512", "--world-size", "8", "--ranks-per-node", "8", "--json"]
+
+
+def test_the_search_turns_levers_on_only_where_memory_needs_them(capsys):
+    import json
+
+    from puzzle.plan_search.command import search_main
+
+    def levers(*lengths):
+        assert search_main(LLAMA_8B + list(lengths)) == 0
+        return json.loads(capsys.readouterr().out)["levers"]
+
+    assert levers("--seq-length", "1536", "--max-new-tokens", "1024") == {}
+    long = levers("--seq-length", "16896", "--max-new-tokens", "16384")
+    assert long and set(long) <= {"--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+                                  "--rl-offload-optimizer-during-inference", "--generation-micro-batch-size"}
