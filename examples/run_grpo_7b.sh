@@ -42,16 +42,21 @@ PARALLEL_ARGS=(
     --use-distributed-optimizer --ranks-per-node "$GPUS_PER_NODE"
 )
 TRAIN_ARGS=(
-    --micro-batch-size 4 --global-batch-size 128 --train-iters 300
+    --micro-batch-size 2 --global-batch-size 128 --train-iters 300
     --lr 1e-6 --min-lr 1e-7 --lr-decay-style cosine --lr-warmup-iters 10
     --weight-decay 0.0 --clip-grad 1.0 --seed 1234
 )
 GRPO_ARGS=(
     --advantage-estimator grpo --n-samples-per-prompt 8 --rollout-batch-size 64
-    --max-new-tokens 1024 --temperature 1.0 --top-p 1.0 --generation-micro-batch-size 16
+    --max-new-tokens 1024 --temperature 1.0 --top-p 1.0
     --kl-coef 0 --use-kl-loss --kl-loss-coef 0.001 --kl-loss-type low_var_kl
     --clip-eps-low 0.2 --clip-eps-high 0.28 --loss-agg-mode token-mean --ppo-epochs 1
     --overlong-buffer-len 256 --overlong-penalty-factor 1.0
+)
+MEMORY_ARGS=(  # long responses (8k-16k tokens) fit 8x80 GB: docs/ppo.md "Memory levers"
+    --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+    --rl-offload-optimizer-during-inference
+    --inference-dynamic-batching-buffer-size-gb 16   # KV cache per GPU: sequences live at once
 )
 REWARD_ARGS=(
     --reward-fn puzzle.reward_functions.builtin:math_answer
@@ -60,7 +65,7 @@ REWARD_ARGS=(
 LOG_ARGS=(--log-interval 1 --log-dir "$OUT/logs" --save "$OUT" --save-interval 50 --load "$OUT")
 
 ALL_ARGS=("${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${GRPO_ARGS[@]}"
-          "${REWARD_ARGS[@]}" "${LOG_ARGS[@]}" "$@")
+          "${REWARD_ARGS[@]}" "${LOG_ARGS[@]}" "${MEMORY_ARGS[@]}" "$@")
 if [[ " $* " == *" --dry-run "* ]]; then   # validate + memory estimate on any machine, no GPUs needed
     exec python3 train_ppo.py --world-size $((GPUS_PER_NODE * NNODES)) "${ALL_ARGS[@]}"
 fi

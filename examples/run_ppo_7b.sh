@@ -57,6 +57,9 @@ PPO_ARGS=(
     --clip-eps 0.2 --value-clip-eps 0.2
 )
 if [[ -n $REWARD_FN ]]; then PPO_ARGS+=(--reward-fn "$REWARD_FN"); else PPO_ARGS+=(--reward-model "$RM_DIR"); fi
+# memory levers: long responses (4k-8k tokens) fit 8x80 GB (docs/ppo.md "Memory levers")
+PPO_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+           --rl-offload-optimizer-during-inference --inference-dynamic-batching-buffer-size-gb 32)
 LOG_ARGS=(--log-interval 1 --log-dir "$OUT/logs")
 
 ALL_ARGS=("${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${PPO_ARGS[@]}" "${LOG_ARGS[@]}" "$@")

@@ -11,6 +11,7 @@ every one of those raises. This patch, applied only when CUDA is unavailable:
 1. pushes a process-wide ``TorchFunctionMode`` that maps CUDA/integer devices to CPU in every
    torch call (``device=`` arguments, ``Tensor.cuda()``, ``Tensor.to("cuda")``) and makes
    ``Tensor.type()`` (no arguments) report the ``torch.cuda.*Tensor`` name megatron asserts on;
+   backward passes run inside the mode too (activation recompute reruns the forward there);
 2. replaces the ``torch.cuda`` functions megatron calls (current_device, synchronize,
    device_count, RNG state get/set and seeding — mapped to the CPU generator so that every TP
    rank still gets its own dropout/init stream —, streams, events, nvtx, memory statistics);
@@ -89,7 +90,31 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return _CUDA_TYPE_NAMES.get(name, name)
+        if func in _BACKWARD_FUNCS:
+            with _backward_inside(self):
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+_BACKWARD_FUNCS = (torch.autograd.backward, torch.autograd.grad)
+
+
+@contextlib.contextmanager
+def _backward_inside(mode):
+    """Run a backward pass with ``mode`` on. torch >= 2.13 dispatches torch.autograd.backward/grad
+    to the mode, and a mode is off while its own __torch_function__ runs: the backward would run
+    without it, and activation recompute (megatron's forward code rerun inside the backward)
+    would meet its literal device="cuda" tensors. The mode is pushed again and torch.autograd's
+    re-dispatch check answers False for the duration (else the call would come back here)."""
+    import torch.autograd as autograd
+
+    saved = autograd.has_torch_function
+    autograd.has_torch_function = lambda args: False
+    try:
+        with mode:
+            yield
+    finally:
+        autograd.has_torch_function = saved
 
 
 # ---------------------------------------------------------------------------------------------

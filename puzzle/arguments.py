@@ -22,7 +22,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import List, Optional
 
-from puzzle.config import ROLES, EvalConfig, ModelArch, Operations, OptimConfig, PPOParams, RoleSpec, RunConfig
+from puzzle.config import (ROLES, EvalConfig, MemoryLevers, ModelArch, Operations, OptimConfig, PPOParams,
+                           RoleSpec, RunConfig)
 from puzzle.config_flags import (add_dataclass_args, field_value, flag, flag_name, flagged_fields, flags_given,
                                  from_args, role_flags_given)
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
@@ -53,7 +54,7 @@ class CommandOptions:
 
 #: the configs whose fields declare the flags, in the order of their groups in --help
 FLAG_CONFIGS = (ModelArch, LayoutFlags, OptimConfig, PPOParams, RoleSpec, RunConfig, Operations, CommandOptions,
-                EvalConfig)
+                EvalConfig, MemoryLevers)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -357,6 +358,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--seq-length", "is required")
     optim = from_args(OptimConfig, args)  # the configs that check themselves
     ops = from_args(Operations, args)
+    levers = from_args(MemoryLevers, args)
     flag_checks.check_values(args)
     if args.vocab_size is not None and args.vocab_size < vocab_size:
         _fail("--vocab-size", f"{args.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})")
@@ -466,6 +468,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--generation-micro-batch-size", f"{gmb} must divide the samples per generation DP rank "
                                                f"({samples // gen_D})")
 
+    ppo = _kv_budget_micro_batch(levers, ppo, roles["actor"], samples // gen_D, 4 if precision == "fp32" else 2)
     if args.cuda_graph_generation and roles["actor"].gen_plan.P > 1:
         _fail("--cuda-graph-generation", f"needs an actor generation layout with P=1 "
                                          f"(got P={roles['actor'].gen_plan.P})")
@@ -486,9 +489,10 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                                      "megatron-core's local layer spec normalises with torch norms, which "
                                      "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
     _check_moe_paths(args, roles, impl)
+    _check_recompute_layers(levers, roles)
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
-        RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops,
+        RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers,
         evaluation=from_args(EvalConfig, args), reward_timeout=args.reward_timeout or None, precision=precision,
         transformer_impl=impl, transformer_impl_note=impl_note)
 
@@ -522,6 +526,42 @@ def _check_moe_paths(args, roles, transformer_impl: str) -> None:
     if transformer_impl == "transformer_engine":
         _fail("--transformer-impl", "MoE models run megatron-core's local layer spec (SequentialMLP experts); "
                                     "the transformer-engine MoE spec is not supported yet: use --transformer-impl local")
+
+
+def kv_bytes_per_sequence(arch, plan, seq_len: int, bytes_per_value: int) -> int:
+    """KV-cache bytes of one sequence of ``seq_len`` tokens on a rank of the generation layout."""
+    return seq_len * 2 * arch.num_query_groups * arch.kv_channels // plan.T * bytes_per_value * (
+        arch.num_layers // plan.P)
+
+
+def _kv_budget_micro_batch(levers: MemoryLevers, ppo, actor, samples_per_rank: int, value_bytes: int):
+    """--inference-dynamic-batching-buffer-size-gb: the generation micro-batch (KV-cache rows of the
+    continuous-batching loop) that fits the budget, the largest that divides the rank's samples."""
+    budget = levers.inference_dynamic_batching_buffer_size_gb
+    if budget is None:
+        return ppo
+    flag = "--inference-dynamic-batching-buffer-size-gb"
+    if ppo.generation_micro_batch_size is not None:
+        _fail(flag, "sets --generation-micro-batch-size from the KV budget; give one of them")
+    gen = actor.gen_plan
+    if gen.P > 1:
+        _fail(flag, f"needs an actor generation layout with P=1 (continuous batching; got P={gen.P})")
+    width = ppo.max_prompt_length + ppo.max_new_tokens
+    per_seq = kv_bytes_per_sequence(actor.arch, gen, width, value_bytes)
+    fit = int(budget * (1 << 30) // per_seq)
+    if fit < 1:
+        _fail(flag, f"{budget} GiB holds no sequence of {width} tokens ({per_seq / (1 << 30):.2f} GiB each)")
+    rows = max(d for d in range(1, min(fit, samples_per_rank) + 1) if samples_per_rank % d == 0)
+    return replace(ppo, generation_micro_batch_size=rows)
+
+
+def _check_recompute_layers(levers: MemoryLevers, roles) -> None:
+    """--recompute-num-layers fits every trainable model's layers per pipeline stage."""
+    n = levers.recompute_num_layers
+    for role, spec in roles.items():
+        per_stage = spec.arch.num_layers // spec.plan.P
+        if n is not None and ROLES[role].trainable and n > per_stage:
+            _fail("--recompute-num-layers", f"{n} exceeds the {role}'s {per_stage} layers per pipeline stage")
 
 
 def resolve_world_size(args) -> int:

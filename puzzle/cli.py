@@ -127,9 +127,22 @@ def _plan_layouts(args):
     else:
         return None
     layouts = read_plan_document(doc)
+    levers = _apply_plan_levers(args, doc.get("levers") or {})
     if launcher.rank() == 0:  # the flags that give the same layouts
-        print("plan: " + " ".join(layouts_as_flags(layouts, role_set(args))), flush=True)
+        print("plan: " + " ".join(layouts_as_flags(layouts, role_set(args)) + levers), flush=True)
     return layouts
+
+
+def _apply_plan_levers(args, levers: dict) -> list:
+    """The memory levers a plan needs (recompute, offload, generation micro-batch) set on ``args``;
+    returns them as flags. The plan's generation micro-batch replaces a KV budget."""
+    from puzzle.plan_search.command import lever_argv
+
+    for flag, value in levers.items():
+        setattr(args, flag[2:].replace("-", "_"), value)
+        if flag == "--generation-micro-batch-size":
+            args.inference_dynamic_batching_buffer_size_gb = None
+    return lever_argv(levers)
 
 
 def _dry_run(args, layouts, rank: int) -> int:

@@ -32,6 +32,7 @@ from puzzle.training import nonfinite
 from puzzle.training.batch import RolloutBatch, gather_outputs, rollout_from_generation
 from puzzle.training.moe_metrics import moe_aux_loss_metrics
 from puzzle.training.engine import ModelEngine
+from puzzle.training.offload import StageOffload
 
 
 class PPOTrainer:
@@ -61,6 +62,8 @@ class PPOTrainer:
                 # each rank reads only its own shards; a critic from an LM keeps its fresh head
                 load_hf_into_model(self.engines[role].module, spec.arch, role, spec.hf_path,
                                    allow_missing_head=spec.description.allow_missing_head)
+        # --rl-offload-optimizer-during-inference: idle state on the host between stages
+        self.offload = StageOffload(self.engines, cfg.levers.rl_offload_optimizer_during_inference)
         gen_plan = cfg.roles["actor"].gen_plan
         self.switch = None
         if gen_plan != cfg.roles["actor"].plan:
@@ -99,12 +102,14 @@ class PPOTrainer:
         rt.reset_peak_memory()
         t0 = time.perf_counter()
         self.progress(self.iteration, "generation stage")
+        self.offload.before("generation")
         batch, gen_stats = self.generate(prompt_ids, records, refill)
         rt.synchronize()
         t1 = time.perf_counter()
         peaks.append(rt.peak_memory_bytes())
         rt.reset_peak_memory()
         self.progress(self.iteration, "scoring stage")
+        self.offload.before("scoring")
         gen_stats.update(self.score(batch))
         rt.synchronize()
         t2 = time.perf_counter()
@@ -112,6 +117,7 @@ class PPOTrainer:
         rt.reset_peak_memory()
         adv_stats = self.compute_advantages(batch)
         self.progress(self.iteration, "training stage")
+        self.offload.before("training")
         train_stats = self.train(batch)
         rt.synchronize()
         t3 = time.perf_counter()

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from puzzle.config import ROLES, ModelArch
+from puzzle.config import ROLES, ModelArch, Recompute
 from puzzle.models.attention_backend import attention_layer_spec, te_attention_config
 from puzzle.parallel.device import accelerator_available, runtime
 from puzzle.parallel.groups import Layout
@@ -48,9 +48,10 @@ class ScalarHead(torch.nn.Module):
 
 
 def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, fp16: bool = False,
-                       recompute: bool = False, sequence_parallel: bool = False,
+                       recompute: Optional[Recompute] = None, sequence_parallel: bool = False,
                        transformer_impl: str = "local"):
-    """megatron TransformerConfig of a model of shape ``arch`` in ``layout``."""
+    """megatron TransformerConfig of a model of shape ``arch`` in ``layout`` (``recompute``:
+    Megatron's activation recompute in training; None: none)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     plan = layout.plan
@@ -58,6 +59,7 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
     plan.check_model(num_layers=arch.num_layers, num_attention_heads=arch.num_attention_heads,
                      num_query_groups=arch.num_query_groups, ffn_hidden_size=arch.ffn_hidden_size,
                      hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size)
+    recompute = recompute or Recompute()
     params_dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     on_gpu = accelerator_available()
     return TransformerConfig(**te_attention_config(arch.attention_backend, transformer_impl),
@@ -95,9 +97,9 @@ def transformer_config(arch: ModelArch, layout: Layout, *, bf16: bool = False, f
         persist_layer_norm=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        recompute_granularity=recompute.granularity,
+        recompute_method=recompute.method,
+        recompute_num_layers=recompute.num_layers,
         variable_seq_lengths=False,
         deallocate_pipeline_outputs=False,
         **moe_config(arch, layout),
@@ -173,7 +175,7 @@ def moe_config(arch: ModelArch, layout: Layout) -> dict:
 
 
 def build_role_model(role: str, arch: ModelArch, layout: Layout, *, bf16: bool = False,
-                     fp16: bool = False, recompute: bool = False,
+                     fp16: bool = False, recompute: Optional[Recompute] = None,
                      head_seed: int = 0, layout_independent_init: bool = True,
                      transformer_impl: str = "local", sequence_parallel: bool = False
                      ) -> Optional[torch.nn.Module]:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import Dict, List, Optional
 
 from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles, stage_seconds
-from puzzle.plan_search.memory_model import GiB, MemoryModel, fmt_plan
+from puzzle.plan_search.memory_model import LOGITS_CHUNK_BYTES, GiB, MemoryModel, fmt_plan
 from puzzle.plan_search.profile_data import load_profile
 
 
@@ -43,7 +44,11 @@ def workload_from_config(cfg) -> PPOWorkload:
                        ppo_minibatches=ppo.num_samples // ppo.mini_batch_size,
                        distributed_optimizer=cfg.optim.use_distributed_optimizer,
                        generation_micro_batch_size=ppo.generation_micro_batch_size,
-                       cuda_graphs=ppo.cuda_graph_generation)
+                       cuda_graphs=ppo.cuda_graph_generation,
+                       recompute_granularity=cfg.levers.recompute_granularity,
+                       recompute_method=cfg.levers.recompute_method,
+                       recompute_num_layers=cfg.levers.recompute_num_layers,
+                       offload_during_inference=cfg.levers.rl_offload_optimizer_during_inference)
 
 
 def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:
@@ -102,6 +107,8 @@ def print_dry_run(cfg, profile, out=sys.stdout) -> bool:
     print(f"  placements: scoring {cfg.score_placement}, training {cfg.train_placement}", file=out)
     est = stage_estimate(cfg, profile)
     print("  estimated stage seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in est.items()), file=out)
+    for line in lever_lines(cfg, profile):
+        print("  " + line, file=out)
     worst = max(reports, key=lambda r: r.total)
     print(f"  per-device memory estimate (worst stage, GiB; device {profile.device_memory_bytes / GiB:.0f}):",
           file=out)
@@ -116,6 +123,33 @@ def print_dry_run(cfg, profile, out=sys.stdout) -> bool:
     return fits
 
 
+def lever_lines(cfg, profile) -> List[str]:
+    """Which memory levers are on, and the busiest rank's memory in every stage with them."""
+    lv, ppo = cfg.levers, cfg.ppo
+    mem, placement, roles, shadow = _memory_setup(cfg, profile)
+    gen_plan = cfg.roles["actor"].gen_plan
+    rows, b = mem.generation_rows(gen_plan), cfg.ppo.num_samples // gen_plan.D
+    recompute = ("off" if lv.recompute_granularity is None else lv.recompute_granularity if
+                 lv.recompute_granularity == "selective" else
+                 f"full, {lv.recompute_method}, {lv.recompute_num_layers} layer(s)")
+    budget = lv.inference_dynamic_batching_buffer_size_gb
+    waves = -(-b // rows)
+    kv = (f"{rows} of {b} sequences live per generation rank" + (f" ({budget:g} GiB KV budget)" if budget else "")
+          + (f", {waves} waves" if waves > 1 else ""))
+    lines = ["memory levers: recompute " + recompute
+             + f"; offload during inference {'on' if lv.rl_offload_optimizer_during_inference else 'off'}"
+             + "; log-probs a sequence chunk at a time where the logits exceed "
+             + f"{LOGITS_CHUNK_BYTES >> 20} MiB of fp32; KV cache: {kv}"]
+    by_stage: Dict[str, object] = {}
+    for r in range(cfg.world_size):
+        for rep in mem.stage_reports(r, placement, roles, shadow):
+            if rep.stage not in by_stage or rep.total > by_stage[rep.stage].total:
+                by_stage[rep.stage] = rep
+    for stage, rep in by_stage.items():
+        lines.append(f"  {stage:10s} " + rep.describe())
+    return lines
+
+
 def job_from_config(cfg, profile):
     from puzzle.plan_search.search import PPOJob
 
@@ -126,13 +160,74 @@ def job_from_config(cfg, profile):
                   reward=shapes.get("reward") or critic, roles=tuple(cfg.roles))
 
 
+#: the levers the search may turn on: full recompute of every layer, offload during inference,
+#: and fewer live sequences in generation (KV-cache rows per generation rank, waves of them)
+RECOMPUTE_CHOICE = ("full", "uniform", 1)
+GENERATION_ROWS = (64, 32, 16, 8)
+
+
+def lever_workloads(w: PPOWorkload) -> List[PPOWorkload]:
+    """The run's own levers first, then every combination with more of them on."""
+    recompute = [(w.recompute_granularity, w.recompute_method, w.recompute_num_layers)]
+    if w.recompute_granularity != "full":
+        recompute.append(RECOMPUTE_CHOICE)
+    rows = [w.generation_micro_batch_size] + [r for r in GENERATION_ROWS if w.generation_micro_batch_size is None
+                                              or r < w.generation_micro_batch_size]
+    out = []
+    for rc in recompute:
+        for offload in sorted({w.offload_during_inference, True}):
+            for r in rows:
+                out.append(replace(w, recompute_granularity=rc[0], recompute_method=rc[1], recompute_num_layers=rc[2],
+                                   offload_during_inference=offload, generation_micro_batch_size=r))
+    return out
+
+
+def lever_flags(w: PPOWorkload, base: PPOWorkload) -> Dict[str, object]:
+    """The flags that give a run the levers of ``w`` (those that differ from ``base``'s)."""
+    flags: Dict[str, object] = {}
+    if w.recompute_granularity != base.recompute_granularity:
+        flags.update({"--recompute-granularity": w.recompute_granularity, "--recompute-method": w.recompute_method,
+                      "--recompute-num-layers": w.recompute_num_layers})
+    if w.offload_during_inference != base.offload_during_inference:
+        flags["--rl-offload-optimizer-during-inference"] = True
+    if w.generation_micro_batch_size != base.generation_micro_batch_size:
+        flags["--generation-micro-batch-size"] = w.generation_micro_batch_size
+    return flags
+
+
 def search(cfg, profile, exhaustive: bool = False):
-    from puzzle.plan_search.search import exhaustive_search, similarity_search
+    """The fastest plan that fits, over the layouts and the memory levers (the run's own levers
+    first; a lever set wins only when it is faster, so levers stay off where memory suffices).
+    The result's ``levers`` are the flags that turn on what the run did not have."""
+    from puzzle.plan_search.search import InfeasibleError, exhaustive_search, similarity_search
 
     job = job_from_config(cfg, profile)
-    result = similarity_search(job)
-    check = exhaustive_search(job) if exhaustive else None
+    best, first_error = None, None
+    for w in lever_workloads(job.workload):
+        try:
+            result = similarity_search(replace(job, workload=w))
+        except InfeasibleError as e:
+            first_error = first_error or e
+            continue
+        gen = result.plans["actor"]["generation"]
+        if w.generation_micro_batch_size and (w.rollout_batch_size // gen.D) % w.generation_micro_batch_size:
+            continue  # the generation micro-batch must divide the rank's samples
+        if best is None or result.total_time < best[0].total_time:
+            best = (result, w)
+    if best is None:
+        raise first_error
+    result, w = best
+    result.levers = lever_flags(w, job.workload)
+    check = exhaustive_search(replace(job, workload=w)) if exhaustive else None
     return result, check
+
+
+def lever_argv(levers: Dict[str, object]) -> List[str]:
+    """Command-line form of a plan document's ``levers``."""
+    out: List[str] = []
+    for flag, value in levers.items():
+        out += [flag] if value is True else [flag, str(value)]
+    return out
 
 
 def _add_search_args(parser) -> None:
@@ -180,6 +275,7 @@ def search_main(argv: Optional[List[str]] = None) -> int:
     print("  estimated stage seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in doc["stage_times"].items()))
     print(f"  switch: {doc['switch_bytes'] / 2**20:.1f} MiB on the busiest rank, {doc['switch_time']:.3f} s")
     print(f"  peak memory per device: {doc['peak_memory_gib']} GiB; iteration estimate {doc['total_time']:.3f} s")
+    print("  memory levers: " + (" ".join(lever_argv(doc["levers"])) or "none needed"))
     if "gap" in doc:
         print(f"  exhaustive optimum {doc['exhaustive_total_time']:.3f} s (gap {100 * doc['gap']:.2f} %)")
     if args.save_plan:

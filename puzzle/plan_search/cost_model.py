@@ -133,6 +133,13 @@ class PPOWorkload:
     actor_logprobs_in_scoring: bool = True  # recompute the old log-probs in the scoring stage
     generation_micro_batch_size: Optional[int] = None  # KV-cache rows per DP rank (None: all)
     cuda_graphs: bool = False  # decode steps replayed from CUDA graphs (GPU)
+    # memory levers (puzzle.config.MemoryLevers): activation recompute in training, and the
+    # trainable roles' gradients + optimizer states (frozen roles' weights) on the host while
+    # they are idle (--rl-offload-optimizer-during-inference)
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    offload_during_inference: bool = False
 
     def __post_init__(self):
         for k in ("rollout_batch_size", "prompt_len", "gen_len", "micro_batch_size", "ppo_epochs", "ppo_minibatches"):
@@ -287,7 +294,9 @@ def stage_seconds(cm: "CostModel", roles: Dict[str, "ModelRole"],
     return {"generation": cm.generation_cost(roles["actor"], G).total,
             "scoring": stage_time(score, placements.get("scoring", "sequential")),
             "training": stage_time(train, placements.get("training", "sequential"))
-            + cm.switch(roles["actor"], A, G)[1]}
+            + cm.switch(roles["actor"], A, G)[1]
+            # offloaded state goes out and comes back once per iteration (every model in turn)
+            + sum(cm.offload_cost(roles[m], st.get("training") or st["scoring"]) for m, st in plans.items())}
 
 
 # ---- switching (exact lower bound of the bytes a rank must receive) ------------------------------
@@ -406,6 +415,9 @@ class CostModel:
         head_f = self._head_fwd(role, tokens, T)
         t_f = layers * (tab.fwd(tokens, T) + ar) + head_f + p2p
         t_b = layers * (tab.bwd(tokens, T) + ar) + 2 * head_f + p2p
+        if w.recompute_granularity == "full":  # the recomputed layers run their forward again
+            redo = layers if w.recompute_method == "uniform" else min(w.recompute_num_layers, layers)
+            t_b += redo * (tab.fwd(tokens, T) + ar)
         phi = max(params_on_stage(role, P, T, 0), params_on_stage(role, P, T, P - 1))
         if D > 1:
             if w.distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
@@ -441,6 +453,17 @@ class CostModel:
         cost = TaskCost(role.name, "forward", plan, n_micro, t, 0.0, 1, pipeline_time(n_micro, P, t))
         self._cache[key] = cost
         return cost
+
+    # -- offload between stages (--rl-offload-optimizer-during-inference) ----------------------
+    def offload_cost(self, role: ModelRole, plan: ParallelPlan) -> float:
+        """Seconds of one iteration's host round trip of ``role``'s offloaded state on its busiest
+        stage: optimizer states (trainable) or bf16 weights (frozen), out and back over the host
+        link (gradients are freed and re-zeroed, not copied)."""
+        if not self.workload.offload_during_inference:
+            return 0.0
+        phi = max(params_on_stage(role, plan.P, plan.T, p) for p in range(plan.P))
+        nbytes = 12.0 * phi / (plan.D if self.workload.distributed_optimizer else 1) if role.trainable else BF16 * phi
+        return 2.0 * nbytes / self.profile.host_link_bandwidth
 
     # -- generation -----------------------------------------------------------------------
     def generation_cost(self, role: ModelRole, plan: ParallelPlan) -> TaskCost:

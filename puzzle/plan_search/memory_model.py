@@ -8,12 +8,21 @@ Active (only during a stage; the peak of a rank is static + the largest stage):
   * training: activations of the micro-batches in flight; 1F1B keeps min(P - p, N_B) of them on
     stage p. Per layer and token (bf16, flash attention, SwiGLU, no recomputation): 8h bytes
     replicated over TP (the two norms' inputs/outputs) + (4h + 4*kv + 6*ffn)/T bytes split
-    (Q, K, V, attention output, gate/up/product). Last stage with an LM head: fp32 logits and
-    their gradient, 8*tokens*V/T bytes;
-  * scoring: two layers' worth of one micro-batch's activations + fp32 logits;
+    (Q, K, V, attention output, gate/up/product). Full recompute keeps only each recomputed
+    group's input (2h bytes per token) per micro-batch in flight, plus one group's activations
+    while it is recomputed; selective recompute (core attention) saves nothing under flash
+    attention, which keeps no score matrix. Last stage with an LM head: bf16 logits and their
+    gradient, 4*tokens*V/T bytes, plus the fp32 working set of one chunk of the sequence
+    (puzzle.training.vocab_parallel computes log-probs a chunk at a time);
+  * scoring: two layers' worth of one micro-batch's activations + bf16 logits + a chunk's fp32
+    working set;
   * generation: the shadow generation model (bf16 weights in the generation layout; absent when
-    the generation plan equals the training plan) + the KV cache of the replica's sequences for
-    the stage's layers (prompt + generated tokens) + one prefill micro-batch's activations.
+    the generation plan equals the training plan) + the KV cache of the sequences live at once
+    (at P = 1 the cache's rows, --generation-micro-batch-size, refilled as rows finish; at P > 1
+    all of the replica's sequences) for the stage's layers (prompt + generated tokens) + one
+    prefill's activations.
+With ``offload_during_inference`` the trainable roles' gradients and optimizer states are on the
+host during generation and scoring, the frozen roles' weights during generation.
 Models placed on the same devices in one stage run one after another or time-shared; PUZZLE
 §4.2 shows time-sharing keeps the sequential peak, so a stage's active memory is the largest
 of its models', not the sum.
@@ -30,6 +39,10 @@ from puzzle.plan_search.cost_model import BF16, ModelRole, PPOWorkload, params_o
 from puzzle.plan_search.profile_data import Profile
 
 GiB = float(1 << 30)
+#: fp32 bytes of one chunk of the logits (puzzle.training.vocab_parallel.LOGITS_CHUNK_BYTES) and
+#: how many such tensors its computation holds at once (fp32 copy, shifted, exp, probabilities, grad)
+LOGITS_CHUNK_BYTES = 256 << 20
+CHUNK_WORKING_SET = 5
 
 
 class MemoryFitError(ValueError):
@@ -89,16 +102,47 @@ class MemoryModel:
         return 8.0 * s.hidden_size + (4.0 * s.hidden_size + 4.0 * s.kv_dim + 6.0 * s.ffn_hidden_size) / T
 
     def _logits(self, role: ModelRole, tokens: float, T: int, factor: float) -> float:
-        return factor * tokens * role.shape.vocab_size / T if role.lm_head else 0.0
+        """bf16 logits (factor 2; 4 with their gradient) + one chunk's fp32 working set."""
+        if not role.lm_head:
+            return 0.0
+        fp32 = 4.0 * tokens * role.shape.vocab_size / T
+        return factor / 4.0 * fp32 + CHUNK_WORKING_SET * min(fp32, LOGITS_CHUNK_BYTES)
 
-    def static_items(self, role: ModelRole, plan: ParallelPlan, p: int) -> List[Tuple[str, float]]:
+    def static_items(self, role: ModelRole, plan: ParallelPlan, p: int,
+                     stage: str = "training") -> List[Tuple[str, float]]:
+        """What ``role`` keeps on the device during ``stage`` (offloaded parts left out)."""
         phi = params_on_stage(role, plan.P, plan.T, p)
-        items = [(f"{role.name} weights", BF16 * phi)]
-        if role.trainable:
+        offload = self.workload.offload_during_inference
+        items = []
+        if role.trainable or not (offload and stage == "generation"):
+            items.append((f"{role.name} weights", BF16 * phi))
+        if role.trainable and not (offload and stage in ("generation", "scoring")):
             items.append((f"{role.name} grads", 4.0 * phi))
             shards = plan.D if self.workload.distributed_optimizer else 1
             items.append((f"{role.name} optimizer", 12.0 * phi / shards))
         return items
+
+    def offloaded_bytes(self, role: ModelRole, plan: ParallelPlan, p: int) -> float:
+        """Bytes ``role`` copies to the host and back per iteration with offload on (gradients
+        are freed and re-zeroed, not copied)."""
+        if not self.workload.offload_during_inference:
+            return 0.0
+        phi = params_on_stage(role, plan.P, plan.T, p)
+        if role.trainable:
+            return 12.0 * phi / (plan.D if self.workload.distributed_optimizer else 1)
+        return BF16 * phi
+
+    def activations(self, role: ModelRole, layers: int, tokens: float, inflight: int, T: int) -> float:
+        """Training activations of ``inflight`` micro-batches of ``tokens`` over ``layers`` layers,
+        with the workload's recompute."""
+        w, per_layer = self.workload, tokens * self.act_per_token_layer(role, T)
+        if w.recompute_granularity != "full":
+            return inflight * layers * per_layer
+        n = min(w.recompute_num_layers, layers)
+        boundary = tokens * 2.0 * role.shape.hidden_size  # a recomputed group's input, bf16
+        if w.recompute_method == "uniform":
+            return inflight * math.ceil(layers / n) * boundary + n * per_layer
+        return inflight * (n * boundary + (layers - n) * per_layer) + per_layer
 
     def train_items(self, role: ModelRole, plan: ParallelPlan, p: int) -> List[Tuple[str, float]]:
         w = self.workload
@@ -107,10 +151,10 @@ class MemoryModel:
         n_micro = math.ceil(samples / mb)
         tokens = mb * w.seq_len
         inflight = min(plan.P - p, n_micro)
-        act = inflight * (role.shape.num_layers // plan.P) * tokens * self.act_per_token_layer(role, plan.T)
+        act = self.activations(role, role.shape.num_layers // plan.P, tokens, inflight, plan.T)
         items = [(f"{role.name} activations", act)]
         if p == plan.P - 1 and role.lm_head:
-            items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 8.0)))
+            items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 4.0)))
         return items
 
     def forward_items(self, role: ModelRole, plan: ParallelPlan, p: int) -> List[Tuple[str, float]]:
@@ -119,18 +163,27 @@ class MemoryModel:
         tokens = mb * w.seq_len
         items = [(f"{role.name} activations", 2 * tokens * self.act_per_token_layer(role, plan.T))]
         if p == plan.P - 1 and role.lm_head:
-            items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 4.0)))
+            items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 2.0)))
         return items
+
+    def generation_rows(self, plan: ParallelPlan) -> int:
+        """Sequences with a KV cache at once on a replica (see the module docstring)."""
+        w = self.workload
+        b = math.ceil(w.rollout_batch_size / plan.D)
+        return min(w.generation_micro_batch_size or b, b) if plan.P == 1 else b
+
+    def kv_bytes_per_sequence(self, role: ModelRole, plan: ParallelPlan) -> float:
+        s = role.shape
+        return self.workload.seq_len * 2.0 * s.kv_dim / plan.T * BF16 * (s.num_layers // plan.P)
 
     def generation_items(self, role: ModelRole, plan: ParallelPlan, p: int, shadow: bool) -> List[Tuple[str, float]]:
         w, s = self.workload, role.shape
-        b = math.ceil(w.rollout_batch_size / plan.D)
-        bm = math.ceil(b / min(plan.P, b))
-        layers = s.num_layers // plan.P
+        rows = self.generation_rows(plan)
+        bm = math.ceil(rows / min(plan.P, rows))
         items = []
         if shadow:
             items.append((f"{role.name} shadow weights", BF16 * params_on_stage(role, plan.P, plan.T, p)))
-        items.append((f"{role.name} KV cache", b * w.seq_len * 2.0 * s.kv_dim / plan.T * BF16 * layers))
+        items.append((f"{role.name} KV cache", rows * self.kv_bytes_per_sequence(role, plan)))
         prefill = 2 * bm * w.prompt_len * self.act_per_token_layer(role, plan.T)
         items.append((f"{role.name} prefill activations", prefill))
         if p == plan.P - 1:
@@ -140,6 +193,9 @@ class MemoryModel:
     def items(self, kind: str, role: ModelRole, plan: ParallelPlan, p: int, shadow: bool = True):
         if kind == "static":
             return self.static_items(role, plan, p)
+        if kind == "offload_saving":  # what offload frees during generation
+            kept = sum(b for _, b in self.static_items(role, plan, p, "generation"))
+            return [("offloaded", sum(b for _, b in self.static_items(role, plan, p)) - kept)]
         if kind == "training":
             return self.train_items(role, plan, p)
         if kind == "scoring":
@@ -198,13 +254,13 @@ class MemoryModel:
                       roles: Dict[str, ModelRole], shadow: bool) -> List[MemoryReport]:
         """``rank``'s peak in every stage; static memory comes from each model's home (training
         or scoring) plan."""
-        static: List[Tuple[str, float]] = []
-        for name, stages in placement.items():
-            home = stages.get("training") or stages.get("scoring")
-            if home is not None and home.contains(rank):
-                static += self.static_items(roles[name], home, home.coords(rank)[0])
         reports = []
         for stage in STAGES:
+            static: List[Tuple[str, float]] = []
+            for name, stages in placement.items():
+                home = stages.get("training") or stages.get("scoring")
+                if home is not None and home.contains(rank):
+                    static += self.static_items(roles[name], home, home.coords(rank)[0], stage)
             act: List[List[Tuple[str, float]]] = []
             for name, stages in placement.items():
                 plan = stages.get(stage)

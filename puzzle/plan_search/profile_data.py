@@ -50,7 +50,8 @@ HARDWARE_FIELDS = {
 #: optional hardware fields (name -> default): the fraction of a decode step's weight + KV-cache
 #: read bound that a CUDA-graph-replayed step reaches (puzzle.bench.decode_step prints it as
 #: ``graph_decode_efficiency``); 1.0, the bound itself, where a profile does not say.
-OPTIONAL_HARDWARE_FIELDS = {"graph_decode_efficiency": 1.0}
+#: host_link_bandwidth: bytes/s of pinned host <-> device copies per direction (PCIe 4.0 x16)
+OPTIONAL_HARDWARE_FIELDS = {"graph_decode_efficiency": 1.0, "host_link_bandwidth": 25e9}
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "swiglu")
 
 
@@ -141,6 +142,7 @@ class Profile:
     layers: Dict[tuple, LayerTable] = field(default_factory=dict)
     comment: str = ""
     graph_decode_efficiency: float = OPTIONAL_HARDWARE_FIELDS["graph_decode_efficiency"]
+    host_link_bandwidth: float = OPTIONAL_HARDWARE_FIELDS["host_link_bandwidth"]
 
     # ---- primitives the cost model uses ------------------------------------------------
     def bandwidth(self, inter_node: bool) -> float:

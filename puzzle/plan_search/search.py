@@ -31,7 +31,7 @@ import heapq
 import math
 import operator
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from puzzle.parallel.plan import ParallelPlan
@@ -85,6 +85,7 @@ class SearchResult:
     plans_evaluated: int
     space_size: int
     seconds: float
+    levers: Dict[str, object] = field(default_factory=dict)  # flags of the memory levers it needs
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -98,7 +99,7 @@ class SearchResult:
                 "total_time": round(self.total_time, 6), "switch_bytes": self.switch_bytes,
                 "switch_time": round(self.switch_time, 6), "peak_memory_gib": round(self.peak_memory_bytes / GiB, 2),
                 "plans_evaluated": self.plans_evaluated, "space_size": self.space_size,
-                "seconds": round(self.seconds, 4)}
+                "seconds": round(self.seconds, 4), "levers": dict(self.levers)}
 
 
 def candidate_plans(shape: ModelShape, n: int, offset: int, workload: PPOWorkload, stage: str,
@@ -162,6 +163,9 @@ class _Layout:
                 if v in ("A", "C"):
                     sc = tuple(map(max, sc, vec("training", roles[v], q, N)))
                 self.act[v].append(sc)
+        # with offload, what each model frees during generation (its static vector is training's)
+        self.gsave = {v: [vec("offload_saving", roles[v], q, N) if v not in ev.absent else (0.0,) * N
+                          for q in self.plans[v]] for v in ("A", "C", "R", "W")}
         self.gen = [vec("generation", roles["G"], q, N, True) for q in self.plans["G"]]
         self.gen_lean = [vec("generation", roles["G"], q, N, False) for q in self.plans["G"]]
         self.smax = {v: [max(x) for x in self.static[v]] for v in self.static}
@@ -275,7 +279,29 @@ class _Evaluator:
 
     def total(self, cfg) -> float:
         li, a, g, c, r, w = cfg
-        return self.train_time(li, a, c)[0] + self.score_time(li, a, c, r, w)[0] + self.gen_switch(li, a, g)
+        return (self.train_time(li, a, c)[0] + self.score_time(li, a, c, r, w)[0] + self.gen_switch(li, a, g)
+                + self.offload_time(li, a, c, r, w))
+
+    def offload_time(self, li: int, a: int, c: int, r: int, w: int) -> float:
+        """Host round trip of the offloaded state (--rl-offload-optimizer-during-inference)."""
+        if not self.w.offload_during_inference:
+            return 0.0
+        plans = dict(zip(("A", "C", "R", "W"), (self.layouts[li].plans[v][i] for v, i in
+                                                 zip(("A", "C", "R", "W"), (a, c, r, w)))))
+        return sum(self.cost.offload_cost(self.roles[VAR_INFO[v][0]], q) for v, q in plans.items()
+                   if v not in self.absent)
+
+    def generation_peak(self, li: int, a: int, g: int, c: int, r: int, w: int) -> list:
+        """Per rank: static + the larger of the scoring/training activations and generation (less
+        what offload frees during generation)."""
+        L = self.layouts[li]
+        st, act = self.base_memory(li, a, c, r, w)
+        gen = L.gen[g] if L.g_same[a] != g else L.gen_lean[g]
+        if self.w.offload_during_inference:
+            saved = list(map(lambda p, q, x, y: p + q + x + y, L.gsave["A"][a], L.gsave["C"][c],
+                             L.gsave["R"][r], L.gsave["W"][w]))
+            gen = [y - z for y, z in zip(gen, saved)]
+        return [s + (x if x > y else y) for s, x, y in zip(st, act, gen)]
 
     # ---- memory ------------------------------------------------------------------------------
     def base_memory(self, li: int, a: int, c: int, r: int, w: int) -> list:
@@ -296,15 +322,11 @@ class _Evaluator:
         """Bytes by which the fullest rank exceeds the usable device memory (0: fits)."""
         li, a, g, c, r, w = cfg
         L = self.layouts[li]
-        shadow = L.g_same[a] != g
         bound = (L.smax["A"][a] + L.smax["C"][c] + L.smax["R"][r] + L.smax["W"][w]
                  + max(L.amax["A"][a], L.amax["C"][c], L.amax["R"][r], L.amax["W"][w], L.gmax[g]))
         if bound <= self.usable:  # even the worst ranks of every part together fit
             return 0.0
-        st, act = self.base_memory(li, a, c, r, w)
-        gen = L.gen[g] if shadow else L.gen_lean[g]
-        peak = max(map(lambda s, x, y: s + (x if x > y else y), st, act, gen))
-        return max(0.0, peak - self.usable)
+        return max(0.0, max(self.generation_peak(li, a, g, c, r, w)) - self.usable)
 
     def evaluate(self, cfg) -> Tuple[float, float]:
         """(objective, overflow bytes); memoised; counts plans_evaluated."""
@@ -341,9 +363,7 @@ class _Evaluator:
         tr, tr_shared = self.train_time(li, a, c)
         sc, sc_shared = self.score_time(li, a, c, r, w)
         sw_bytes, sw_time = self.cost.switch(self.roles["actor"], A, G)
-        st, act = self.base_memory(li, a, c, r, w)
-        gvec = L.gen[g] if L.g_same[a] != g else L.gen_lean[g]
-        mem = [s + max(x, y) + self.profile.memory_reserved_bytes for s, x, y in zip(st, act, gvec)]
+        mem = [x + self.profile.memory_reserved_bytes for x in self.generation_peak(li, a, g, c, r, w)]
         disjoint = L.k is not None
         place = {"generation": "single",
                  "scoring": "disjoint" if disjoint else ("time-sharing" if sc_shared else "sequential"),

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
-from puzzle.config import ModelArch, OptimConfig  # noqa: F401  (OptimConfig: imported from here too)
+from puzzle.config import ModelArch, OptimConfig, Recompute  # noqa: F401  (OptimConfig: imported from here too)
 from puzzle.models.builders import build_role_model
 from puzzle.parallel.groups import Layout
 
@@ -23,7 +23,7 @@ class ModelEngine:
     """A role model on this rank: ``model`` is None when the rank is outside the layout."""
 
     def __init__(self, role: str, arch: ModelArch, layout: Layout, *, trainable: bool,
-                 optim: Optional[OptimConfig] = None, seed: int = 1234, recompute: bool = False,
+                 optim: Optional[OptimConfig] = None, seed: int = 1234, recompute: Optional[Recompute] = None,
                  bf16: bool = False, fp16: bool = False, transformer_impl: str = "local",
                  sequence_parallel: bool = False, layout_independent_init: bool = True):
         self.role, self.arch, self.layout, self.trainable = role, arch, layout, trainable

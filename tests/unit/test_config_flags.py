@@ -3,7 +3,7 @@
 import pytest
 
 from puzzle.arguments import FLAG_CONFIGS, ArgumentError, build_parser, parse_args
-from puzzle.config import ModelArch, Operations, OptimConfig, PPOParams, RunConfig
+from puzzle.config import MemoryLevers, ModelArch, Operations, OptimConfig, PPOParams, RunConfig
 from puzzle.config_flags import field_value, flag_name, flagged_fields, from_args, role_flag
 from puzzle.plan_layouts import LayoutFlags
 
@@ -83,7 +83,7 @@ def test_run_config_checks_its_fields():
         with pytest.raises(ArgumentError) as e:
             RunConfig(**base, **kwargs)
         assert str(e.value).startswith(flag + ":")
-    assert flag_name(RunConfig, "recompute") == "--recompute-activations"
+    assert flag_name(MemoryLevers, "recompute_granularity") == "--recompute-granularity"
 
 
 def test_model_arch_defaults_are_megatron_lms_and_llama_is_named():

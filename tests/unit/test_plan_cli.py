@@ -79,7 +79,8 @@ def test_dry_run_of_the_7b_script_on_a_cpu_machine():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dry run: every flag is valid; world size 8" in proc.stdout
     assert "per-device memory estimate" in proc.stdout and "DOES NOT FIT" not in proc.stdout
-    proc = _script("--rollout-batch-size", "1024", "--global-batch-size", "128")
+    proc = _script("--rollout-batch-size", "1024", "--global-batch-size", "128",
+                   "--inference-dynamic-batching-buffer-size-gb", "70")
     assert proc.returncode == 3 and "exceeds device memory" in proc.stdout
     proc = _script("--tensor-model-parallel-size", "3")
     assert proc.returncode == 2 and "--tensor-model-parallel-size" in proc.stderr
