@@ -1,6 +1,6 @@
 """Benchmark: scoring and training stage times, padded against packed micro-batches.
 
-    python -m puzzle.bench.packing [--repeats 3] [--out rows.json]
+    python -m puzzle.bench.packing [--repeats 3] [--layouts 111 212] [--max-new-tokens 224] [--out rows.json]
 
 In ONE run (two torchrun worlds: 1 rank at (P, D, T) = (1,1,1), 4 ranks at (2,1,2)), the same
 actor model scores (old log-probs and entropy, forward only) and trains (PPO loss, forward and
@@ -41,18 +41,18 @@ def response_lengths(kind: str, rows: int, cap: int, seed: int = 0):
     return lengths
 
 
-def _rollout(kind: str, vocab: int):
+def _rollout(kind: str, vocab: int, max_new: int):
     import torch
 
     from puzzle.training.batch import RolloutBatch
 
-    R = response_lengths(kind, ROWS, MAX_NEW)
+    R = response_lengths(kind, ROWS, max_new)
     g = torch.Generator().manual_seed(1)
-    S = PROMPT + MAX_NEW
+    S = PROMPT + max_new
     tokens = torch.randint(0, vocab, (ROWS, S), generator=g)
-    batch = RolloutBatch(tokens, torch.full((ROWS,), PROMPT, dtype=torch.long), R, MAX_NEW)
-    batch.fields["old_logprobs"] = -torch.rand(ROWS, MAX_NEW, generator=g) * 5
-    batch.fields["advantages"] = torch.randn(ROWS, MAX_NEW, generator=g)
+    batch = RolloutBatch(tokens, torch.full((ROWS,), PROMPT, dtype=torch.long), R, max_new)
+    batch.fields["old_logprobs"] = -torch.rand(ROWS, max_new, generator=g) * 5
+    batch.fields["advantages"] = torch.randn(ROWS, max_new, generator=g)
     return batch
 
 
@@ -71,6 +71,7 @@ def _worker(args) -> None:
 
     rank, world = init_distributed()
     torch.manual_seed(0)
+    MAX_NEW = args.max_new_tokens
     P, T = LAYOUTS[args.layout]
     arch = ModelArch.llama(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
                            num_attention_heads=HEADS, num_query_groups=HEADS, vocab_size=256,
@@ -98,7 +99,7 @@ def _worker(args) -> None:
         return gmax(time.perf_counter() - t)
 
     for kind in ("long_tailed", "all_equal"):
-        batch = _rollout(kind, vocab)
+        batch = _rollout(kind, vocab, MAX_NEW)
         lengths = (batch.prompt_lengths + batch.response_lengths).float()
         for stage in ("scoring", "training"):
             times = {False: [], True: []}
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="the response cap (rows are "
+                    f"{PROMPT} prompt tokens + up to this many)")
     ap.add_argument("--out", default="", help="also write the rows to this JSON file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--layout", default="111", help=argparse.SUPPRESS)
@@ -138,7 +141,8 @@ def main(argv=None) -> int:
     for layout in args.layouts:
         P, T = LAYOUTS[layout]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={P * T}",
-               "-m", "puzzle.bench.packing", "--worker", "--layout", layout, "--repeats", str(args.repeats)]
+               "-m", "puzzle.bench.packing", "--worker", "--layout", layout, "--repeats", str(args.repeats),
+               "--max-new-tokens", str(args.max_new_tokens)]
         proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
         for line in proc.stdout.splitlines():
             if line.startswith("ROW "):
