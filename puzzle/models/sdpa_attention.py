@@ -6,6 +6,9 @@ spec (same constructor and forward signature: query [sq, b, h, d], key/value [sk
 ``attention_mask`` bool True = masked, ``attn_mask_type``; returns [sq, b, h * d]). Grouped-query
 attention never materialises repeated keys and values: SDPA's ``enable_gqa`` (torch >= 2.5), or
 the h / g query heads of a group folded into the query-length dimension.
+Both CPU core attentions (``SDPACoreAttention`` and ``UnfusedCoreAttention``) take packed
+sequences (megatron's THD ``packed_seq_params``): causal attention within each sequence, one call
+per distinct length (puzzle/models/packed_attention.py).
 
 Generation (puzzle/rollout/generation.py) binds a ``StaticKVCache`` to the modules for one model
 call (``module.kv_cache = cache``): megatron's Attention then runs with ``inference_context=None``

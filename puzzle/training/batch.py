@@ -10,6 +10,9 @@ With causal attention, padding after the sequence cannot affect it, so scoring a
 need no attention mask and positions start at 0. Per-token quantities live in response
 coordinates [B, R] (R = max new tokens): response token k of row b sits at sequence position
 P_b + k, is predicted by the logits at P_b + k - 1, and its value estimate is read there too.
+Scoring and training micro-batches are packed by default (``pack_rows``, --use-remove-padding):
+the rows' P_b + R_b tokens concatenated without padding into one THD sequence, row b starting at
+offset start_b, so its response token k is predicted at start_b + P_b + k - 1.
 """
 
 from __future__ import annotations
