@@ -311,6 +311,11 @@ class PPOParams:
         "--ppo-mini-batch-size: its alias.", name="--global-batch-size", aliases=("--ppo-mini-batch-size",),
         type=int, flag_default=None)
     micro_batch_size: int = flag(1, "training", "Samples per micro-batch (scoring and training).")
+    use_remove_padding: bool = flag(
+        True, "training", "Scoring and training micro-batches as packed sequences (THD, cu_seqlens): each "
+        "micro-batch's sequences concatenated without padding, attention causal within each sequence "
+        "(--no-use-remove-padding: right-padded [micro-batch, seq] rows, for comparison).",
+        kind="boolean_optional")
     generation_micro_batch_size: Optional[int] = flag(
         None, _PPO, "Prompts per generation micro-batch (default: all of a DP rank's prompts). Smaller than "
         "a rank's prompts at P=1: finished rows take waiting prompts.", type=int)

@@ -74,6 +74,7 @@ class PPOTrainer:
         # sequence parallelism splits the sequence over each model's T
         self.seq_multiple = (math.lcm(*(s.plan.T for s in cfg.roles.values()))
                              if cfg.sequence_parallel else 1)
+        self.remove_padding = cfg.ppo.use_remove_padding  # packed scoring/training micro-batches
         self.kl_ctl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
         from puzzle.reward_functions.distributed import BadRewardPolicy, RolloutRewarder
 
@@ -217,13 +218,21 @@ class PPOTrainer:
 
     # ---- stage 2: scoring ----------------------------------------------------------------------
     def _contexts(self, batch: RolloutBatch, jobs):
-        mbs = self.cfg.ppo.micro_batch_size
+        """Each job's StageContext over its model's DP share: micro-batches of --micro-batch-size
+        rows, packed without padding (--use-remove-padding) or right-padded."""
+        mbs, packed = self.cfg.ppo.micro_batch_size, self.remove_padding
         contexts = []
         for role, fn in jobs:
             eng = self.engines[role]
             share = batch.share_for(eng.layout)
-            contexts.append(StageContext(eng, fn, iter(share.micro_batches(mbs)),
-                                         share.size // mbs, batch.tokens.shape[1], mbs))
+            mbatches = share.micro_batches(mbs, packed=packed, seq_multiple=self.seq_multiple,
+                                           pad_id=self.tokenizer.pad_id)
+            seq, rows = batch.tokens.shape[1], mbs
+            if packed:  # [1, T] micro-batches of their own lengths: stages exchange the shapes
+                seq, rows = max(mb["tokens"].shape[1] for mb in mbatches), 1
+            if eng.member:
+                eng.config.variable_seq_lengths = packed and eng.layout.plan.P > 1
+            contexts.append(StageContext(eng, fn, iter(mbatches), share.size // mbs, seq, rows))
         return contexts
 
     def score(self, batch: RolloutBatch) -> dict:

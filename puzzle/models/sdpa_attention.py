@@ -6,6 +6,9 @@ spec (same constructor and forward signature: query [sq, b, h, d], key/value [sk
 ``attention_mask`` bool True = masked, ``attn_mask_type``; returns [sq, b, h * d]). Grouped-query
 attention never materialises repeated keys and values: SDPA's ``enable_gqa`` (torch >= 2.5), or
 the h / g query heads of a group folded into the query-length dimension.
+Both CPU core attentions (``SDPACoreAttention`` and ``UnfusedCoreAttention``) take packed
+sequences (megatron's THD ``packed_seq_params``): causal attention within each sequence, one call
+per distinct length (puzzle/models/packed_attention.py).
 
 Generation (puzzle/rollout/generation.py) binds a ``StaticKVCache`` to the modules for one model
 call (``module.kv_cache = cache``): megatron's Attention then runs with ``inference_context=None``
@@ -28,6 +31,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from puzzle.models.packed_attention import packed_attention
 
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -273,20 +278,31 @@ class SDPACoreAttention(KVCacheMixin, MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("--attention-backend local (SDPA) supports neither packed sequences "
-                             "nor an attention bias")
+        if attention_bias is not None:
+            raise ValueError("--attention-backend local (SDPA) does not support an attention bias")
         if self.kv_cache is not None:
             return cached_sdpa(self, query, key, value)
         kind = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if packed_seq_params is not None:  # THD: causal within each sequence
+            if kind != AttnMaskType.causal:
+                raise ValueError("packed sequences need causal attention")
+            return self._dropout_scope(lambda: packed_attention(
+                lambda q, k, v: self._attend(q, k, v, None, q.shape[0] > 1), query, key, value,
+                packed_seq_params))
         causal = kind == AttnMaskType.causal and query.shape[0] > 1
+        return self._dropout_scope(lambda: self._attend(query, key, value, attention_mask, causal))
+
+    def _attend(self, query, key, value, mask, causal):
+        p = self.dropout_p if self.training else 0.0
+        return sdpa_attention(query, key, value, mask, causal, self.scale, p)
+
+    def _dropout_scope(self, run):
         if not (self.training and self.dropout_p > 0):
-            return sdpa_attention(query, key, value, attention_mask, causal, self.scale)
+            return run()
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         with get_cuda_rng_tracker().fork():  # dropout differs across TP ranks, as in megatron
-            return sdpa_attention(query, key, value, attention_mask, causal, self.scale,
-                                  self.dropout_p)
+            return run()
 
 
 def cached_sdpa(module, query, key, value):
@@ -309,6 +325,8 @@ class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         cache = self.kv_cache
+        if cache is None and packed_seq_params is not None:  # THD: causal within each sequence
+            return packed_attention(self._causal_batch, query, key, value, packed_seq_params)
         if cache is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias,
@@ -319,6 +337,12 @@ class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
         k = k.permute(2, 0, 1, 3).contiguous()
         v = v.permute(2, 0, 1, 3).contiguous()
         return super().forward(query, k, v, cache.masked, attn_mask_type=AttnMaskType.padding)
+
+    def _causal_batch(self, query, key, value):
+        """megatron's causal attention (its own mask) on [s, b, heads, d] sequences of one length
+        (made contiguous: megatron views them as [s, b * heads, d])."""
+        query, key, value = (t.contiguous() for t in (query, key, value))
+        return super().forward(query, key, value, None, attn_mask_type=AttnMaskType.causal)
 
     def _causal(self, query, key, value):
         s = query.shape[0]

@@ -2,7 +2,8 @@
 
 Every numeric field of every iteration except timings must agree: exactly by default (a refactor
 must not move the metrics), or within ``--rtol`` relative (``|a - b| <= rtol * max(|a|, |b|) +
---atol``), e.g. the same run on a GPU and on the CPU. Prints the differences; exit 1 on any.
+--atol``), e.g. the same run on a GPU and on the CPU. Prints the differences (``--max-diffs``: each
+field's largest one); exit 1 on any.
 """
 
 from __future__ import annotations
@@ -39,6 +40,22 @@ def compare(a: list, b: list, rtol: float = 0.0, atol: float = 0.0,
     return diffs
 
 
+def max_differences(a: list, b: list) -> Dict[str, tuple]:
+    """Per numeric field: (largest |a - b|, largest |a - b| / max(|a|, |b|), the iteration of the
+    largest absolute one) over the iterations both runs logged."""
+    out: Dict[str, tuple] = {}
+    for x, y in zip(a, b):
+        for k in sorted(set(x) & set(y)):
+            u, v = x[k], y[k]
+            if k.startswith(MACHINE_FIELDS) or not all(isinstance(t, (int, float)) for t in (u, v)):
+                continue
+            d = abs(u - v)
+            rel = d / max(abs(u), abs(v)) if d else 0.0
+            best = out.get(k, (0.0, 0.0, None))
+            out[k] = (max(best[0], d), max(best[1], rel), x.get("iteration") if d > best[0] else best[2])
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="puzzle.tools.compare_metrics")
     p.add_argument("a")
@@ -47,6 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--atol", type=float, default=0.0)
     p.add_argument("--field-atol", action="append", default=[], metavar="FIELD=ATOL",
                    help="an absolute tolerance for one field (repeatable)")
+    p.add_argument("--max-diffs", action="store_true",
+                   help="also print each field's largest absolute and relative difference")
     args = p.parse_args(argv)
     try:
         field_atol = {f: float(v) for f, _, v in (x.partition("=") for x in args.field_atol)}
@@ -57,6 +76,9 @@ def main(argv=None) -> int:
     diffs = compare(a, b, args.rtol, args.atol, field_atol)
     for it, k, u, v in diffs[:50]:
         print(f"iteration {it}: {k}: {u!r} != {v!r}")
+    if args.max_diffs:
+        for k, (d, rel, it) in max_differences(a, b).items():
+            print(f"max diff {k}: abs {d:.3g} rel {rel:.3g}" + (f" (iteration {it})" if d else ""))
     print(f"compared {len(a)} lines: {len(diffs)} differences (rtol {args.rtol}, atol {args.atol})")
     return 1 if diffs else 0
 

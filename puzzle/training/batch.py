@@ -10,6 +10,9 @@ With causal attention, padding after the sequence cannot affect it, so scoring a
 need no attention mask and positions start at 0. Per-token quantities live in response
 coordinates [B, R] (R = max new tokens): response token k of row b sits at sequence position
 P_b + k, is predicted by the logits at P_b + k - 1, and its value estimate is read there too.
+Scoring and training micro-batches are packed by default (``pack_rows``, --use-remove-padding):
+the rows' P_b + R_b tokens concatenated without padding into one THD sequence, row b starting at
+offset start_b, so its response token k is predicted at start_b + P_b + k - 1.
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ class RolloutBatch:
         D = layout.plan.D
         return self.dp_share(layout.d if layout.member else 0, D)
 
-    def micro_batches(self, mbs: int) -> List[dict]:
-        """Micro-batches as dicts (what forward_step functions read)."""
+    def micro_batches(self, mbs: int, packed: bool = False, seq_multiple: int = 1,
+                      pad_id: int = 0) -> List[dict]:
+        """Micro-batches as dicts (what forward_step functions read): ``mbs`` rows each, their
+        tokens right-padded [mbs, S], or with ``packed`` concatenated without padding (see
+        ``pack_rows``; the packed length a multiple of ``seq_multiple``)."""
         out = []
         mask = self.response_mask
         for s in range(0, self.size, mbs):
@@ -66,8 +72,45 @@ class RolloutBatch:
             mb = {"tokens": self.tokens[sl], "prompt_lengths": self.prompt_lengths[sl],
                   "response_lengths": self.response_lengths[sl], "response_mask": mask[sl]}
             mb.update({k: v[sl] for k, v in self.fields.items()})
+            if packed:
+                mb.update(pack_rows(mb["tokens"], mb["prompt_lengths"], mb["response_lengths"],
+                                    seq_multiple, pad_id))
             out.append(mb)
         return out
+
+
+def pack_rows(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+              seq_multiple: int = 1, pad_id: int = 0) -> dict:
+    """Right-padded rows [b, S] -> one packed sequence without padding (megatron's THD):
+
+    ``tokens`` / ``position_ids`` [1, T] (positions restart at 0 in every sequence),
+    ``packed_seq_params`` (``PackedSequences``, cu_seqlens over the rows and, when T is rounded up
+    to ``seq_multiple`` for sequence parallelism, one filler sequence of ``pad_id`` at the end)
+    and ``seq_starts`` [b] (where each row starts in the packed sequence).
+    """
+    from puzzle.models.packed_attention import PackedSequences
+
+    lengths = (prompt_lengths + response_lengths).tolist()
+    b, S = tokens.shape
+    keep = torch.arange(S, device=tokens.device).unsqueeze(0) < (prompt_lengths + response_lengths).unsqueeze(1)
+    flat = tokens[keep]
+    pos = torch.arange(S, device=tokens.device).expand(b, S)[keep]
+    total = flat.numel()
+    fill = -total % seq_multiple
+    if fill:
+        flat = torch.cat([flat, flat.new_full((fill,), pad_id)])
+        pos = torch.cat([pos, torch.arange(fill, device=pos.device)])
+        lengths = lengths + [fill]
+    starts = torch.cumsum(prompt_lengths + response_lengths, 0) - (prompt_lengths + response_lengths)
+    return {"tokens": flat.unsqueeze(0), "position_ids": pos.unsqueeze(0), "seq_starts": starts,
+            "packed_seq_params": PackedSequences.of(lengths, device=tokens.device)}
+
+
+def packed_response_index(seq_starts: torch.Tensor, prompt_lengths: torch.Tensor, R: int, total: int,
+                          shift: int = -1) -> torch.Tensor:
+    """[b, R] packed positions start_b + P_b + k + shift (clamped into the packed sequence)."""
+    k = torch.arange(R, device=prompt_lengths.device).unsqueeze(0)
+    return ((seq_starts + prompt_lengths).unsqueeze(1) + k + shift).clamp(0, total - 1)
 
 
 def response_index(prompt_lengths: torch.Tensor, R: int, seq_len: int, shift: int = -1) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from puzzle.algorithms import agg_loss, entropy_bonus, kl_penalty, policy_loss, value_loss
 from puzzle.parallel.device import check_on_device
-from puzzle.training.batch import gather_response
+from puzzle.training.batch import gather_response, packed_response_index
 from puzzle.training.vocab_parallel import vocab_parallel_logprobs
 
 
@@ -26,8 +26,28 @@ def _unwrap(model):
 def _run(model, mb):
     tokens = mb["tokens"]
     check_on_device("forward_step", _unwrap(model).puzzle_device, mb)
+    packed = mb.get("packed_seq_params")
+    if packed is not None:  # one packed sequence [1, T], positions restarting per sequence
+        return model(tokens, mb["position_ids"], None, packed_seq_params=packed)
     pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     return model(tokens, pos, None)
+
+
+def at_response(per_position: torch.Tensor, mb, R: int, shift: int = -1) -> torch.Tensor:
+    """Per-position values of a micro-batch ([b, S'] padded, [1, T'] packed) -> [b, R] values at
+    each row's positions P_b + k + shift (response coordinates)."""
+    if "seq_starts" not in mb:
+        return gather_response(per_position, mb["prompt_lengths"], R, shift)
+    idx = packed_response_index(mb["seq_starts"], mb["prompt_lengths"], R, per_position.shape[1], shift)
+    return per_position[0][idx]
+
+
+def _last_token(per_position: torch.Tensor, mb) -> torch.Tensor:
+    """[b] values at each row's last token."""
+    last = (mb["prompt_lengths"] + mb["response_lengths"] - 1).clamp(min=0)
+    if "seq_starts" in mb:
+        return per_position[0][mb["seq_starts"] + last]
+    return per_position.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
 def _response_logprobs(output, mb, tp_group, true_vocab, temperature, R, with_entropy=False):
@@ -35,8 +55,8 @@ def _response_logprobs(output, mb, tp_group, true_vocab, temperature, R, with_en
                                   temperature=temperature, with_entropy=with_entropy)
     if with_entropy:
         lp, ent = res
-        return gather_response(lp, mb["prompt_lengths"], R), gather_response(ent, mb["prompt_lengths"], R)
-    return gather_response(res, mb["prompt_lengths"], R)
+        return at_response(lp, mb, R), at_response(ent, mb, R)
+    return at_response(res, mb, R)
 
 
 def _zero_loss(output):
@@ -66,7 +86,7 @@ def value_score_step(R: int):
     """Critic values at the positions that predict each response token: {'values': [mb, R]}."""
 
     def loss_func(mb, output):
-        v = gather_response(output[..., 0].float(), mb["prompt_lengths"], R)
+        v = at_response(output[..., 0].float(), mb, R)
         return _zero_loss(output), torch.tensor(1, dtype=torch.int), {"values": v.detach()}
 
     def forward_step(data_iterator, model):
@@ -80,8 +100,7 @@ def reward_score_step():
     """Reward model score at the last token of each sequence: {'scores': [mb]}."""
 
     def loss_func(mb, output):
-        last = (mb["prompt_lengths"] + mb["response_lengths"] - 1).clamp(min=0)
-        s = output[..., 0].float().gather(1, last.unsqueeze(1)).squeeze(1)
+        s = _last_token(output[..., 0].float(), mb)
         return _zero_loss(output), torch.tensor(1, dtype=torch.int), {"scores": s.detach()}
 
     def forward_step(data_iterator, model):
@@ -143,7 +162,7 @@ def critic_train_step(R: int, value_clip_eps):
 
     def loss_func(mb, output):
         mask = mb["response_mask"]
-        v = gather_response(output[..., 0].float(), mb["prompt_lengths"], R)
+        v = at_response(output[..., 0].float(), mb, R)
         vl, vclip, weight = value_loss(v, mb["values"], mb["returns"], mask,
                                        value_clip_eps=value_clip_eps)
         n = mask.sum()

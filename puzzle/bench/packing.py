@@ -1,0 +1,160 @@
+"""Benchmark: scoring and training stage times, padded against packed micro-batches.
+
+    python -m puzzle.bench.packing [--repeats 3] [--layouts 111 212] [--max-new-tokens 224] [--out rows.json]
+
+In ONE run (two torchrun worlds: 1 rank at (P, D, T) = (1,1,1), 4 ranks at (2,1,2)), the same
+actor model scores (old log-probs and entropy, forward only) and trains (PPO loss, forward and
+backward, no optimizer step) the same rollout rows with ``--use-remove-padding`` off (rows
+right-padded to the longest sequence) and on (packed, THD). Two response-length distributions:
+``long_tailed`` (exponential, mean/max ~0.2, one row at the cap) and ``all_equal`` (every
+response at the cap). Wall times: max over ranks, median of ``--repeats``; each row gives the
+ratio padded / packed measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HIDDEN, LAYERS, HEADS = 256, 4, 8
+PROMPT, MAX_NEW, ROWS, MBS = 32, 224, 16, 4
+LAYOUTS = {"111": (1, 1), "212": (2, 2)}  # name -> (P, T); D = world / (P * T) = 1
+
+
+def response_lengths(kind: str, rows: int, cap: int, seed: int = 0):
+    """[rows] response lengths: all at ``cap``, or long-tailed (exponential, mean/max ~0.2) with
+    the first row at the cap (the rollout's padded width)."""
+    import torch
+
+    if kind == "all_equal":
+        return torch.full((rows,), cap, dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.empty(rows).exponential_(1.0 / 0.16, generator=g).clamp(max=1.0)
+    lengths = (x * cap).long().clamp(min=1)
+    lengths[0] = cap
+    return lengths
+
+
+def _rollout(kind: str, vocab: int, max_new: int):
+    import torch
+
+    from puzzle.training.batch import RolloutBatch
+
+    R = response_lengths(kind, ROWS, max_new)
+    g = torch.Generator().manual_seed(1)
+    S = PROMPT + max_new
+    tokens = torch.randint(0, vocab, (ROWS, S), generator=g)
+    batch = RolloutBatch(tokens, torch.full((ROWS,), PROMPT, dtype=torch.long), R, max_new)
+    batch.fields["old_logprobs"] = -torch.rand(ROWS, max_new, generator=g) * 5
+    batch.fields["advantages"] = torch.randn(ROWS, max_new, generator=g)
+    return batch
+
+
+def _worker(args) -> None:
+    import megatron_patches
+
+    megatron_patches.apply()
+    import torch
+    import torch.distributed as dist
+
+    from puzzle.config import ModelArch
+    from puzzle.parallel.groups import init_distributed, layout_for
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.training import steps
+    from puzzle.training.engine import ModelEngine
+
+    rank, world = init_distributed()
+    torch.manual_seed(0)
+    MAX_NEW = args.max_new_tokens
+    P, T = LAYOUTS[args.layout]
+    arch = ModelArch.llama(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
+                           num_attention_heads=HEADS, num_query_groups=HEADS, vocab_size=256,
+                           make_vocab_size_divisible_by=128, seq_length=PROMPT + MAX_NEW)
+    engine = ModelEngine("actor", arch, layout_for(ParallelPlan(P=P, D=world // (P * T), T=T)), trainable=True)
+    vocab = arch.vocab_size
+
+    def gmax(x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def run(batch, stage: str, packed: bool) -> float:
+        mbs = batch.micro_batches(MBS, packed=packed)
+        seq, rows = (max(m["tokens"].shape[1] for m in mbs), 1) if packed else (batch.tokens.shape[1], MBS)
+        engine.config.variable_seq_lengths = packed and P > 1
+        if stage == "scoring":
+            fn, fwd_only = steps.logprob_score_step(vocab, 1.0, MAX_NEW, with_entropy=True), True
+        else:
+            fn, fwd_only = steps.actor_train_step(vocab, 1.0, MAX_NEW, 0.2, 0.0), False
+            engine.zero_grad()
+        dist.barrier()
+        t = time.perf_counter()
+        engine.forward_backward(fn, iter(mbs), len(mbs), seq, rows, forward_only=fwd_only)
+        return gmax(time.perf_counter() - t)
+
+    for kind in ("long_tailed", "all_equal"):
+        batch = _rollout(kind, vocab, MAX_NEW)
+        lengths = (batch.prompt_lengths + batch.response_lengths).float()
+        for stage in ("scoring", "training"):
+            times = {False: [], True: []}
+            run(batch, stage, False), run(batch, stage, True)  # warm-up
+            for _ in range(args.repeats):
+                for packed in (False, True):
+                    times[packed].append(run(batch, stage, packed))
+            padded, packed = statistics.median(times[False]), statistics.median(times[True])
+            row = {"layout": args.layout, "P": P, "T": T, "distribution": kind, "stage": stage,
+                   "rows": ROWS, "micro_batch_size": MBS, "max_new_tokens": MAX_NEW, "prompt": PROMPT,
+                   "response_mean_over_max": round(float(batch.response_lengths.float().mean()) / MAX_NEW, 3),
+                   "tokens_padded": ROWS * batch.tokens.shape[1], "tokens_packed": int(lengths.sum()),
+                   "padded_s": round(padded, 4), "packed_s": round(packed, 4),
+                   "speedup_packed_over_padded": round(padded / packed, 3), "repeats": args.repeats,
+                   "hidden": HIDDEN, "layers": LAYERS, "loadavg_1min": round(os.getloadavg()[0], 2)}
+            if rank == 0:
+                print("ROW " + json.dumps(row), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="the response cap (rows are "
+                    f"{PROMPT} prompt tokens + up to this many)")
+    ap.add_argument("--out", default="", help="also write the rows to this JSON file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default="111", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return 0
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    rows = []
+    for layout in args.layouts:
+        P, T = LAYOUTS[layout]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={P * T}",
+               "-m", "puzzle.bench.packing", "--worker", "--layout", layout, "--repeats", str(args.repeats),
+               "--max-new-tokens", str(args.max_new_tokens)]
+        proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
+        for line in proc.stdout.splitlines():
+            if line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+                print(line[4:], flush=True)
+        if proc.returncode != 0:
+            sys.stderr.write("\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:]) + "\n")
+            return proc.returncode
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

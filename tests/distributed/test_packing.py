@@ -1,0 +1,34 @@
+"""Packed scoring and training (--use-remove-padding) give the padded path's per-token numbers
+within fp32 rounding: log-probs, entropy, values, reward-model scores, advantages, returns and the
+gradients of a training mini-batch, for PPO and GRPO at (1,4,1), (2,1,2) time-shared with the
+switch, and (1,2,2) (tests/distributed/worlds/packing.py, one 4-rank world)."""
+
+import math
+
+import pytest
+
+from tests.harness import run_world
+
+CASES = [f"{name}/{layout}" for name in ("ppo", "grpo") for layout in ("141", "212_ts_switch", "122")]
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world("distributed/worlds/packing.py", 4)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_equals_padded_per_token(world, case):
+    for rank, res in enumerate(world):
+        out = res["packed_equals_padded"][case]
+        assert out["packed_tokens"] < out["padded_tokens"], (rank, case)  # the padding was dropped
+        assert out["switch"] == ("ts_switch" in case)
+        fields = [k for k, v in out.items() if isinstance(v, dict)]
+        assert {"old_logprobs", "ref_logprobs", "entropy", "advantages", "returns", "actor_grad"} <= set(fields)
+        if case.startswith("ppo"):
+            assert {"values", "scores", "critic_grad"} <= set(fields)
+        for k in fields:
+            diff, scale = out[k]["diff"], out[k]["scale"]
+            assert math.isfinite(diff) and scale > 0, (rank, case, k, out[k])
+            tol = 1e-4 * scale if k.endswith("_grad") else 2e-6 * max(1.0, scale)
+            assert diff <= tol, (rank, case, k, diff, scale)
