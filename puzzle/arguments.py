@@ -272,6 +272,18 @@ def _check_placement(flag: str, placement: str, plans) -> None:
                     f"with --critic-data-parallel-size); got {_describe_plans(plans)}")
 
 
+def _check_trainable_cover(roles, world_size: int) -> None:
+    """Every rank holds part of a trainable model: building megatron's optimizers is collective
+    over the whole world, so a rank without one would leave the others waiting for ever."""
+    trained = {r: s.plan for r, s in roles.items() if ROLES[r].trainable}
+    idle = sorted(set(range(world_size)) - {k for p in trained.values() for k in p.ranks})
+    if idle:
+        flags = "/".join(f"--{r}-data-parallel-size/--{r}-rank-offset" for r in trained)
+        _fail(flags, f"rank(s) {', '.join(map(str, idle))} of the {world_size}-rank world hold no trainable "
+                     f"model ({_describe_plans(trained)}); every rank must hold part of the actor or critic "
+                     "(megatron builds their optimizers over the whole world)")
+
+
 def role_set(args) -> List[str]:
     """The roles a run builds: no critic unless the estimator needs one (gae), no reference when
     KL enters neither the reward (--kl-coef 0) nor the loss, a reward model only when given."""
@@ -488,6 +500,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--sequence-parallel", "needs --transformer-impl transformer_engine (TE on a CUDA machine): "
                                      "megatron-core's local layer spec normalises with torch norms, which "
                                      "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
+    _check_trainable_cover(roles, world_size)
     _check_moe_paths(args, roles, impl)
     _check_recompute_layers(levers, roles)
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))

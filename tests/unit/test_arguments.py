@@ -45,6 +45,7 @@ def test_later_flags_override_and_no_abbreviations():
     (["--bf16", "--fp16"], "--bf16/--fp16"),
     (["--ranks-per-node", "3"], "--ranks-per-node"),
     (["--actor-gen-tensor-model-parallel-size", "8"], "--actor-gen-tensor-model-parallel-size"),
+    (["--actor-data-parallel-size", "1", "--critic-data-parallel-size", "2"], "--actor-data-parallel-size"),
 ])
 def test_bad_flags_name_the_flag(extra, flag):
     with pytest.raises(ArgumentError) as e:
