@@ -18,17 +18,18 @@ MACHINE_FIELDS = ("time_", "samples_per_sec", "tokens_per_sec", "switch_seconds"
 
 
 def compare(a: list, b: list, rtol: float = 0.0, atol: float = 0.0,
-            field_atol: Optional[Dict[str, float]] = None) -> list:
+            field_atol: Optional[Dict[str, float]] = None, fields_of_a: bool = False) -> list:
     """[(iteration, field, a, b)] of every disagreement (a missing line or field counts).
 
     ``field_atol``: an absolute tolerance of its own for named fields, e.g. fractions of tokens
-    at a clip boundary, where a last-bit difference moves a whole token."""
+    at a clip boundary, where a last-bit difference moves a whole token. ``fields_of_a``: only
+    the fields ``a`` has are compared (a newer run that logs more fields than a baseline)."""
     field_atol = field_atol or {}
     diffs = []
     if len(a) != len(b):
         diffs.append((None, "lines", len(a), len(b)))
     for x, y in zip(a, b):
-        for k in sorted(set(x) | set(y)):
+        for k in sorted(set(x) if fields_of_a else set(x) | set(y)):
             if k.startswith(MACHINE_FIELDS):
                 continue
             u, v = x.get(k), y.get(k)
@@ -64,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--atol", type=float, default=0.0)
     p.add_argument("--field-atol", action="append", default=[], metavar="FIELD=ATOL",
                    help="an absolute tolerance for one field (repeatable)")
+    p.add_argument("--fields-of-a", action="store_true",
+                   help="compare only the fields A logs (B may log more, e.g. a baseline from before new metrics)")
     p.add_argument("--max-diffs", action="store_true",
                    help="also print each field's largest absolute and relative difference")
     args = p.parse_args(argv)
@@ -73,7 +76,7 @@ def main(argv=None) -> int:
         p.error(f"--field-atol takes FIELD=ATOL (got {args.field_atol})")
     load = lambda f: [json.loads(line) for line in open(f) if line.strip()]  # noqa: E731
     a, b = load(args.a), load(args.b)
-    diffs = compare(a, b, args.rtol, args.atol, field_atol)
+    diffs = compare(a, b, args.rtol, args.atol, field_atol, fields_of_a=args.fields_of_a)
     for it, k, u, v in diffs[:50]:
         print(f"iteration {it}: {k}: {u!r} != {v!r}")
     if args.max_diffs:

@@ -16,3 +16,13 @@ def test_cli_prints_the_largest_differences(tmp_path, capsys):
         (tmp_path / f"{name}.jsonl").write_text(f'{{"iteration": 1, "loss": {v}}}\n')
     assert main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--max-diffs"]) == 1
     assert "max diff loss: abs 0.5 rel 0.333 (iteration 1)" in capsys.readouterr().out
+
+
+def test_fields_of_a_ignores_only_fields_the_baseline_lacks():
+    from puzzle.tools.compare_metrics import compare
+
+    base = [{"iteration": 1, "kl": 0.5}]
+    newer = [{"iteration": 1, "kl": 0.5, "lr": 0.002}]
+    assert compare(base, newer) == [(1, "lr", None, 0.002)]  # a new field counts by default
+    assert compare(base, newer, fields_of_a=True) == []
+    assert compare(newer, base, fields_of_a=True) == [(1, "lr", 0.002, None)]  # a lost field always counts
