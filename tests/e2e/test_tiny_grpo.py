@@ -3,20 +3,12 @@ the bundled one-digit sums from the verifiable reward, with no critic and no ref
 
 import json
 import math
-import os
-import subprocess
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), NPROC="1")
+from tests.harness import TINY_GRPO, run_script
 
 
 def test_tiny_grpo_solve_rate_rises(tmp_path):
-    proc = subprocess.run(["bash", str(REPO / "examples/run_grpo_tiny.sh"), "--train-iters", "40",
-                           "--log-dir", str(tmp_path)], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    proc, rows = run_script(TINY_GRPO, ["--train-iters", "40"], tmp_path, nproc=1)
     assert len(rows) == 40
     for key in ("solved_fraction", "reward_std", "reward_group_std_mean", "response_length_p90",
                 "response_clipped_frac", "bad_rewards", "groups_all_solved", "policy_loss", "actor_grad_norm"):
@@ -30,12 +22,7 @@ def test_tiny_grpo_solve_rate_rises(tmp_path):
 
 
 def _grpo(args, log_dir, check=True):
-    proc = subprocess.run(["bash", str(REPO / "examples/run_grpo_tiny.sh"), "--log-dir", str(log_dir), *args],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    path = Path(log_dir) / "metrics.jsonl"
-    return proc, [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return run_script(TINY_GRPO, args, log_dir, nproc=1, check=check)
 
 
 def test_running_reward_normalisation_resumes_exactly(tmp_path):
