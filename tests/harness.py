@@ -28,11 +28,12 @@ REPO = Path(__file__).resolve().parent.parent
 #: runs the whole group in one torchrun (one start-up, one import of torch and megatron per rank)
 #: and each test still gets its own script's results. A script in no group, or run with
 #: arguments or another rank count, gets a world of its own. A failing check fails its group.
+#: Every world runs once per session: test files asking for the same world share its results.
 SHARED_WORLDS = (
     ("distributed/worlds/foundation.py", "distributed/worlds/switch.py", "distributed/worlds/time_sharing.py",
      "distributed/worlds/generation.py"),
     ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py"),
-    ("distributed/worlds/grpo_layouts.py", "distributed/worlds/ppo_layouts.py"),
+    ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py"),
 )
 SHARED_TIMEOUT = 1150  # under scripts/test.sh's per-test --timeout
 _SEP = "::"
@@ -43,8 +44,11 @@ _collect = None  # tests/distributed/worlds/shared.py: world_main hands its chec
 def run_world(script: str, nproc: int, *args: str, timeout: int = 600) -> list:
     """Run tests/<script> on ``nproc`` ranks; return the per-rank result dicts (rank order)."""
     group = next((g for g in SHARED_WORLDS if script in g), None)
-    if group is None or args or nproc != 4:
-        return _spawn_world(script, nproc, *args, timeout=timeout)
+    if group is None or args or nproc != 4:  # a world of its own (run once per session)
+        key = (script, nproc, args)
+        if key not in _shared_results:
+            _shared_results[key] = _spawn_world(script, nproc, *args, timeout=timeout)
+        return _shared_results[key]
     if group not in _shared_results:
         try:
             _shared_results[group] = _spawn_world("distributed/worlds/shared.py", 4, *group,
@@ -201,18 +205,18 @@ def assert_same_metrics(actual, expected, keys=None, iterations=None, rel=None, 
 
 # ---- a run in this world's processes (world scripts) -----------------------------------------
 def train_in_world(argv, *, print_plan: bool = False) -> dict:
-    """What train_ppo.py does with ``argv`` (its flag checks, --plan auto, the prompt loader and
-    the loop), in this already started world instead of a new torchrun: a PPOTrainer is built,
-    runs --train-iters iterations, and is closed. Returns {"rows": the logged metric rows with
-    timings left out, "roles", "switch", and with ``print_plan`` "stdout": what the flag checks
-    printed on this rank}."""
+    """What train_ppo.py does with ``argv`` (its flag checks, --plan auto, the prompt loader, the
+    loop, --save/--save-interval and --load/--ckpt-step), in this already started world instead of
+    a new torchrun: a PPOTrainer is built, runs to --train-iters, and is closed. Returns {"rows":
+    the metric rows of this run's iterations with timings left out, "roles", "switch", and with
+    ``print_plan`` "stdout": what the flag checks printed on this rank}."""
     import contextlib
     import io
     from dataclasses import replace
 
     import torch.distributed as dist
 
-    from puzzle import cli
+    from puzzle import checkpointing, cli
     from puzzle.arguments import parse_args, validate_args
     from puzzle.data.prompts import PromptLoader, bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
@@ -229,6 +233,10 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
                                   max_prompt_len=cfg.ppo.max_prompt_length, overflow=cfg.prompt_overflow,
                                   split=cfg.prompt_split, apply_chat_template=cfg.apply_chat_template,
                                   skip_bad_records=cfg.skip_bad_records)
+    step = cfg.ckpt_step
+    if cfg.load:
+        checkpointing.check_checkpoint(cfg, cfg.load, step)
+        step = checkpointing.verify_checkpoint(cfg.load, step)
     loader = PromptLoader(dataset.prompts, cfg.ppo.rollout_batch_size, dp_rank=0, dp_size=1, seed=cfg.seed)
 
     def next_prompts():
@@ -238,10 +246,19 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
     trainer = PPOTrainer(cfg, tokenizer, dataset)
     rows = []
     try:
+        if cfg.load and step is not None:
+            checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
+                                          load_rng=cfg.load_rng, iteration=step)
+        saved = trainer.iteration
         while trainer.iteration < cfg.train_iters:
             m = trainer.step(*next_prompts(), refill=next_prompts)
             rows.append({k: v for k, v in m.items() if not k.startswith(("time_", "switch_seconds"))
                          and k != "samples_per_sec"})
+            if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
+                checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+                saved = trainer.iteration
+        if cfg.save and saved != trainer.iteration:
+            checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
     finally:
         trainer.close()
     dist.barrier()

@@ -4,7 +4,7 @@ the bundled one-digit sums from the verifiable reward, with no critic and no ref
 import json
 import math
 
-from tests.harness import TINY_GRPO, run_script
+from tests.harness import TINY_GRPO, assert_same_metrics, run_script, run_world
 
 
 def test_tiny_grpo_solve_rate_rises(tmp_path):
@@ -25,19 +25,16 @@ def _grpo(args, log_dir, check=True):
     return run_script(TINY_GRPO, args, log_dir, nproc=1, check=check)
 
 
-def test_running_reward_normalisation_resumes_exactly(tmp_path):
+def test_running_reward_normalisation_resumes_exactly():
     """rloo (not invariant to the score scale) with running moments: a run resumed at iteration 2
-    repeats iterations 3-4 of the uninterrupted run exactly, moments included."""
-    args = ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "8",
-            "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",  # graded scores: a non-trivial std
-            "--reward-normalization", "running", "--train-iters", "4", "--save", str(tmp_path / "ck")]
-    _, straight = _grpo(args + ["--save-interval", "2"], tmp_path / "a")
-    _, resumed = _grpo(args + ["--load", str(tmp_path / "ck"), "--ckpt-step", "2", "--save", str(tmp_path / "ck2")],
-                       tmp_path / "b")
+    repeats iterations 3-4 of the uninterrupted run exactly, moments included. Both runs are
+    trainers in one 1-rank world (worlds/tiny_runs.py), the second loading the first's checkpoint."""
+    res = run_world("distributed/worlds/tiny_runs.py", 1)[0]["grpo_resume"]
+    straight, resumed = res["straight"], res["resumed"]
+    assert [r["iteration"] for r in straight] == [1, 2, 3, 4]
     assert [r["iteration"] for r in resumed] == [3, 4]
-    for a, b in zip(straight[2:], resumed):
-        for key in ("reward_norm_mean", "reward_norm_std", "policy_loss", "actor_grad_norm", "reward_mean"):
-            assert a[key] == b[key], key
+    assert_same_metrics(resumed, straight, ("reward_norm_mean", "reward_norm_std", "policy_loss",
+                                            "actor_grad_norm", "reward_mean"), iterations=(3, 4))
     assert straight[3]["reward_norm_std"] != straight[0]["reward_norm_std"]
 
 

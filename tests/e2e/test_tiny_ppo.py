@@ -1,7 +1,7 @@
 """End-to-end tiny PPO runs (CPU, gloo): the README quick start, layout invariance, bad flags.
 
 The quick start runs examples/run_ppo_tiny.sh as a user would. The layout comparisons run the
-same script's flags in one 4-rank world (tests/distributed/worlds/ppo_layouts.py), a trainer per
+same script's flags in one 4-rank world (tests/distributed/worlds/tiny_runs.py), a trainer per
 layout; the bad flags go through train_ppo.py's command-line driver in this process."""
 
 import math
@@ -33,10 +33,10 @@ KEYS = ("reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "entropy"
 
 @pytest.fixture(scope="module")
 def runs():
-    """Greedy 2-iteration runs (worlds/ppo_layouts.py); "reference": actor and reference at
-    (2,1,2), critic at (1,2,2), sequential (the script's layouts)."""
-    runs = run_world("distributed/worlds/ppo_layouts.py", 4, timeout=900)[0]["runs"]
-    return dict(runs, **run_world("distributed/worlds/ppo_layouts.py", 1, "one_rank")[0]["runs"])
+    """Greedy 2-iteration runs (worlds/tiny_runs.py); "reference": actor and reference at
+    (2,1,2), critic at (1,2,2), sequential (the script's layouts); "one_rank": a world of one."""
+    runs = run_world("distributed/worlds/tiny_runs.py", 4, timeout=900)[0]["runs"]
+    return dict(runs, **run_world("distributed/worlds/tiny_runs.py", 1)[0]["runs"])
 
 
 def _same(run, reference, rel=1e-5, abs=1e-6):
