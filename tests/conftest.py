@@ -1,4 +1,6 @@
-"""Fixtures shared by the test files: ``saved_run``, the session's one saved tiny PPO run."""
+"""Shared by the test files: ``saved_run``, the session's one saved tiny PPO run, and the
+``learning`` marker of the learning-curve runs (the README command runs them; a quicker pass
+leaves them out: ``bash scripts/test.sh -m "not learning"``)."""
 
 from collections import namedtuple
 
@@ -6,6 +8,10 @@ import pytest
 
 from tests.harness import (SAVED_RUN_ENV, SAVED_RUN_FLAGS, SAVED_RUN_NPROC, SAVED_RUN_SKIP_FLAGS, TINY_PPO,
                            read_metrics, run_script)
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "learning: a learning-curve run (left out by -m 'not learning')")
+
 
 SavedRun = namedtuple("SavedRun", "root ckpt rows stdout stderr")
 

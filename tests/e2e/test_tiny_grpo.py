@@ -4,9 +4,12 @@ the bundled one-digit sums from the verifiable reward, with no critic and no ref
 import json
 import math
 
+import pytest
+
 from tests.harness import TINY_GRPO, assert_same_metrics, run_script, run_world
 
 
+@pytest.mark.learning
 def test_tiny_grpo_solve_rate_rises(tmp_path):
     proc, rows = run_script(TINY_GRPO, ["--train-iters", "40"], tmp_path, nproc=1)
     assert len(rows) == 40

@@ -12,6 +12,7 @@ from puzzle import cli
 from tests.harness import TINY_CLI, TINY_PPO, assert_same_metrics, run_script, run_world
 
 
+@pytest.mark.learning
 def test_tiny_run_learns(tmp_path):
     """The README quick start: reward of the last 5 iterations clearly above the first 5."""
     proc, rows = run_script(TINY_PPO, [], tmp_path, timeout=900)
