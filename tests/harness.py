@@ -177,7 +177,12 @@ def run_script(script: Path, args, log_dir, nproc=None, env=None, check=True, ti
 
 
 def by_iteration(rows) -> dict:
-    return rows if isinstance(rows, dict) else {r["iteration"]: r for r in rows}
+    """{iteration: row} of metric rows (each iteration once)."""
+    if isinstance(rows, dict):
+        return rows
+    out = {r["iteration"]: r for r in rows}
+    assert len(out) == len(rows), [r["iteration"] for r in rows]
+    return out
 
 
 def assert_same_metrics(actual, expected, keys=None, iterations=None, rel=None, abs=None, skip=()):

@@ -12,6 +12,9 @@ from puzzle import cli
 from tests.harness import (SAVED_RUN_FLAGS, TINY_CLI, TINY_PPO, assert_same_metrics, by_iteration,
                            run_script)
 
+# run_ppo_tiny.sh's layouts: actor/ref (P,D,T)=(2,1,2), critic (1,2,2) on 4 ranks
+ON_4 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--critic-tensor-model-parallel-size", "2", "--critic-pipeline-model-parallel-size", "1"]
 ON_2_TP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
            "--critic-tensor-model-parallel-size", "1", "--critic-pipeline-model-parallel-size", "2"]
 ON_2_DP = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
@@ -20,9 +23,9 @@ KEYS = ("reward_mean", "kl", "value_loss", "entropy", "value_mean", "return_mean
         "response_length_mean", "actor_grad_norm", "critic_grad_norm", "kl_coef")
 
 
-def _tiny(args, log_dir, env=None, check=True):
-    """The saved run's flags, ``args`` on top, on 2 ranks: (process, {iteration: row})."""
-    proc, rows = run_script(TINY_PPO, SAVED_RUN_FLAGS + list(args), log_dir, nproc=2, env=env, check=check)
+def _tiny(args, log_dir, nproc=2, env=None, check=True):
+    """The saved run's flags, ``args`` on top: (process, {iteration: row})."""
+    proc, rows = run_script(TINY_PPO, SAVED_RUN_FLAGS + list(args), log_dir, nproc=nproc, env=env, check=check)
     return proc, by_iteration(rows)
 
 
@@ -53,12 +56,13 @@ def test_resume_is_exact(saved_run, tmp_path):
 
 
 def test_other_layouts_and_killed_save(saved_run, tmp_path):
-    """Resume at other layouts for actor, ref and critic: weights and Adam states reshard
-    (iterations 5..6 equal within fp32 tolerance; 6 depends on the restored moments).
-    A save killed half way through on rank 1 leaves the previous checkpoint the latest one."""
+    """Resume at 4 ranks with other layouts for actor, ref and critic, then back at 2 ranks:
+    weights and Adam states reshard (iterations 5..6 equal within fp32 tolerance; 6 depends on
+    the restored moments). A save killed half way through on rank 1 leaves the previous
+    checkpoint the latest one."""
     rows, b = by_iteration(saved_run.rows), tmp_path / "b"
-    proc, part = _tiny(ON_2_TP + ["--load", str(saved_run.ckpt), "--ckpt-step", "4", "--save", str(b),
-                                  "--save-interval", "1"], tmp_path / "log_c",
+    proc, part = _tiny(ON_4 + ["--load", str(saved_run.ckpt), "--ckpt-step", "4", "--save", str(b),
+                               "--save-interval", "1"], tmp_path / "log_c", nproc=4,
                        env={"PUZZLE_TEST_FAIL_SAVE_AT": "1:6"}, check=False)
     assert proc.returncode != 0
     assert "simulated failure in the middle of saving iteration 6" in proc.stdout + proc.stderr
