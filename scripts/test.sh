@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The test suite: pure unit tests (seconds), distributed gloo worlds, end-to-end tiny PPO runs.
+# The test suite: pure unit tests (seconds), distributed gloo worlds, end-to-end tiny PPO runs;
+# at the end pytest lists the 15 slowest tests (setup included: a shared world or run is set up
+# by the first test that needs it). A quicker pass without the two learning-curve runs:
+#   bash scripts/test.sh -m "not learning"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
-exec python3 -m pytest -q -ra --timeout 1200 tests "$@"
+exec python3 -m pytest -q -ra --timeout 1200 --durations=15 tests "$@"

@@ -1,7 +1,14 @@
 """Spawn a gloo world with torchrun, run one world script (several checks), collect per-rank JSON.
 
 World scripts call ``world_main(checks)``: each check runs on every rank and returns a
-JSON-serialisable dict; results land in $PUZZLE_TEST_OUT/rank{R}.json.
+JSON-serialisable dict; results land in $PUZZLE_TEST_OUT/rank{R}.json. The 4-rank scripts listed
+in ``SHARED_WORLDS`` run together in one world (tests/distributed/worlds/shared.py).
+
+Also here, for every test file: the tiny runs' flags read from their launch scripts
+(``tiny_flags``, ``TINY_MODEL``, ``TINY_CLI``), running those scripts (``run_script``,
+``launch_script``, ``read_metrics``), one comparison of metric rows (``assert_same_metrics``),
+a tiny run inside a world (``train_in_world``) and the session's saved run's flags (``SAVED_RUN_*``,
+the fixture ``saved_run`` is in tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -17,8 +24,45 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+#: 4-rank world scripts that share one world: the first test asking for any script of a group
+#: runs the whole group in one torchrun (one start-up, one import of torch and megatron per rank)
+#: and each test still gets its own script's results. A script in no group, or run with
+#: arguments or another rank count, gets a world of its own. A failing check fails its group.
+#: Every world runs once per session: test files asking for the same world share its results.
+SHARED_WORLDS = (
+    ("distributed/worlds/foundation.py", "distributed/worlds/switch.py", "distributed/worlds/time_sharing.py",
+     "distributed/worlds/generation.py"),
+    ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py"),
+    ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py"),
+)
+SHARED_TIMEOUT = 1150  # under scripts/test.sh's per-test --timeout
+_SEP = "::"
+_shared_results: dict = {}
+_collect = None  # tests/distributed/worlds/shared.py: world_main hands its checks over here
+
+
 def run_world(script: str, nproc: int, *args: str, timeout: int = 600) -> list:
     """Run tests/<script> on ``nproc`` ranks; return the per-rank result dicts (rank order)."""
+    group = next((g for g in SHARED_WORLDS if script in g), None)
+    if group is None or args or nproc != 4:  # a world of its own (run once per session)
+        key = (script, nproc, args)
+        if key not in _shared_results:
+            _shared_results[key] = _spawn_world(script, nproc, *args, timeout=timeout)
+        return _shared_results[key]
+    if group not in _shared_results:
+        try:
+            _shared_results[group] = _spawn_world("distributed/worlds/shared.py", 4, *group,
+                                                  timeout=SHARED_TIMEOUT)
+        except AssertionError as e:
+            _shared_results[group] = e
+    results = _shared_results[group]
+    if isinstance(results, AssertionError):
+        raise results
+    prefix = script + _SEP
+    return [{name[len(prefix):]: v for name, v in r.items() if name.startswith(prefix)} for r in results]
+
+
+def _spawn_world(script: str, nproc: int, *args: str, timeout: int = 600) -> list:
     with tempfile.TemporaryDirectory(prefix="puzzle-world-") as out:
         env = dict(os.environ, PUZZLE_TEST_OUT=out, OMP_NUM_THREADS="1",
                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -31,12 +75,18 @@ def run_world(script: str, nproc: int, *args: str, timeout: int = 600) -> list:
             results.append(json.loads(f.read_text()) if f.exists() else None)
         if proc.returncode != 0 or any(r is None for r in results):
             tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-80:])
-            raise AssertionError(f"world {script} x{nproc} failed (rc={proc.returncode}):\n{tail}")
+            errors = [f"rank {r}, check {name}:\n{v['error']}" for r, res in enumerate(results) if res
+                      for name, v in res.items() if isinstance(v, dict) and "error" in v and len(v) == 1]
+            raise AssertionError(f"world {script} x{nproc} failed (rc={proc.returncode}):\n"
+                                 + "\n".join(errors[:2] + [tail]))
         return results
 
 
 def world_main(checks) -> None:
     """Entry of a world script: apply patches, init dist, run every check, write results."""
+    if _collect is not None:  # a shared world is gathering the checks of its scripts
+        _collect.append(checks)
+        return
     import megatron_patches
 
     megatron_patches.apply()
@@ -56,3 +106,181 @@ def world_main(checks) -> None:
     dist.barrier()
     Path(os.environ["PUZZLE_TEST_OUT"], f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+# ---- the tiny runs' flags: read from their launch scripts, the one copy ----------------------
+TINY_PPO = REPO / "examples" / "run_ppo_tiny.sh"
+TINY_GRPO = REPO / "examples" / "run_grpo_tiny.sh"
+
+
+def script_arrays(script: Path = TINY_PPO) -> dict:
+    """The bash arrays of a launch script (``NAME=( ... )``, comments dropped), in file order."""
+    import re
+    import shlex
+
+    arrays, name, body = {}, None, []
+    for line in Path(script).read_text().splitlines():
+        if name is None:
+            m = re.match(r"^([A-Z_]+)=\((.*)$", line.strip())
+            if not m:
+                continue
+            name, line = m.group(1), m.group(2)
+            body = []
+        head, closed, _ = line.partition(")") if not line.lstrip().startswith("#") else (line, "", "")
+        body.extend(shlex.split(head, comments=True))
+        if closed:
+            arrays[name], name = body, None
+    return arrays
+
+
+def tiny_flags(script: Path = TINY_PPO, *, model_only: bool = False) -> list:
+    """What ``script`` passes to train_ppo.py before the caller's own flags (MODEL_ARGS alone
+    with ``model_only``): the tiny model and its run, one definition shared by every test."""
+    arrays = script_arrays(script)
+    if model_only:
+        return list(arrays["MODEL_ARGS"])
+    return [flag for name, flags in arrays.items() if name != "DISTRIBUTED_ARGS" for flag in flags]
+
+
+#: the tiny PPO model (examples/run_ppo_tiny.sh MODEL_ARGS) plus a reward: enough for train_ppo.py
+#: to check its flags in this process (cli.run) before any process group or model exists
+TINY_MODEL = tiny_flags(model_only=True)
+TINY_CLI = TINY_MODEL + ["--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]
+
+
+# ---- launching the tiny runs -----------------------------------------------------------------
+def script_env(**extra) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **extra)
+
+
+def read_metrics(log_dir) -> list:
+    """The rows of ``log_dir``/metrics.jsonl ([] when there is none)."""
+    path = Path(log_dir) / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def launch_script(script: Path, args, log_dir, nproc=None, env=None) -> subprocess.Popen:
+    """Start ``bash script *args --log-dir log_dir`` (NPROC ranks when given); stdout/stderr piped."""
+    extra = dict(env or {}, **({"NPROC": str(nproc)} if nproc is not None else {}))
+    return subprocess.Popen(["bash", str(script), *args, "--log-dir", str(log_dir)], cwd=REPO,
+                            env=script_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_script(script: Path, args, log_dir, nproc=None, env=None, check=True, timeout=600):
+    """Run a launch script to its end: (CompletedProcess, metrics rows); ``check``: exit 0."""
+    extra = dict(env or {}, **({"NPROC": str(nproc)} if nproc is not None else {}))
+    proc = subprocess.run(["bash", str(script), *args, "--log-dir", str(log_dir)], cwd=REPO,
+                          env=script_env(**extra), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return proc, read_metrics(log_dir)
+
+
+def by_iteration(rows) -> dict:
+    """{iteration: row} of metric rows (each iteration once)."""
+    if isinstance(rows, dict):
+        return rows
+    out = {r["iteration"]: r for r in rows}
+    assert len(out) == len(rows), [r["iteration"] for r in rows]
+    return out
+
+
+def assert_same_metrics(actual, expected, keys=None, iterations=None, rel=None, abs=None, skip=()):
+    """Metric rows of two runs agree: per iteration (``iterations``, else the same iterations in
+    both), per key (``keys``, else every key of both rows but ``skip``). Exactly equal when
+    neither ``rel`` nor ``abs`` is given, else ``actual == pytest.approx(expected, rel, abs)``
+    (the tolerance is relative to ``expected``). Rows: lists of metrics.jsonl rows or
+    {iteration: row}."""
+    import pytest
+
+    a, b = by_iteration(actual), by_iteration(expected)
+    if iterations is None:
+        assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+        iterations = sorted(b)
+    for it in iterations:
+        names = keys if keys is not None else sorted((set(a[it]) | set(b[it])) - set(skip))
+        for key in names:
+            if rel is None and abs is None:
+                assert key in a[it] and key in b[it] and a[it][key] == b[it][key], (it, key, a[it].get(key),
+                                                                                     b[it].get(key))
+            else:
+                assert a[it][key] == pytest.approx(b[it][key], rel=rel, abs=abs), (it, key, a[it][key],
+                                                                                  b[it][key])
+
+
+# ---- a run in this world's processes (world scripts) -----------------------------------------
+def train_in_world(argv, *, print_plan: bool = False) -> dict:
+    """What train_ppo.py does with ``argv`` (its flag checks, --plan auto, the prompt loader, the
+    loop, --save/--save-interval and --load/--ckpt-step), in this already started world instead of
+    a new torchrun: a PPOTrainer is built, runs to --train-iters, and is closed. Returns {"rows":
+    the metric rows of this run's iterations with timings left out, "roles", "switch", and with
+    ``print_plan`` "stdout": what the flag checks printed on this rank}."""
+    import contextlib
+    import io
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    from puzzle import checkpointing, cli
+    from puzzle.arguments import parse_args, validate_args
+    from puzzle.data.prompts import PromptLoader, bundled_prompts_path, load_prompt_dataset
+    from puzzle.data.tokenizers import build_tokenizer
+    from puzzle.trainer import PPOTrainer
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out) if print_plan else contextlib.nullcontext():
+        args = parse_args(argv)
+        layouts = cli._plan_layouts(args)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    cfg = validate_args(args, dist.get_world_size(), tokenizer.vocab_size, layouts=layouts)
+    cfg = replace(cfg, faults=cli.fault_injection_from_env({}))
+    dataset = load_prompt_dataset(cfg.prompt_data or bundled_prompts_path(), tokenizer, cfg.prompt_key,
+                                  max_prompt_len=cfg.ppo.max_prompt_length, overflow=cfg.prompt_overflow,
+                                  split=cfg.prompt_split, apply_chat_template=cfg.apply_chat_template,
+                                  skip_bad_records=cfg.skip_bad_records)
+    step = cfg.ckpt_step
+    if cfg.load:
+        checkpointing.check_checkpoint(cfg, cfg.load, step)
+        step = checkpointing.verify_checkpoint(cfg.load, step)
+    loader = PromptLoader(dataset.prompts, cfg.ppo.rollout_batch_size, dp_rank=0, dp_size=1, seed=cfg.seed)
+
+    def next_prompts():
+        pb = next(loader)
+        return pb.prompts, [dataset.records[i] if dataset.records else {} for i in pb.indices]
+
+    trainer = PPOTrainer(cfg, tokenizer, dataset)
+    rows = []
+    try:
+        if cfg.load and step is not None:
+            checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
+                                          load_rng=cfg.load_rng, iteration=step)
+        saved = trainer.iteration
+        while trainer.iteration < cfg.train_iters:
+            m = trainer.step(*next_prompts(), refill=next_prompts)
+            rows.append({k: v for k, v in m.items() if not k.startswith(("time_", "switch_seconds"))
+                         and k != "samples_per_sec"})
+            if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
+                checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+                saved = trainer.iteration
+        if cfg.save and saved != trainer.iteration:
+            checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+    finally:
+        trainer.close()
+    dist.barrier()
+    res = {"rows": rows, "roles": sorted(trainer.engines), "switch": trainer.switch is not None}
+    if print_plan:
+        res["stdout"] = out.getvalue()
+    return res
+
+
+# ---- the session's saved run (tests/conftest.py `saved_run`) ---------------------------------
+#: examples/run_ppo_tiny.sh on 2 ranks, every model at (P,D,T) = (1,2,1), sampled generation,
+#: 6 iterations of 8 prompts
+SAVED_RUN_NPROC = 2
+SAVED_RUN_FLAGS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                   "--critic-tensor-model-parallel-size", "1", "--rollout-batch-size", "8",
+                   "--global-batch-size", "8", "--max-new-tokens", "8", "--ppo-epochs", "1", "--train-iters", "6"]
+#: the critic's gradients are poisoned at iteration 2 and that optimizer step is skipped: a run
+#: that should repeat the saved run's numbers takes these flags and this environment too
+SAVED_RUN_SKIP_FLAGS = ["--skip-nonfinite-iterations", "1"]
+SAVED_RUN_ENV = {"PUZZLE_TEST_NONFINITE_AT": "critic:2"}

@@ -1,40 +1,35 @@
 """Fault suite (CPU, gloo, 2 ranks): SIGTERM then resume, a stopped rank, damaged checkpoints,
 a deleted tracker, non-finite gradients, metrics.jsonl of fresh and resumed runs.
 
-One uninterrupted run saves checkpoints that the other cases copy and damage; the corruption
-cases run the CLI in this process (they fail before any model exists)."""
+The session's saved run (tests/conftest.py ``saved_run``: checkpoints at 2, 4 and 6, the newest
+two kept, the critic's NaN step at iteration 2 skipped) is the uninterrupted run the other cases
+repeat, copy and damage; the corruption cases run the CLI in this process (they fail before any
+model exists)."""
 
 import json
 import os
 import shutil
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), NPROC="2")
-FLAGS = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-         "--critic-tensor-model-parallel-size", "1", "--rollout-batch-size", "8",
-         "--global-batch-size", "8", "--max-new-tokens", "8", "--ppo-epochs", "1", "--train-iters", "6"]
+from tests.harness import (SAVED_RUN_ENV, SAVED_RUN_FLAGS, SAVED_RUN_NPROC, SAVED_RUN_SKIP_FLAGS, TINY_CLI,
+                           TINY_PPO, assert_same_metrics, launch_script, read_metrics)
+
+FLAGS = SAVED_RUN_FLAGS
 # the critic's gradients are poisoned at iteration 2 in every run of the scenario
-SKIP = {"PUZZLE_TEST_NONFINITE_AT": "critic:2"}
-SKIP_FLAGS = ["--skip-nonfinite-iterations", "1"]
+SKIP = SAVED_RUN_ENV
+SKIP_FLAGS = SAVED_RUN_SKIP_FLAGS
 TIMING = ("samples_per_sec", "time_generate", "time_score", "time_train", "switch_seconds")
 
 
 def _launch(args, log_dir, env=None):
-    return subprocess.Popen(["bash", str(REPO / "examples/run_ppo_tiny.sh"), *FLAGS, *args, "--log-dir", str(log_dir)],
-                            cwd=REPO, env=dict(ENV, **(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return launch_script(TINY_PPO, FLAGS + list(args), log_dir, nproc=SAVED_RUN_NPROC, env=env)
 
 
-def _rows(log_dir):
-    path = Path(log_dir) / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+_rows = read_metrics
 
 
 def _workers(proc, n=2, timeout=120):
@@ -85,22 +80,14 @@ def _finish(proc, workers=(), timeout=300):
 
 def _same(a, b):
     assert [r["iteration"] for r in a] == [r["iteration"] for r in b]
-    for x, y in zip(a, b):
-        assert {k: v for k, v in x.items() if k not in TIMING} == {k: v for k, v in y.items() if k not in TIMING}
+    assert_same_metrics(a, b, skip=TIMING)
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+@pytest.fixture
+def straight(saved_run):
     """Six uninterrupted iterations, checkpoints at 2, 4 and 6, the newest two kept; the critic's
     step at iteration 2 has NaN gradients and is skipped (--skip-nonfinite-iterations 1)."""
-    root = tmp_path_factory.mktemp("faults")
-    rc, out, err = _finish(_launch(["--save", str(root / "a"), "--save-interval", "2", "--keep-last-checkpoints", "2",
-                                    *SKIP_FLAGS], root / "log_a", env=SKIP))
-    assert rc == 0, (out + err)[-5000:]
-    assert sorted(p.name for p in (root / "a").iterdir()) == ["iter_0000004", "iter_0000006",
-                                                              "latest_checkpointed_iteration.txt"]
-    assert f"deleted {root / 'a' / 'iter_0000002'} (--keep-last-checkpoints 2)" in out
-    return root, _rows(root / "log_a"), out, err
+    return saved_run.root, saved_run.rows, saved_run.stdout, saved_run.stderr
 
 
 def test_nonfinite_step_is_skipped_and_counted_and_warnings_print_once(straight):
@@ -123,11 +110,11 @@ def test_nonfinite_without_allowance_stops_naming_model_stage_iteration(tmp_path
     assert "puzzle/trainer.py" not in err  # no traceback of ours (torchrun prints its own summary)
 
 
-def test_sigterm_finishes_the_iteration_saves_and_resumes_identically(straight):
+def test_sigterm_finishes_the_iteration_saves_and_resumes_identically(straight, tmp_path):
     """SIGTERM to rank 1 only: both ranks stop after the same iteration, save, exit 0. The resume
     (tracker deleted: the newest verified checkpoint is found) repeats the uninterrupted run."""
-    root, rows, _, _ = straight
-    ckpt, log = root / "b", root / "log_b"
+    _, rows, _, _ = straight
+    ckpt, log = tmp_path / "b", tmp_path / "log_b"
     proc = _launch(["--save", str(ckpt), "--exit-signal-handler", *SKIP_FLAGS], log, env=SKIP)
     workers = _workers(proc)
     _wait_for_iteration(proc, log, 1)
@@ -173,12 +160,11 @@ def test_stopped_rank_ends_the_job_naming_it(straight, tmp_path):
 
 # ---- damaged checkpoints: the CLI in this process, before any model or process group ------------
 @pytest.fixture
-def damaged(straight, tmp_path, monkeypatch):
+def damaged(saved_run, tmp_path, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    root, _, _, _ = straight
     copy = tmp_path / "ckpt"
-    shutil.copytree(root / "a", copy)
+    shutil.copytree(saved_run.ckpt, copy)
     yield copy
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(var, None)
@@ -187,13 +173,7 @@ def damaged(straight, tmp_path, monkeypatch):
 def _resume(copy, capsys, *extra):
     from puzzle import cli
 
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-            "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
-            "--max-position-embeddings", "64", "--normalization", "RMSNorm", "--swiglu",
-            "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-            "--disable-bias-linear", "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
-            "--micro-batch-size", "2",
-            *FLAGS, "--load", str(copy), *extra]
+    argv = [*TINY_CLI, "--micro-batch-size", "2", *FLAGS, "--load", str(copy), *extra]
     rc = cli.run(argv)
     out, err = capsys.readouterr()
     assert rc == 2 and err.count("error:") == 1 and "Traceback" not in err, (rc, out, err)

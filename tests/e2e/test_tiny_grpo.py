@@ -3,21 +3,16 @@ the bundled one-digit sums from the verifiable reward, with no critic and no ref
 
 import json
 import math
-import os
-import subprocess
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), NPROC="1")
+import pytest
+
+from tests.harness import TINY_GRPO, assert_same_metrics, run_script, run_world
 
 
+@pytest.mark.learning
 def test_tiny_grpo_solve_rate_rises(tmp_path):
-    proc = subprocess.run(["bash", str(REPO / "examples/run_grpo_tiny.sh"), "--train-iters", "40",
-                           "--log-dir", str(tmp_path)], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in lines if r["iteration"] > 0]
+    proc, lines = run_script(TINY_GRPO, ["--train-iters", "40"], tmp_path, nproc=1)
+    rows = [r for r in lines if r["iteration"] > 0]  # iteration 0: the evaluation before training
     assert len(rows) == 40
     for key in ("solved_fraction", "reward_std", "reward_group_std_mean", "response_length_p90",
                 "response_clipped_frac", "bad_rewards", "groups_all_solved", "policy_loss", "actor_grad_norm"):
@@ -38,27 +33,19 @@ def test_tiny_grpo_solve_rate_rises(tmp_path):
 
 
 def _grpo(args, log_dir, check=True):
-    proc = subprocess.run(["bash", str(REPO / "examples/run_grpo_tiny.sh"), "--log-dir", str(log_dir), *args],
-                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    path = Path(log_dir) / "metrics.jsonl"
-    return proc, [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return run_script(TINY_GRPO, args, log_dir, nproc=1, check=check)
 
 
-def test_running_reward_normalisation_resumes_exactly(tmp_path):
+def test_running_reward_normalisation_resumes_exactly():
     """rloo (not invariant to the score scale) with running moments: a run resumed at iteration 2
-    repeats iterations 3-4 of the uninterrupted run exactly, moments included."""
-    args = ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "8",
-            "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",  # graded scores: a non-trivial std
-            "--reward-normalization", "running", "--train-iters", "4", "--save", str(tmp_path / "ck")]
-    _, straight = _grpo(args + ["--save-interval", "2"], tmp_path / "a")
-    _, resumed = _grpo(args + ["--load", str(tmp_path / "ck"), "--ckpt-step", "2", "--save", str(tmp_path / "ck2")],
-                       tmp_path / "b")
+    repeats iterations 3-4 of the uninterrupted run exactly, moments included. Both runs are
+    trainers in one 1-rank world (worlds/tiny_runs.py), the second loading the first's checkpoint."""
+    res = run_world("distributed/worlds/tiny_runs.py", 1)[0]["grpo_resume"]
+    straight, resumed = res["straight"], res["resumed"]
+    assert [r["iteration"] for r in straight] == [1, 2, 3, 4]
     assert [r["iteration"] for r in resumed] == [3, 4]
-    for a, b in zip(straight[2:], resumed):
-        for key in ("reward_norm_mean", "reward_norm_std", "policy_loss", "actor_grad_norm", "reward_mean"):
-            assert a[key] == b[key], key
+    assert_same_metrics(resumed, straight, ("reward_norm_mean", "reward_norm_std", "policy_loss",
+                                            "actor_grad_norm", "reward_mean"), iterations=(3, 4))
     assert straight[3]["reward_norm_std"] != straight[0]["reward_norm_std"]
 
 

@@ -8,6 +8,7 @@ from puzzle.parallel.plan import ParallelPlan
 from puzzle.plan_search import SearchResult, load_profile, save_profile, validate_profile
 from puzzle.bench.calibration import PlanFlagsError, plan_flags
 from puzzle.tools.profile import SHAPES, run_profile
+from tests.harness import TINY_CLI
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +57,7 @@ def _result(layout, plans, placements):
 def _validate(flags):
     from puzzle.arguments import parse_args, validate_args
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-            "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64", "--swiglu",
-            "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--micro-batch-size", "2",
-            "--rollout-batch-size", "16", "--max-new-tokens", "16",
-            "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]
+    base = TINY_CLI + ["--micro-batch-size", "2", "--rollout-batch-size", "16", "--max-new-tokens", "16"]
     return validate_args(parse_args(base + flags), world_size=4, vocab_size=259)
 
 

@@ -183,7 +183,7 @@ def _params(module):
     return {n: p.detach().clone() for n, p in module.named_parameters()} if module is not None else None
 
 
-def _same(a, b):
+def _params_equal(a, b):
     if a is None or b is None:
         return a is None and b is None
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -250,17 +250,17 @@ def check_families():
         r["export"] = _one(r.get("export"))
         # the switch (2,1,2) -> (1,1,4): the destination slices bitwise and the same log-probs
         shadow = switch_to_generation(engines[P(2, 1, 2)], P(1, 1, 4))
-        r["switch_bitwise"] = _all(_same(_params(shadow.module), _params(engines[P(1, 1, 4)].module)))
+        r["switch_bitwise"] = _all(_params_equal(_params(shadow.module), _params(engines[P(1, 1, 4)].module)))
         r["switch_lp_err"] = _err(_forward(shadow.module, shadow.layout), ref["lp"])
         shadow.release()
         # a dist checkpoint saved at (2,1,2), loaded at (1,1,4) into a model not loaded from HF
         ckpt = os.path.join(_DIRS["root"], fam + "-ckpt", "iter_0000001", "actor")
         save_role_weights(engines[P(2, 1, 2)], ckpt)
         fresh = _engine(fam, P(1, 1, 4), load=False)
-        differs_before = not _all(_same(_params(fresh.module), _params(engines[P(1, 1, 4)].module)))
+        differs_before = not _all(_params_equal(_params(fresh.module), _params(engines[P(1, 1, 4)].module)))
         load_role_weights(fresh, ckpt)
         r["resume"] = {"differs_before": differs_before,
-                       "bitwise": _all(_same(_params(fresh.module), _params(engines[P(1, 1, 4)].module)))}
+                       "bitwise": _all(_params_equal(_params(fresh.module), _params(engines[P(1, 1, 4)].module)))}
         if fam == "llama3" and dist.get_rank() == 0:  # a puzzle checkpoint root for the tool
             from dataclasses import asdict
 

@@ -1,0 +1,65 @@
+"""The tiny runs (examples/run_ppo_tiny.sh's and run_grpo_tiny.sh's flags) built in-process, each
+a PPOTrainer in this world, run and closed before the next (tests.harness.train_in_world).
+
+On 4 ranks, the PPO run (2 greedy iterations) at every layout the end-to-end tests compare: the
+script's own layouts (the reference), the actor generating through the switch, time-shared
+scoring and training, disjoint placement, --plan auto, and a reward model at two layouts.
+On 1 rank: the PPO run with every model at (1,1,1), and a GRPO run saved at iteration 2 and
+resumed from there in a new trainer."""
+
+import os
+import tempfile
+
+import torch.distributed as dist
+
+from tests.harness import TINY_GRPO, tiny_flags, train_in_world, world_main
+
+SMALL = ["--train-iters", "2", "--greedy", "--rollout-batch-size", "8", "--global-batch-size", "8",
+         "--micro-batch-size", "2", "--max-new-tokens", "8"]
+RUNS = {
+    # actor and reference at (2,1,2), critic at (1,2,2), sequential: run_ppo_tiny.sh's layouts
+    "reference": [],
+    "switch": ["--actor-gen-tensor-model-parallel-size", "2", "--actor-gen-pipeline-model-parallel-size", "1",
+               "--switch-segments", "4", "--ranks-per-node", "2"],
+    "time_sharing": ["--critic-pipeline-model-parallel-size", "2",  # all at (2,1,2)
+                     "--score-placement", "time-sharing", "--train-placement", "time-sharing"],
+    "disjoint": ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                 "--actor-data-parallel-size", "2", "--ref-data-parallel-size", "2",
+                 "--critic-rank-offset", "2", "--critic-data-parallel-size", "2",
+                 "--critic-tensor-model-parallel-size", "1",
+                 "--score-placement", "disjoint", "--train-placement", "disjoint"],
+    "plan_auto": ["--plan", "auto"],
+    # four models: a (random) reward model at (1,4,1), and following the actor at (2,1,2)
+    "reward_141": ["--reward-fn", "", "--reward-model", "random", "--reward-tensor-model-parallel-size", "1",
+                   "--reward-pipeline-model-parallel-size", "1"],
+    "reward_212": ["--reward-fn", "", "--reward-model", "random"],
+}
+ONE_RANK = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            "--critic-tensor-model-parallel-size", "1", "--critic-pipeline-model-parallel-size", "1"]
+# rloo (not invariant to the score scale) with running reward moments, checkpointed
+GRPO_RUNNING = ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "8",
+                "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",  # graded scores: a non-trivial std
+                "--reward-normalization", "running", "--train-iters", "4"]
+
+
+def check_ppo_layouts():
+    if dist.get_world_size() == 1:
+        return {"one_rank": train_in_world(tiny_flags() + SMALL + ONE_RANK)}
+    return {name: train_in_world(tiny_flags() + SMALL + extra, print_plan=name == "plan_auto")
+            for name, extra in RUNS.items()}
+
+
+def check_grpo_resume():
+    """4 iterations saving at 2; then a new trainer --load at iteration 2 runs 3 and 4."""
+    if dist.get_world_size() != 1:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="puzzle-grpo-") as d:
+        base = tiny_flags(TINY_GRPO) + GRPO_RUNNING
+        straight = train_in_world(base + ["--save", os.path.join(d, "ck"), "--save-interval", "2"])
+        resumed = train_in_world(base + ["--load", os.path.join(d, "ck"), "--ckpt-step", "2",
+                                         "--save", os.path.join(d, "ck2")])
+    return {"straight": straight["rows"], "resumed": resumed["rows"]}
+
+
+if __name__ == "__main__":
+    world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume)])
