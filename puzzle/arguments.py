@@ -502,12 +502,22 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                                      "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
     _check_trainable_cover(roles, world_size)
     _check_moe_paths(args, roles, impl)
+    ppo = _packing_for_experts(ppo, roles)
     _check_recompute_layers(levers, roles)
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers,
         evaluation=from_args(EvalConfig, args), reward_timeout=args.reward_timeout or None, precision=precision,
         transformer_impl=impl, transformer_impl_note=impl_note)
+
+
+def _packing_for_experts(ppo, roles):
+    """MoE models split over E > 1 ranks score and train right-padded micro-batches: megatron's
+    token dispatchers exchange equal token counts within an expert group on gloo, and packed
+    micro-batches of different ranks hold different counts (--use-remove-padding is ignored)."""
+    if ppo.use_remove_padding and any(s.arch.is_moe and s.plan.E > 1 for s in roles.values()):
+        return replace(ppo, use_remove_padding=False)
+    return ppo
 
 
 def _check_moe_paths(args, roles, transformer_impl: str) -> None:

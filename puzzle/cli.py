@@ -52,13 +52,14 @@ def run(argv) -> int:
 
 
 def _eval_dataset(cfg, tokenizer):
-    """--eval-prompts, read like --prompt-data and checked against --eval-iters; None without it."""
+    """--eval-prompts, read like --prompt-data and checked against --eval-iters; None without it
+    or with --eval-iters 0."""
     from puzzle.arguments import ArgumentError
     from puzzle.data.prompts import load_prompt_dataset
     from puzzle.evaluation import eval_batches
 
     ev = cfg.evaluation
-    if not ev.prompts:
+    if not ev.enabled:
         return None
     try:
         data = load_prompt_dataset(ev.prompts, tokenizer, cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,

@@ -314,7 +314,8 @@ class PPOParams:
     use_remove_padding: bool = flag(
         True, "training", "Scoring and training micro-batches as packed sequences (THD, cu_seqlens): each "
         "micro-batch's sequences concatenated without padding, attention causal within each sequence "
-        "(--no-use-remove-padding: right-padded [micro-batch, seq] rows, for comparison).",
+        "(--no-use-remove-padding: right-padded [micro-batch, seq] rows, for comparison). MoE models split "
+        "over E > 1 ranks always run padded.",
         kind="boolean_optional")
     generation_micro_batch_size: Optional[int] = flag(
         None, _PPO, "Prompts per generation micro-batch (default: all of a DP rank's prompts). Smaller than "
@@ -495,16 +496,22 @@ class EvalConfig:
         name="--eval-interval", type=int)
     iters: Optional[int] = flag(
         None, _EVAL, "Evaluation batches of --rollout-batch-size prompts per evaluation (default: every "
-        "prompt of --eval-prompts).", name="--eval-iters", type=int)
+        "prompt of --eval-prompts); 0 turns evaluation off, as in Megatron-LM.", name="--eval-iters", type=int)
     n_samples: Optional[int] = flag(
         None, _EVAL, "Samples per eval prompt: 1 (default) is greedy; N > 1 samples at the run's "
         "--temperature/--top-k/--top-p and logs pass@k.", name="--eval-n-samples-per-prompt", type=int)
 
     def __post_init__(self):
         cls = EvalConfig
-        check_at_least(cls, self, 1, "interval", "iters", "n_samples", optional=True)
+        check_at_least(cls, self, 1, "interval", "n_samples", optional=True)
+        check_at_least(cls, self, 0, "iters", optional=True)
         for name in ("interval", "iters", "n_samples"):
             check(cls, self, name, getattr(self, name) is None or bool(self.prompts), "needs --eval-prompts")
+
+    @property
+    def enabled(self) -> bool:
+        """--eval-prompts given and --eval-iters not 0."""
+        return bool(self.prompts) and self.iters != 0
 
     @property
     def samples_per_prompt(self) -> int:

@@ -22,7 +22,7 @@ FLAGS = SAVED_RUN_FLAGS
 # the critic's gradients are poisoned at iteration 2 in every run of the scenario
 SKIP = SAVED_RUN_ENV
 SKIP_FLAGS = SAVED_RUN_SKIP_FLAGS
-TIMING = ("samples_per_sec", "time_generate", "time_score", "time_train", "switch_seconds")
+TIMING = ("samples_per_sec", "tokens_per_sec", "time_generate", "time_score", "time_train", "switch_seconds")
 
 
 def _launch(args, log_dir, env=None):

@@ -54,7 +54,8 @@ def test_bad_reward_error_stops_the_run(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"{i}+0=", "value": "raise" if i == 5 else 1.0}) + "\n"
                             for i in range(8)))
     args = ["--prompt-data", str(data), "--reward-fn", "tests.unit.reward_fixtures:batched_by_record",
-            "--rollout-batch-size", "8", "--n-samples-per-prompt", "2", "--micro-batch-size", "16", "--train-iters", "2"]
+            "--rollout-batch-size", "8", "--n-samples-per-prompt", "2", "--micro-batch-size", "16", "--train-iters", "2",
+            "--eval-iters", "0"]  # the script's held-out sums have no "value" for this reward
     proc, _ = _grpo(args + ["--on-bad-reward", "error"], tmp_path / "a", check=False)
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]
     assert "of iteration 1 raised RuntimeError: boom" in proc.stderr and "--on-bad-reward error" in proc.stderr

@@ -80,3 +80,13 @@ def test_bundled_files_are_the_generators_output():
 
     for path, prefix in ((PATH, ""), (EVAL_PATH, " ")):
         assert [json.loads(x) for x in path.read_text().splitlines()] == make_records(2, prefix=prefix)
+
+
+def test_eval_iters_zero_turns_evaluation_off():
+    """Megatron-LM's meaning: --eval-iters 0 skips evaluation, also where a script gives --eval-prompts."""
+    from puzzle.config import EvalConfig
+
+    assert EvalConfig(prompts="p.jsonl").enabled and EvalConfig(prompts="p.jsonl", iters=2).enabled
+    assert not EvalConfig(prompts="p.jsonl", iters=0).enabled and not EvalConfig().enabled
+    with pytest.raises(ValueError, match="--eval-iters"):
+        EvalConfig(prompts="p.jsonl", iters=-1)

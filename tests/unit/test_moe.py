@@ -211,3 +211,18 @@ def test_plan_search_refuses_moe():
 
     with pytest.raises(ArgumentError, match="--num-experts: actor: the memory and cost models"):
         shapes_from_config(_run_cfg())
+
+
+def test_experts_split_over_ranks_score_and_train_padded():
+    """E > 1: the token dispatchers need equal token counts within an expert group on gloo, so the
+    run's micro-batches stay right-padded; E = 1 MoE and dense runs pack by default."""
+    from puzzle.arguments import parse_args, validate_args
+
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--micro-batch-size", "2",
+             "--rollout-batch-size", "8", "--max-new-tokens", "16", "--transformer-impl", "local",
+             "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
+             "--num-experts", "4", "--moe-ffn-hidden-size", "32"]
+    packed = lambda *extra: validate_args(parse_args(flags + list(extra)), 2, 259).ppo.use_remove_padding  # noqa: E731
+    assert packed() and not packed("--expert-model-parallel-size", "2")
