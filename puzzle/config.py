@@ -368,7 +368,7 @@ class PPOParams:
     overlong_buffer_len: int = flag(
         0, _ALGO, "DAPO overlong shaping: the last N tokens of --max-new-tokens are penalised (0: off).")
     overlong_penalty_factor: float = flag(1.0, _ALGO)
-    # Megatron-LM RL's names (verl: tis_imp_ratio_cap; slime: --use-tis --tis-clip); docs/consistency.md
+    # Megatron-LM RL's names (verl: tis_imp_ratio_cap; slime: --use-tis --tis-clip); docs/ppo.md
     rl_inference_logprobs_is_correction: bool = flag(
         False, _ALGO, "Importance-sampling correction of the actor's loss for the generation-vs-scoring "
         "mismatch: each token's loss weighted by exp(old log-prob - generation log-prob).",
