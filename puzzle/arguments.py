@@ -314,6 +314,8 @@ _NEEDS = (
     (PPOParams, "kl_loss_coef", lambda a, roles: a.use_kl_loss, "needs --use-kl-loss"),
     (PPOParams, "kl_loss_type", lambda a, roles: a.use_kl_loss, "needs --use-kl-loss"),
     (PPOParams, "max_num_gen_batches", lambda a, roles: a.filter_groups, "needs --filter-groups"),
+    (PPOParams, "rl_importance_sampling_truncation_coef", lambda a, roles: a.rl_inference_logprobs_is_correction,
+     "needs --rl-inference-logprobs-is-correction"),
     (PPOParams, "overlong_penalty_factor", lambda a, roles: a.overlong_buffer_len > 0,
      "needs --overlong-buffer-len > 0"),
     (PPOParams, "lam", lambda a, roles: "critic" in roles, "GAE's lambda: needs a critic (--advantage-estimator gae)"),

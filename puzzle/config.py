@@ -369,6 +369,14 @@ class PPOParams:
     overlong_buffer_len: int = flag(
         0, _ALGO, "DAPO overlong shaping: the last N tokens of --max-new-tokens are penalised (0: off).")
     overlong_penalty_factor: float = flag(1.0, _ALGO)
+    # Megatron-LM RL's names (verl: tis_imp_ratio_cap; slime: --use-tis --tis-clip); docs/ppo.md
+    rl_inference_logprobs_is_correction: bool = flag(
+        False, _ALGO, "Importance-sampling correction of the actor's loss for the generation-vs-scoring "
+        "mismatch: each token's loss weighted by exp(old log-prob - generation log-prob).",
+        kind="boolean_optional")
+    rl_importance_sampling_truncation_coef: Optional[float] = flag(
+        None, _ALGO, "Truncate the importance weights of --rl-inference-logprobs-is-correction at this value "
+        "(TIS; peers use 2 to 10).", type=float)
     reward_normalization: str = flag(
         "none", "reward functions (--reward-fn; docs/grpo.md)",
         "running: scores normalised by their running mean/std (checkpointed).", choices=("none", "running"))
@@ -386,6 +394,7 @@ class PPOParams:
         check_at_least(cls, self, 0, "kl_target", "reward_clip", strict=True, optional=True)
         check_at_least(cls, self, 0, "value_clip_eps", "clip_eps", strict=True)
         check_at_least(cls, self, 0, "clip_eps_high", strict=True, optional=True)
+        check_at_least(cls, self, 0, "rl_importance_sampling_truncation_coef", strict=True, optional=True)
         check(cls, self, "overlong_buffer_len", 0 <= self.overlong_buffer_len <= self.max_new_tokens,
               f"must be in [0, --max-new-tokens {self.max_new_tokens}] (got {self.overlong_buffer_len})")
         check(cls, self, "compile_generation", self.cuda_graph_generation or not self.compile_generation,

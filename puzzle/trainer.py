@@ -22,6 +22,7 @@ import torch.distributed as dist
 from puzzle import generation_stage
 from puzzle.algorithms import RunningMoments, build_kl_controller, compute_token_rewards, masked_mean
 from puzzle.algorithms.advantage_estimators import ESTIMATORS, compute_advantages
+from puzzle.algorithms.rollout_correction import mismatch_metrics
 from puzzle.config import ROLES, RunConfig
 from puzzle.metrics import MetricsLogger
 from puzzle.parallel.groups import layout_for
@@ -174,7 +175,7 @@ class PPOTrainer:
         prompt_ids = [p for p in prompt_ids for _ in range(N)]
         B = len(prompt_ids)
         layout, R = engine.layout, ppo.max_new_tokens
-        responses = lengths = None
+        responses = lengths = logprobs = None
         share = B // layout.plan.D
         part = layout.d
         if engine.member:
@@ -190,9 +191,10 @@ class PPOTrainer:
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
                            sample_offset=round_ * B + part * share, progress=self.generation_progress)
             Lp = out.tokens.shape[1] - R
-            responses, lengths = out.tokens[:, Lp:], out.response_lengths
+            responses, lengths, logprobs = out.tokens[:, Lp:], out.response_lengths, out.logprobs
         batch = rollout_from_generation(prompt_ids, responses, lengths, layout, R, self.tokenizer.pad_id,
-                                        self.runtime.device, seq_multiple=self.seq_multiple)
+                                        self.runtime.device, seq_multiple=self.seq_multiple,
+                                        logprobs=logprobs, with_logprobs=True)
         if N > 1:
             batch.fields["group_index"] = torch.arange(B, device=batch.device) // N
         return batch
@@ -260,6 +262,10 @@ class PPOTrainer:
                    "scores": "reward"}
         nonfinite.check_scores(f, batch.response_mask, self.iteration,
                                {k: r for k, r in sources.items() if r in self.engines})
+        if "gen_logprobs" in f:  # generation vs scoring log-probs of the sampled tokens
+            stats.update(mismatch_metrics(f["gen_logprobs"], f["old_logprobs"], batch.response_mask,
+                                          ppo.rl_inference_logprobs_is_correction,
+                                          ppo.rl_importance_sampling_truncation_coef))
         return stats
 
     # ---- advantages (pure math, identical on every rank) -------------------------------------
@@ -308,7 +314,9 @@ class PPOTrainer:
         actor_step = steps.actor_train_step(self.vocab, temp, R, ppo.clip_eps, ppo.entropy_coef,
                                             clip_eps_high=ppo.clip_eps_high, loss_agg=ppo.loss_agg_mode,
                                             kl_loss_coef=ppo.kl_loss_coef, kl_loss_type=ppo.kl_loss_type,
-                                            use_kl_loss=ppo.use_kl_loss)
+                                            use_kl_loss=ppo.use_kl_loss,
+                                            is_correction=ppo.rl_inference_logprobs_is_correction,
+                                            is_truncation_coef=ppo.rl_importance_sampling_truncation_coef)
         for epoch in range(ppo.ppo_epochs):
             perm = torch.randperm(batch.size, generator=gen)
             for s in range(0, batch.size, ppo.mini_batch_size):

@@ -90,6 +90,7 @@ def policy_loss(
     loss_agg: str = "token-mean",
     denominator: Optional[float] = None,
     clip_eps_high: Optional[float] = None,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate loss (with DAPO's clip-higher: ``clip(ratio, 1 - eps, 1 + eps_high)``).
 
@@ -105,6 +106,8 @@ def policy_loss(
         mask: ``[B, R]`` 0/1 response mask.
         clip_eps: PPO clip range (``> 0``); the lower one when ``clip_eps_high`` is given.
         clip_eps_high: upper clip range (DAPO clip-higher); ``None`` = ``clip_eps``.
+        token_weights: ``[B, R]`` detached per-token weights of the clipped loss (the truncated
+            importance weights of puzzle/algorithms/rollout_correction.py); ``None`` = 1.
 
     Returns:
         ``(loss, clip_frac, approx_kl, weight)``: ``loss`` scalar; ``clip_frac`` = fraction of
@@ -129,6 +132,9 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(min=1.0 - clip_eps, max=1.0 + high)
     loss_mat = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        check_same_shape("logprobs", logprobs, token_weights=token_weights)
+        loss_mat = loss_mat * torch.where(valid, token_weights.detach(), torch.zeros_like(loss_mat))
     loss, weight = agg_loss(loss_mat, mask, loss_agg, denominator)
 
     with torch.no_grad():

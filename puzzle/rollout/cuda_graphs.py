@@ -166,7 +166,7 @@ class DecodeGraphs:
         """Decode ``sb`` (every prompt in a slot) until its rows finish; returns the steps run.
 
         ``run`` is the model call; ``sample(logits, sample_ids, steps, seed, vocab_ids)`` picks
-        the tokens without host syncs (``vocab_ids``: this rank's vocabulary ids, kept here);
+        the tokens and returns them with their log-probs, without host syncs (``vocab_ids``: this rank's vocabulary ids, kept here);
         ``key`` names the sampling setting a captured graph bakes in (the seed is read from a
         buffer); ``steps_left`` bounds the steps (max_new_tokens minus the fewest tokens a live
         row has)."""
@@ -192,6 +192,7 @@ class FusedDecode:
         self.seed = torch.zeros(1, **z)
         self.stop_ids, self.vocab_ids = stop_ids.clone(), vocab_ids.clone()
         self.tokens = torch.zeros(slots, max_new + 1, **z)  # [slot, step]; column max_new: scratch
+        self.logprobs = torch.zeros(slots, max_new + 1, dtype=torch.float32, device=dev)  # likewise
         self.rows = torch.arange(slots, device=dev)
         self.model_call = self.sample = None  # the running generation's (set per call)
         self.graph = None
@@ -201,9 +202,10 @@ class FusedDecode:
         n, width = self.slots, self.graphs.width
         self.graphs._cache.decode(n, self.lens, width)
         logits = self.model_call(self.last.unsqueeze(1), self.lens.unsqueeze(1), None, None)
-        tok = self.sample(logits, self.sample_ids, self.count, self.seed, self.vocab_ids)
+        tok, logprob = self.sample(logits, self.sample_ids, self.count, self.seed, self.vocab_ids)
         act = self.active
         self.tokens[self.rows, self.count] = tok  # a finished row writes past its response
+        self.logprobs[self.rows, self.count] = logprob
         inc = act.long()
         self.count.add_(inc)
         self.lens.add_(inc)
@@ -246,6 +248,8 @@ class FusedDecode:
         take = (cols >= first.unsqueeze(1)) & (cols < end.unsqueeze(1))
         out = sb.results.out
         out[rows] = torch.where(take, self.tokens[live, :self.max_new], out[rows])
+        lps = sb.results.logprobs
+        lps[rows] = torch.where(take, self.logprobs[live, :self.max_new], lps[rows])
         sb.results.resp_len[rows] = end
         sb.sync_host()
         sb.free = sorted(set(range(sb.slots)) - set(sb.host_active))

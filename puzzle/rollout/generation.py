@@ -32,7 +32,9 @@ megatron's per-call plumbing):
   output layer. Logits stay vocab-parallel ([n, V/T]); the vocabulary is never gathered.
 
 Tokens depend only on (seed, global sample index, step, logits) (puzzle/rollout/sampling.py),
-so they are the same at every layout, micro-batch size and order of service. With
+so they are the same at every layout, micro-batch size and order of service. With each token its
+log-prob under the logits it was sampled from is recorded (``GenerationOutput.logprobs``), on
+every path: scoring compares its own with it (the generation-vs-scoring log-prob difference). With
 ``cuda_graphs`` (GPU, P=1) decode steps replay CUDA graphs captured per batch-size bucket
 (puzzle/rollout/cuda_graphs.py).
 """
@@ -65,6 +67,9 @@ class GenerationOutput:
     response_lengths: torch.Tensor  # [b]
     prompt_length: int = 0          # Lp: the column where responses start
     forward_passes: int = 0         # model calls run by this rank (all micro-batches)
+    # [b, max_new] float32: log-prob of each generated token as it was sampled (sampling.py
+    # ``sampled_logprobs``: temperature-scaled, unfiltered, scoring's function); 0 after the response
+    logprobs: Optional[torch.Tensor] = None
 
     def responses(self) -> List[List[int]]:
         """The generated tokens of every row (up to and including EOS)."""
@@ -170,7 +175,7 @@ class SlotBatch:
         return logits if self.call.prefill or self.call.dense else logits[self.call.slots]
 
     # -- state update after a call (run on every stage with the same tokens) -----------------
-    def advance(self, tok: torch.Tensor) -> None:
+    def advance(self, tok: torch.Tensor, logprob: torch.Tensor) -> None:
         call, sl, slots = self.call, self.call.slots, self.call_slots
         if call.prefill:
             self.active[sl] = True
@@ -181,6 +186,7 @@ class SlotBatch:
                 self.host_lens[s] += 1
         rows, step = self.row[sl], self.count[sl]
         self.results.out[rows, step] = tok
+        self.results.logprobs[rows, step] = logprob
         self.count[sl] = step + 1
         self.results.resp_len[rows] = step + 1
         self.last[sl] = tok
@@ -207,6 +213,7 @@ class SlotBatch:
 class Results:
     out: torch.Tensor       # [b, max_new]
     resp_len: torch.Tensor  # [b]
+    logprobs: torch.Tensor  # [b, max_new] float32: each sampled token's log-prob
 
 
 class _Hooks:
@@ -395,7 +402,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
 
     order = service_order(prompts)
     results = Results(torch.zeros(b, params.max_new_tokens, dtype=torch.long, device=device),
-                      torch.zeros(b, dtype=torch.long, device=device))
+                      torch.zeros(b, dtype=torch.long, device=device),
+                      torch.zeros(b, params.max_new_tokens, dtype=torch.float32, device=device))
     if P == 1:  # one cache, refilled as rows finish
         slots = min(mbs, b)
         cache = graphs.cache(slots, width) if graphs is not None else None
@@ -477,6 +485,8 @@ def _assemble(prompts, results: Results, params: SamplingParams, lp: int,
     plen = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     rlen = results.resp_len.cpu()
     out = results.out.cpu()
+    keep = torch.arange(n_new).unsqueeze(0) < rlen.unsqueeze(1)
+    logprobs = torch.where(keep, results.logprobs.cpu(), torch.zeros(()))
     cols = torch.arange(lp + n_new).unsqueeze(0)
     prompt_mask = ((cols >= lp - plen.unsqueeze(1)) & (cols < lp)).long()
     response_mask = ((cols >= lp) & (cols < lp + rlen.unsqueeze(1))).long()
@@ -488,4 +498,4 @@ def _assemble(prompts, results: Results, params: SamplingParams, lp: int,
     return GenerationOutput(tokens=tokens, attention_mask=prompt_mask | response_mask,
                             prompt_mask=prompt_mask, response_mask=response_mask,
                             prompt_lengths=plen, response_lengths=rlen,
-                            prompt_length=lp, forward_passes=forward_passes)
+                            prompt_length=lp, forward_passes=forward_passes, logprobs=logprobs)

@@ -11,7 +11,7 @@ P > 1 (hybrid pipelined inference): every stage walks the same sequence of work 
 pass — pass j runs step j of every live micro-batch, in micro-batch order. A work item on stage p
 receives its activations from p-1 (first stage: its token ids), runs the model with the
 micro-batch's own KV cache and sends the result to p+1; the last stage samples and sends the
-tokens to every other stage (each TP rank to its counterparts, so no extra TP broadcast). A
+tokens and their log-probs to every other stage (each TP rank to its counterparts, so no extra TP broadcast). A
 stage receives the tokens of (micro-batch m, step j-1) right before it runs (m, j): the first
 stage needs them as input, the others to drop finished rows and to build the output. With
 M >= P micro-batches the stages are all busy after warm-up: while the last stage samples m, the
@@ -30,7 +30,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from puzzle.rollout.sampling import SamplingParams, sample_tokens, vocab_ids_of
+from puzzle.rollout.sampling import SamplingParams, sample_tokens, sampled_logprobs, vocab_ids_of
 
 
 def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: int,
@@ -40,12 +40,16 @@ def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: 
     vocab = engine.arch.valid_vocab_size  # the tokenizer's ids: scoring masks the same rows
 
     def sample(mb, logits):
-        return sample_tokens(mb.select(logits), params, true_vocab=vocab, seed=seed,
-                             sample_ids=mb.sample_ids(sample_offset), step=mb.steps(), tp_group=tp)
+        """(tokens [m], their log-probs [m]) of the call's sampled rows."""
+        logits = mb.select(logits)
+        tok = sample_tokens(logits, params, true_vocab=vocab, seed=seed,
+                            sample_ids=mb.sample_ids(sample_offset), step=mb.steps(), tp_group=tp)
+        return tok, sampled_logprobs(logits, tok, params, true_vocab=vocab, tp_group=tp)
 
     def sample_in_graph(logits, sample_ids, steps, seed_buffer, vocab_ids):
-        return sample_tokens(logits, params, true_vocab=vocab, seed=seed_buffer, sample_ids=sample_ids,
-                             step=steps, tp_group=tp, graph_safe=True, vocab_ids=vocab_ids)
+        tok = sample_tokens(logits, params, true_vocab=vocab, seed=seed_buffer, sample_ids=sample_ids,
+                            step=steps, tp_group=tp, graph_safe=True, vocab_ids=vocab_ids)
+        return tok, sampled_logprobs(logits, tok, params, true_vocab=vocab, tp_group=tp)
 
     if layout.plan.P == 1:
         for mb in mbatches:
@@ -58,7 +62,7 @@ def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: 
                         mb, stepper.run, sample_in_graph, (params, vocab), seed, sample_offset, left, ids)
                     continue
                 mb.next_call()
-                mb.advance(sample(mb, stepper(mb, None)))
+                mb.advance(*sample(mb, stepper(mb, None)))
         return
     _run_pipelined(engine, mbatches, stepper, sample)
 
@@ -81,9 +85,11 @@ def _run_pipelined(engine, mbatches: List, stepper, sample) -> None:
                 continue
             if awaiting[i]:
                 tok = torch.empty(len(mb.call.slots), dtype=torch.long, device=mb.device)
+                lp = torch.empty(len(mb.call.slots), dtype=torch.float32, device=mb.device)
                 dist.recv(tok, src=peer[P - 1], group=pp)
+                dist.recv(lp, src=peer[P - 1], group=pp)
                 awaiting[i] = False
-                mb.advance(tok)
+                mb.advance(tok, lp)
                 if mb.done:
                     continue
             call = mb.next_call()
@@ -97,10 +103,11 @@ def _run_pipelined(engine, mbatches: List, stepper, sample) -> None:
                 mine.append((dist.isend(out, dst=peer[p + 1], group=pp), out))
                 awaiting[i] = True
                 continue
-            tok = sample(mb, out).contiguous()
+            tok, lp = (x.contiguous() for x in sample(mb, out))
             for q in range(P - 1):
                 mine.append((dist.isend(tok, dst=peer[q], group=pp), tok))
-            mb.advance(tok)
+                mine.append((dist.isend(lp, dst=peer[q], group=pp), lp))
+            mb.advance(tok, lp)
         j += 1
     # on normal completion only (after an error the peers may be gone)
     for pending in sends.values():

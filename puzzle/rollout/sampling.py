@@ -292,3 +292,25 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, *, true_vocab: i
         sample_ids = torch.arange(n, device=logits.device)
     y = x.double() + gumbel_noise(seed, sample_ids, step, start, start + v, vocab_ids)
     return vocab_parallel_argmax(y, start, tp_group)
+
+
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams, *,
+                     true_vocab: int, tp_group=None) -> torch.Tensor:
+    """log p(tokens) [n] (float32, identical on every TP rank) from vocab-parallel logits [n, V/T].
+
+    p is softmax(logits / temperature) over the tokenizer's ids (temperature 1 when greedy),
+    WITHOUT the top-k/top-p filter: the distribution scoring and training compute the old and new
+    log-probs under. It is computed by the same function as theirs
+    (puzzle/training/vocab_parallel.py ``vocab_parallel_logprobs``), so where the logits of a
+    token are the same in generation and in scoring, the two log-probs are the same bit for bit,
+    and their difference (the ``gen_score_logprob_*`` metrics) measures only what the kernels and
+    layouts change. The filtered distribution tokens are drawn from would add log(1 / kept mass)
+    to every token's log-prob: a difference of the sampling settings, not of the kernels, that
+    is there at any precision. No host synchronisation (a whole-step CUDA graph holds it).
+    """
+    from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+
+    temperature = 1.0 if params.greedy else float(params.temperature)
+    lp = vocab_parallel_logprobs(logits.unsqueeze(1), tokens.unsqueeze(1), tp_group, true_vocab,
+                                 temperature=temperature)
+    return lp.squeeze(1)

@@ -158,7 +158,8 @@ def gather_outputs(outputs: List[dict], key: str, engine, batch: "RolloutBatch")
 
 def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[torch.Tensor],
                             lengths: Optional[torch.Tensor], layout, max_new_tokens: int,
-                            pad_id: int, device: torch.device, seq_multiple: int = 1) -> RolloutBatch:
+                            pad_id: int, device: torch.device, seq_multiple: int = 1, *,
+                            logprobs: Optional[torch.Tensor] = None, with_logprobs: bool = False) -> RolloutBatch:
     """The world's RolloutBatch from each generation DP rank's [b, R] responses and [b] lengths.
 
     ``responses``/``lengths`` are this rank's rows (prompts ``d*b .. (d+1)*b`` of the batch; with
@@ -166,7 +167,8 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
     generated (any may pass None off the layout); rows are contributed once, by the first pipeline
     stage's TP rank 0 of each part. The sequence length is rounded up to
     ``seq_multiple`` (sequence parallelism splits it over T); padding after a sequence does not
-    change it (causal attention).
+    change it (causal attention). ``with_logprobs`` (the same on every rank): ``logprobs`` [b, R],
+    each generated token's log-prob as it was sampled, go into ``fields['gen_logprobs']``.
     """
     B, R = len(prompt_ids), max_new_tokens
     part, parts, first = layout.generation_share() if layout.member else (0, layout.plan.D, False)
@@ -183,7 +185,10 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
     seq = -(-int((prompt_lengths + R).max()) // seq_multiple) * seq_multiple
     left, prompt_lengths = left.to(device), prompt_lengths.to(device)
     tokens = right_pad_rollout(left, prompt_lengths, responses, lengths, seq, pad_id)
-    return RolloutBatch(tokens, prompt_lengths, lengths, R)
+    fields = {}
+    if with_logprobs:
+        fields["gen_logprobs"] = world_assemble(logprobs, d0, B, (R,), torch.float32, owner, device)
+    return RolloutBatch(tokens, prompt_lengths, lengths, R, fields)
 
 
 def right_pad_rollout(tokens_left: torch.Tensor, prompt_lengths: torch.Tensor,

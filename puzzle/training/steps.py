@@ -12,6 +12,7 @@ from functools import partial
 import torch
 
 from puzzle.algorithms import agg_loss, entropy_bonus, kl_penalty, policy_loss, value_loss
+from puzzle.algorithms.rollout_correction import truncated_is_weights
 from puzzle.parallel.device import check_on_device
 from puzzle.training.batch import gather_response, packed_response_index
 from puzzle.training.vocab_parallel import vocab_parallel_logprobs
@@ -113,11 +114,14 @@ def reward_score_step():
 # ---- training -------------------------------------------------------------------------------
 def actor_train_step(true_vocab: int, temperature: float, R: int, clip_eps: float,
                      entropy_coef: float, *, clip_eps_high=None, loss_agg: str = "token-mean",
-                     kl_loss_coef: float = 0.0, kl_loss_type: str = "low_var_kl", use_kl_loss: bool = False):
+                     kl_loss_coef: float = 0.0, kl_loss_type: str = "low_var_kl", use_kl_loss: bool = False,
+                     is_correction: bool = False, is_truncation_coef=None):
     """PPO clipped surrogate minus the entropy bonus (plus ``kl_loss_coef`` x KL to the reference
     with ``use_kl_loss``), aggregated over the mini-batch by ``loss_agg`` (the per-token
     convention's "tokens" are then the aggregation weights: tokens or non-empty sequences).
-    Reports carry token sums for the metrics and ``loss_weight`` for the loss itself."""
+    Reports carry token sums for the metrics and ``loss_weight`` for the loss itself.
+    ``is_correction``: each token's clipped loss weighted by its truncated importance weight
+    ``min(exp(old - generation log-prob), is_truncation_coef)`` (puzzle/algorithms/rollout_correction.py)."""
 
     def loss_func(mb, tp_group, output):
         mask = mb["response_mask"]
@@ -125,16 +129,19 @@ def actor_train_step(true_vocab: int, temperature: float, R: int, clip_eps: floa
                                  with_entropy=entropy_coef > 0)
         lp, ent = res if entropy_coef > 0 else (res, None)
         n = mask.sum()
+        w_is = truncated_is_weights(mb["old_logprobs"], mb["gen_logprobs"], mask, is_truncation_coef)[0] \
+            if is_correction else None
         if loss_agg == "token-mean" and not use_kl_loss:  # PPO: exactly the numbers of earlier runs
             pg, clip_frac, approx_kl, weight = policy_loss(lp, mb["old_logprobs"], mb["advantages"],
-                                                          mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high)
+                                                          mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
+                                                          token_weights=w_is)
             loss_sum, w = pg * n, n
             ent_sum = (ent * mask).sum() if ent is not None else None
             ent_term = ent_sum
         else:  # numerators (denominator 1) of the chosen aggregation; weights summed by megatron
             pg, clip_frac, approx_kl, w = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask,
                                                      clip_eps=clip_eps, clip_eps_high=clip_eps_high,
-                                                     loss_agg=loss_agg, denominator=1.0)
+                                                     loss_agg=loss_agg, denominator=1.0, token_weights=w_is)
             loss_sum = pg
             ent_sum = (ent * mask).sum() if ent is not None else None
             ent_term = entropy_bonus(ent, mask, loss_agg, denominator=1.0) if ent is not None else None

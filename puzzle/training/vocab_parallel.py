@@ -19,9 +19,9 @@ def _vocab_range(local_vocab: int, tp_group) -> tuple:
 
 
 def _mask_padding(logits: torch.Tensor, start: int, true_vocab: int) -> torch.Tensor:
-    ids = torch.arange(start, start + logits.shape[-1], device=logits.device)
-    if int(ids[-1]) < true_vocab:
+    if start + logits.shape[-1] <= true_vocab:  # decided on the host (a CUDA graph may hold this)
         return logits
+    ids = torch.arange(start, start + logits.shape[-1], device=logits.device)
     return logits.masked_fill(ids >= true_vocab, float("-inf"))
 
 

@@ -44,3 +44,11 @@ def test_expert_layouts_agree(runs):
     assert {k: e1[1][k] for k in KEYS} == {k: e2[1][k] for k in KEYS}
     for key in ("actor_grad_norm", "critic_grad_norm"):
         assert e2[1][key] == pytest.approx(e1[1][key], rel=1e-5), key
+
+
+def test_generation_scoring_logprob_difference_is_logged(runs):
+    """MoE generation records its sampled tokens' log-probs; against scoring's they differ by fp32
+    rounding only (the routers chose the same experts): tests/distributed/test_vocab_rows.py's bound."""
+    for rows in runs:
+        m = rows[1]
+        assert 0 <= m["gen_score_logprob_diff_mean"] <= m["gen_score_logprob_diff_max"] <= 2e-6, m

@@ -16,7 +16,9 @@ Every sampled token's logits are recorded inside sample_tokens (all TP slices ga
 reports the probability the unmasked logits put on the unused rows (so the check could fail), the
 sampled ids, and the largest gap between the log-prob of each sampled token under the sampling
 distribution (softmax over the tokenizer's ids, computed here from the tokenizer's length) and the
-old log-prob that scoring computed for it.
+old log-prob that scoring computed for it; the log-prob generation recorded for each token (against
+the one computed here from its logits) and the run's gen_score_logprob_diff metrics. grpo_flags_212
+runs with the truncated importance-sampling correction (--rl-inference-logprobs-is-correction).
 """
 
 import math
@@ -146,7 +148,8 @@ def _run(argv, tokenizer_dir, after=None):
     finally:
         pipelined_generation.sample_tokens = original
         trainer.close()
-    keys = ("reward_mean", "kl", "entropy", "policy_loss", "approx_kl", "actor_grad_norm", "kl_loss", "value_loss")
+    keys = ("reward_mean", "kl", "entropy", "policy_loss", "approx_kl", "actor_grad_norm", "kl_loss", "value_loss",
+            "gen_score_logprob_diff_max", "gen_score_logprob_diff_mean", "is_weight_mean", "is_truncated_frac")
     out["metrics"] = [{k: m[k] for k in keys if k in m} for m in metrics]
     masks = [b.response_mask.bool() for b in batches]
     out["finite"] = {k: all(bool(torch.isfinite(b.fields[k][m]).all()) for b, m in zip(batches, masks))
@@ -167,8 +170,8 @@ def _compare(records, batch, temperature):
     """Max |log p_sampling(token) - old log-prob| over every recorded sampled token of ``batch``;
     the mean probability the unmasked logits put on the unused rows; how many were compared."""
     resp, lengths = _responses(batch), batch.response_lengths
-    old = batch.fields["old_logprobs"]
-    gap, mass, compared, mismatched = 0.0, [], 0, 0
+    old, recorded = batch.fields["old_logprobs"], batch.fields["gen_logprobs"]
+    gap, recorded_gap, mass, compared, mismatched = 0.0, 0.0, [], 0, 0
     for sids, steps, toks, logits in records:
         live = steps < lengths[sids]  # the whole-step path also samples for finished rows
         sids, steps, toks, logits = sids[live], steps[live], toks[live], logits[live]
@@ -181,8 +184,9 @@ def _compare(records, batch, temperature):
         picked = lp.gather(1, toks.clamp(max=TOKENS - 1).unsqueeze(1)).squeeze(1)
         picked = torch.where(toks < TOKENS, picked, torch.full_like(picked, -math.inf))
         gap = max(gap, float((picked - old[sids, steps]).abs().max()))
+        recorded_gap = max(recorded_gap, float((picked - recorded[sids, steps].double()).abs().max()))
         compared += len(sids)
-    return {"gap": gap, "compared": compared, "mismatched": mismatched,
+    return {"gap": gap, "recorded_gap": recorded_gap, "compared": compared, "mismatched": mismatched,
             "unused_mass": sum(mass) / max(len(mass), 1)}
 
 
@@ -211,6 +215,8 @@ def _graph_path(trainer, prompts):
     finally:
         del engine.module._puzzle_decode_graphs
     return {"graph": {"same_tokens": bool(torch.equal(eager.tokens, fused.tokens)),
+                      "logprob_gap": float((eager.logprobs - fused.logprobs).abs().max()),
+                      "logprobs_past_response": float(fused.logprobs[fused.response_mask[:, -8:] == 0].abs().sum()),
                       "max_id": int(fused.tokens[fused.response_mask.bool()].max()),
                       "whole_step_settings": whole_step, "unused_mass": sum(mass) / len(mass),
                       "T": engine.layout.plan.T, "P": engine.layout.plan.P}}
@@ -226,7 +232,8 @@ def check_runs():
                 "grpo_hf_111": _run(qwen + GRPO, _DIRS["qwen"])}
     return {"ppo_hf_212": _run(qwen + PPO + L212, _DIRS["qwen"]),
             "grpo_flags_212": _run(FLAGS_MODEL + GRPO + L212 + [
-                "--actor-gen-tensor-model-parallel-size", "2", "--actor-gen-pipeline-model-parallel-size", "1"],
+                "--actor-gen-tensor-model-parallel-size", "2", "--actor-gen-pipeline-model-parallel-size", "1",
+                "--rl-inference-logprobs-is-correction", "--rl-importance-sampling-truncation-coef", "2"],
                 _DIRS["tok"], after=_graph_path)}
 
 
