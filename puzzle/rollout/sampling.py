@@ -32,6 +32,9 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from puzzle.training.vocab_parallel import mask_padding as mask_vocab_rows
+from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+
 _M32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
 
@@ -123,12 +126,8 @@ def vocab_ids_of(local_vocab: int, group, device) -> torch.Tensor:
 
 
 def mask_padding(logits: torch.Tensor, start: int, true_vocab: int) -> torch.Tensor:
-    """-inf on ids >= true_vocab (ModelArch.valid_vocab_size; float32 copy of this rank's slice)."""
-    logits = logits.float()
-    if start + logits.shape[-1] <= true_vocab:
-        return logits
-    ids = torch.arange(start, start + logits.shape[-1], device=logits.device)
-    return logits.masked_fill(ids >= true_vocab, _NEG_INF)
+    """A float32 copy of this rank's logit slice with scoring's mask (-inf on ids >= true_vocab)."""
+    return mask_vocab_rows(logits.float(), start, true_vocab)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +307,6 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Samplin
     to every token's log-prob: a difference of the sampling settings, not of the kernels, that
     is there at any precision. No host synchronisation (a whole-step CUDA graph holds it).
     """
-    from puzzle.training.vocab_parallel import vocab_parallel_logprobs
-
     temperature = 1.0 if params.greedy else float(params.temperature)
     lp = vocab_parallel_logprobs(logits.unsqueeze(1), tokens.unsqueeze(1), tp_group, true_vocab,
                                  temperature=temperature)

@@ -18,7 +18,10 @@ def _vocab_range(local_vocab: int, tp_group) -> tuple:
     return rank * local_vocab, (rank + 1) * local_vocab
 
 
-def _mask_padding(logits: torch.Tensor, start: int, true_vocab: int) -> torch.Tensor:
+def mask_padding(logits: torch.Tensor, start: int, true_vocab: int) -> torch.Tensor:
+    """-inf on the ids >= true_vocab (ModelArch.valid_vocab_size) of a rank's vocab slice starting
+    at ``start``: the one mask of the ids a response may not contain, in generation, scoring and
+    training alike."""
     if start + logits.shape[-1] <= true_vocab:  # decided on the host (a CUDA graph may hold this)
         return logits
     ids = torch.arange(start, start + logits.shape[-1], device=logits.device)
@@ -57,7 +60,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     if temperature != 1.0:
         logits = logits / temperature
     start, end = _vocab_range(logits.shape[-1], tp_group)
-    logits = _mask_padding(logits, start, true_vocab)
+    logits = mask_padding(logits, start, true_vocab)
     m = _allreduce_max(logits.max(dim=-1).values, tp_group)  # [b, s]
     shifted = logits - m.unsqueeze(-1)
     exp = shifted.exp()
