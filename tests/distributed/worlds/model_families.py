@@ -73,6 +73,19 @@ def _save(model, path):
     model.save_pretrained(path)
 
 
+def save_family(lm, crit, root: str, fam: str):
+    """Save an HF LM (with the tiny tokenizer) and its *ForSequenceClassification critic under
+    root/fam and root/fam-critic; returns transformers' reference (log-probs, values) of _tokens()."""
+    _save(lm, os.path.join(root, fam))
+    tiny_tokenizer().save_pretrained(os.path.join(root, fam))
+    _save(crit, os.path.join(root, fam + "-critic"))
+    tok = _tokens()
+    with torch.no_grad():
+        lp = torch.log_softmax(lm(tok).logits.float()[:, :-1], -1).gather(-1, tok[:, 1:, None]).squeeze(-1)
+        values = crit.score(crit.model(tok).last_hidden_state).squeeze(-1)
+    return lp, values
+
+
 def _make_models():
     """Rank k makes family k: an LM and a *ForSequenceClassification dir, the reference log-probs,
     values and greedy tokens (without and with two stop ids, which go to generation_config.json)."""
@@ -89,13 +102,7 @@ def _make_models():
         torch.manual_seed(0)
         lm = _randomise(lm_cls(cfg_cls(**COMMON, **extra))).eval()
         crit = _randomise(cls_cls(cfg_cls(**COMMON, **extra, num_labels=1))).eval()
-        _save(lm, os.path.join(root, fam))
-        tiny_tokenizer().save_pretrained(os.path.join(root, fam))
-        _save(crit, os.path.join(root, fam + "-critic"))
-        tok = _tokens()
-        with torch.no_grad():
-            lp = torch.log_softmax(lm(tok).logits.float()[:, :-1], -1).gather(-1, tok[:, 1:, None]).squeeze(-1)
-            values = crit.score(crit.model(tok).last_hidden_state).squeeze(-1)
+        lp, values = save_family(lm, crit, root, fam)
         greedy = _hf_greedy(lm, PROMPTS)
         stops = [greedy[0][2], greedy[2][3]]
         with open(os.path.join(root, fam, "generation_config.json"), "w") as f:

@@ -13,7 +13,7 @@ from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
 from tests.distributed.worlds.hf_import import _randomise
 from tests.distributed.worlds.model_families import (COMMON, MAX_NEW, PROMPTS, _err, _forward, _generate,
-                                                     _hf_greedy, _one, _save, _tokens, tiny_tokenizer)
+                                                     _hf_greedy, _one, save_family)
 from tests.harness import world_main
 
 # Qwen3-MoE: a dense layer (mlp_only_layers), unnormalised top-k (norm_topk_prob false: the
@@ -52,13 +52,7 @@ def _make_models():
         lm = _randomise(getattr(transformers, f"{prefix}ForCausalLM")(config_cls(**cfg))).eval()
         crit = _randomise(getattr(transformers, f"{prefix}ForSequenceClassification")(
             config_cls(**cfg, num_labels=1))).eval()
-        _save(lm, os.path.join(root, fam))
-        tiny_tokenizer().save_pretrained(os.path.join(root, fam))
-        _save(crit, os.path.join(root, fam + "-critic"))
-        tok = _tokens()
-        with torch.no_grad():
-            lp = torch.log_softmax(lm(tok).logits.float()[:, :-1], -1).gather(-1, tok[:, 1:, None]).squeeze(-1)
-            values = crit.score(crit.model(tok).last_hidden_state).squeeze(-1)
+        lp, values = save_family(lm, crit, root, fam)
         mine[fam] = {"lp": lp.tolist(), "values": values.tolist(), "greedy": _hf_greedy(lm, PROMPTS, eos=2)}
     got = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
