@@ -18,6 +18,9 @@ Patches:
   arrays (CPU only).
 - ``cpu_backward_devices``: megatron's tensor-parallel gathers, reduce-scatters and all-to-all
   allocate on the CPU in backward passes (MoE dispatchers; CPU only).
+- ``gloo_cuda_tensors``: sends and receives of CUDA tensors over gloo groups go through host memory,
+  and DDP's coalesced bucket collectives run one by one on gloo groups, so several ranks can share
+  one GPU (``--distributed-backend gloo``; GPU only).
 """
 
 from __future__ import annotations
@@ -62,11 +65,12 @@ def apply(force_cpu: bool | None = None) -> dict:
     """
     global _applied
     check_version()
-    from megatron_patches import (cpu_backend, cpu_backward_devices, distrib_optimizer_step, moe_alltoall_cpu,
-                                  moe_router_without_te, tied_embedding_checkpoint)
+    from megatron_patches import (cpu_backend, cpu_backward_devices, distrib_optimizer_step, gloo_cuda_tensors,
+                                  moe_alltoall_cpu, moe_router_without_te, tied_embedding_checkpoint)
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
-    result = {"cpu_backend": False, "moe_alltoall_cpu": False, "cpu_backward_devices": False}
+    result = {"cpu_backend": False, "moe_alltoall_cpu": False, "cpu_backward_devices": False,
+              "gloo_cuda_tensors": False}
     if use_cpu:
         cpu_backend.apply()  # first: it must precede other megatron imports (JIT fuser)
         result["cpu_backend"] = True
@@ -74,6 +78,9 @@ def apply(force_cpu: bool | None = None) -> dict:
         result["moe_alltoall_cpu"] = True
         cpu_backward_devices.apply()
         result["cpu_backward_devices"] = True
+    else:
+        gloo_cuda_tensors.apply()
+        result["gloo_cuda_tensors"] = True
     distrib_optimizer_step.apply()
     result["distrib_optimizer_step"] = True
     tied_embedding_checkpoint.apply()

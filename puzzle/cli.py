@@ -208,7 +208,7 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
 
     from puzzle import checkpointing, run_control
     from puzzle.data.prompts import PromptLoader
-    from puzzle.parallel.groups import init_distributed
+    from puzzle.parallel.groups import DeviceSharingError, init_distributed
     from puzzle.reward_functions import BadRewardError
     from puzzle.trainer import PPOTrainer
     from puzzle.training.nonfinite import NonFiniteError
@@ -221,7 +221,11 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
         except checkpointing.CheckpointError as e:
             _error_once(str(e))
             return 2
-    init_distributed(timeout_minutes=cfg.ops.distributed_timeout_minutes)
+    try:
+        init_distributed(backend=cfg.ops.distributed_backend, timeout_minutes=cfg.ops.distributed_timeout_minutes)
+    except DeviceSharingError as e:
+        _error_once(str(e))
+        return 2
     progress = run_control.Progress()
     exit_control = run_control.ExitControl(cfg.ops, start)
     trainer = None

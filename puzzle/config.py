@@ -459,6 +459,11 @@ class Operations:
     distributed_timeout_minutes: float = flag(
         10.0, _OPS, "Timeout of every process group's collectives (minutes; fractions allowed): a stuck "
         "rank ends the job instead of hanging it.")
+    distributed_backend: Optional[str] = flag(
+        None, _OPS, "The collectives' backend: nccl (the default on GPUs) or gloo (the default on CPU). "
+        "gloo on GPUs lets several ranks share one device (NCCL refuses that), e.g. to run a multi-rank "
+        "layout on a one-GPU machine; tensors stay on the GPU and are staged through host memory.",
+        type=str, choices=("nccl", "gloo"))
     skip_nonfinite_iterations: int = flag(
         0, _OPS, "Skip up to N optimizer steps whose loss or gradient norm is NaN/inf (counted in the "
         "metrics); past N, or with 0, such a step stops the run.")

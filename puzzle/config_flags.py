@@ -117,14 +117,17 @@ def _role_help(spec: FlagSpec, role: str) -> Optional[str]:
     return spec.role_help.format(role=role) if spec.role_help else None
 
 
-def add_dataclass_args(parser, cls, choices: Optional[dict] = None) -> None:
+def add_dataclass_args(parser, cls, choices: Optional[dict] = None, only: Optional[tuple] = None) -> None:
     """One argparse argument per flagged field of ``cls``, in its group (created when missing), and
     its role flags. ``choices``: field -> the choices of flags whose values are registered above
-    the config layer (the advantage estimators)."""
+    the config layer (the advantage estimators). ``only``: just these fields (a tool that shares a
+    few of the training flags)."""
     import argparse
 
     choices = choices or {}
     for f, spec, name, _ in flagged_fields(cls):
+        if only is not None and f.name not in only:
+            continue
         g = _group(parser, spec.group)
         options = (name,) + spec.aliases
         typ = spec.type or (None if spec.choices or f.name in choices else type(f.default))

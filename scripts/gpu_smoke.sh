@@ -5,7 +5,10 @@
 #   2. a ~1.1B LLaMA-shaped actor, critic, reference and reward model (random init, no downloads)
 #      for a few iterations in bf16 on one GPU, then its figures: per-stage seconds, generation
 #      tokens/s against the decode bound, training MFU, peak memory per stage against the dry run;
-#   3. with 2+ GPUs: the tiny run with TP/PP, time-sharing and the switch, and its CPU twin.
+#   3. with 2+ GPUs: the tiny run with TP/PP, time-sharing and the switch (NCCL), and its CPU twin;
+#   4. on any GPU count: 4 ranks sharing one GPU over gloo (scripts/gpu_multirank.sh): PPO and GRPO
+#      at (2,1,2) and (1,2,2), time-sharing, the switch, a checkpoint resumed at another layout,
+#      generate at T = 2, each against its CPU twin.
 #   bash scripts/gpu_smoke.sh        (SMOKE_DIR=runs/gpu_smoke, LLAMA_ITERS=4, LLAMA_FLAGS="more flags")
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +79,10 @@ if [ "$NGPU" -ge 2 ]; then
         > "$OUT/multi_cpu.log" 2>&1 || { tail -40 "$OUT/multi_cpu.log"; exit 1; }
     python3 -m puzzle.tools.compare_metrics "$OUT/multi_cpu/metrics.jsonl" "$OUT/multi_gpu/metrics.jsonl" \
         --rtol 1e-4 --atol 1e-6 $CLIP_COUNTS
-else
-    step "one GPU: the multi-GPU checks (TP/PP, time-sharing, switch) need 2+ GPUs; skipped"
 fi
+# 4. the multi-rank paths on CUDA tensors with ranks sharing one GPU over gloo, each against its CPU
+#    twin: (2,1,2) and (1,2,2), time-sharing, the switch, a checkpoint resumed at another layout,
+#    generate at T = 2 (scripts/gpu_multirank.sh)
+step "tiny PPO and GRPO, 4 ranks sharing GPU 0 over gloo: layouts, time-sharing, switch, checkpoints"
+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} MULTI_DIR="$OUT/multirank" bash scripts/gpu_multirank.sh
 echo; echo "gpu_smoke: all checks passed"

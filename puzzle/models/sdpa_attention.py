@@ -275,6 +275,9 @@ class SDPACoreAttention(KVCacheMixin, MegatronModule):
         self.attention_type = attention_type
         self.scale = _softmax_scale(config, softmax_scale)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        # the model's own tensor-parallel group: megatron's sharded_state_dict reads it (no
+        # parameters here), else falls back to the global group that puzzle never initialises
+        self.tp_group = getattr(pg_collection, "tp", None)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):

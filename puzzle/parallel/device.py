@@ -2,8 +2,9 @@
 
 One ``Runtime`` per process, made by ``init_distributed`` (puzzle/parallel/groups.py):
 
-- ``device``: ``cuda:LOCAL_RANK`` on a CUDA machine, ``cpu`` where megatron runs on the CPU
-  backend (megatron_patches.cpu_backend). Every tensor that meets a model, a schedule, a sampler or
+- ``device``: ``cuda:LOCAL_RANK`` on a CUDA machine (``LOCAL_RANK`` modulo the device count when
+  several ranks share a device over gloo), ``cpu`` where megatron runs on the CPU backend
+  (megatron_patches.cpu_backend). Every tensor that meets a model, a schedule, a sampler or
   a collective lives there: models are built there, rollout batches are assembled there, and the
   pipeline and generation buffers are allocated there.
 - tensor collectives run on the world group or on the models' own groups (NCCL on GPUs, gloo on
@@ -34,10 +35,31 @@ def accelerator_available() -> bool:
 
 
 def local_device() -> torch.device:
-    """This process's compute device, from torchrun's LOCAL_RANK."""
+    """This process's compute device, from torchrun's LOCAL_RANK: ranks beyond the node's device
+    count share devices (only gloo allows that; see ``device_sharing_problem``)."""
     if accelerator_available():
-        return torch.device("cuda", launcher.local_rank())
+        return torch.device("cuda", launcher.local_rank() % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def default_backend() -> str:
+    """--distributed-backend's default: nccl on GPUs, gloo on the CPU."""
+    return "nccl" if accelerator_available() else "gloo"
+
+
+def device_sharing_problem(backend: str):
+    """Why ``backend`` cannot run this node's ranks on its devices (None when it can): NCCL needs
+    GPUs and refuses two ranks on one GPU, so more ranks than GPUs on a node need gloo."""
+    if backend != "nccl":
+        return None
+    if not accelerator_available():
+        return "--distributed-backend nccl: NCCL needs GPUs, and this run is on the CPU; use gloo"
+    ranks, devices = launcher.local_world_size(), torch.cuda.device_count()
+    if ranks <= devices:
+        return None
+    return (f"--distributed-backend nccl: {ranks} ranks on this node share {devices} GPU(s), and NCCL "
+            "refuses two ranks on one device; start one rank per GPU, or pass --distributed-backend gloo "
+            "to let ranks share a GPU (slower: collectives are staged through host memory)")
 
 
 #: --distributed-timeout-minutes (Megatron-LM's default 10)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from puzzle.parallel import launcher
-from puzzle.parallel.device import (DEFAULT_TIMEOUT_MINUTES, accelerator_available, local_device,
-                                    make_runtime, runtime)
+from puzzle.parallel.device import (DEFAULT_TIMEOUT_MINUTES, default_backend, device_sharing_problem,
+                                    local_device, make_runtime, runtime)
 from puzzle.parallel.plan import ParallelPlan, PlanError
 
 # the groups and layouts of this process (process groups live as long as torch.distributed's world)
@@ -156,9 +156,14 @@ def destroy_layouts() -> None:
     _GROUPS.clear()
 
 
+class DeviceSharingError(ValueError):
+    """The chosen backend cannot run this node's ranks on its devices (raised before any group)."""
+
+
 def init_distributed(backend: Optional[str] = None,
                      timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> Tuple[int, int]:
-    """Initialise torch.distributed from torchrun's environment (gloo on CPU, nccl on GPU).
+    """Initialise torch.distributed from torchrun's environment (``backend``, --distributed-backend:
+    default gloo on CPU, nccl on GPU; DeviceSharingError when NCCL would put two ranks on a GPU).
 
     ``timeout_minutes`` (--distributed-timeout-minutes) bounds every collective of the world
     group and of every group built here later, so a stuck rank ends the job instead of hanging it.
@@ -166,8 +171,10 @@ def init_distributed(backend: Optional[str] = None,
     """
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
-        if backend is None:
-            backend = "nccl" if accelerator_available() else "gloo"
+        backend = backend or default_backend()
+        problem = device_sharing_problem(backend)
+        if problem:
+            raise DeviceSharingError(problem)
         if not launcher.launched():  # plain `python script.py`: a world of one
             launcher.default_to_world_of_one(_free_port())
         if backend == "nccl":

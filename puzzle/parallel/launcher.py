@@ -33,6 +33,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def local_world_size() -> int:
+    """The number of ranks the launcher started on this node (1 without a launcher)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def default_to_world_of_one(port: int) -> None:
     """Without a launcher: the environment of rank 0 of a world of one (rendezvous on ``port`` of
     this host), so torch.distributed's env:// initialisation works the same way."""
@@ -41,3 +46,4 @@ def default_to_world_of_one(port: int) -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")

@@ -45,7 +45,7 @@ def _export(argv) -> int:
                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     from puzzle.models.hf_checkpoint import export_hf
 
-    rank, owns_world = start_world()
+    rank, owns_world = start_world(args.distributed_backend)
     engine = load_engine(args.load, args.role, plan, arch, step=args.ckpt_step, transformer_impl=args.transformer_impl)
     files = export_hf(engine.module, engine.arch, args.role, args.save, dtype=args.dtype,
                       max_shard_bytes=args.max_shard_size_mb * 2 ** 20)

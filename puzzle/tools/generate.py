@@ -129,7 +129,7 @@ def _generate(argv) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
                             eos_id=tokenizer.eos_id, eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id)
-    rank, owns_world = start_world()
+    rank, owns_world = start_world(args.distributed_backend)
     import torch.distributed as dist
 
     from puzzle.rollout.generation import generate

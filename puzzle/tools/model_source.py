@@ -13,7 +13,8 @@ import json
 import os
 from typing import Optional, Tuple
 
-from puzzle.config import ROLES
+from puzzle.config import ROLES, Operations
+from puzzle.config_flags import add_dataclass_args
 
 
 def is_hf_dir(path: str) -> bool:
@@ -99,6 +100,7 @@ def add_source_args(parser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
                    help="layer implementation (transformer_engine falls back to local without CUDA + TE)")
+    add_dataclass_args(parser, Operations, only=("distributed_backend",))
 
 
 def plan_from_flags(args):
@@ -130,14 +132,15 @@ def apply_patches() -> None:
     megatron_patches.apply()
 
 
-def start_world():
-    """The process group (joined when already initialised). Returns (rank, owns_world)."""
+def start_world(backend=None):
+    """The process group (joined when already initialised; ``backend``: --distributed-backend).
+    Returns (rank, owns_world)."""
     import torch.distributed as dist
 
     from puzzle.parallel.groups import init_distributed
 
     owns_world = not dist.is_initialized()
-    rank, _ = init_distributed()
+    rank, _ = init_distributed(backend=backend)
     return rank, owns_world
 
 
