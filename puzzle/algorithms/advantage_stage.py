@@ -34,8 +34,8 @@ class AdvantageStage:
         f["advantages"], f["returns"] = adv, ret
         seq_kl = (kl * mask).sum(dim=1).mean()
         self.kl_ctl.update(float(seq_kl), batch.size)
-        stats = {**self.rewards.metrics(batch), "kl": float(masked_mean(kl, mask)), "kl_seq": float(seq_kl), "kl_coef": kl_coef,
-                 "entropy": float(masked_mean(f["entropy"], mask))}
+        stats = {**self.rewards.metrics(batch), "kl": float(masked_mean(kl, mask)), "kl_seq": float(seq_kl),
+                 "kl_coef": kl_coef, "entropy": float(masked_mean(f["entropy"], mask))}
         if "values" in f:
             stats["value_mean"] = float(masked_mean(f["values"], mask))
         stats["return_mean"] = float(masked_mean(ret, mask))
