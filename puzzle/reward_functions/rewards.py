@@ -81,11 +81,11 @@ class Rewards:
             self.score_baseline(batch, rollout.greedy, rollout.records, iteration)
         return {"bad_rewards": bad}
 
-    def score(self, batch, records: List[dict], iteration: int, what: str = "sample") -> int:
+    def score(self, batch, records: Optional[List[dict]], iteration: int, what: str = "sample") -> int:
         """The reward function's scores of every row into ``fields['scores']`` (``records``: one
-        per prompt, row b is of prompt b // N); returns how many were bad."""
+        per prompt, row b is of prompt b // N, or None); returns how many were bad."""
         size = batch.size
-        rows = [records[b // self.n_samples] for b in range(size)]
+        rows = [records[b // self.n_samples] if records is not None else {} for b in range(size)]
         lo, hi = self.function.share(size)
         samples = batch_samples(batch, self.tokenizer, rows, lo, hi)
         scores, bad = self.function.score(lambda b: samples[b - lo], size, iteration, what)
