@@ -119,3 +119,18 @@ def test_skip_policy_skips_up_to_the_allowance_then_fails():
     assert policy.skipped == 1 and eng.zeroed == 1
     with pytest.raises(NonFiniteError, match="actor model at iteration 3 .*1 step\\(s\\) skipped already"):
         policy.roles_to_skip([("actor", eng, bad, ("policy_loss_sum",))], 3, "here")
+
+
+def test_the_trainer_moves_no_data():
+    """PPOTrainer calls the stages; tensors and their devices are the stages' business."""
+    import ast
+    from pathlib import Path
+
+    import puzzle.trainer
+
+    tree = ast.parse(Path(puzzle.trainer.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "torch" not in imported
+    step = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "step")
+    assert step.end_lineno - step.lineno < 40
