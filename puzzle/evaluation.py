@@ -103,7 +103,7 @@ class Evaluator:
 
     def __call__(self, trainer, iteration: int) -> dict:
         t0 = time.perf_counter()
-        engine = trainer.switch.generation_engine() if trainer.switch else trainer.engines["actor"]
+        engine = trainer.generation.engine()
         scores, lengths, bad, offset = [], [], 0, 0
         for rows in self.batches:
             ids = [self.dataset.prompts[i] for i in rows for _ in range(self.n)]
@@ -120,7 +120,7 @@ class Evaluator:
             self._write_samples(trainer, batch, records, list(rows), batch_scores, iteration)
             offset += size
         metrics = summarize(torch.cat(scores).view(-1, self.n), torch.cat(lengths).view(-1, self.n),
-                            with_accuracy=trainer.rewarder is not None)
+                            with_accuracy=trainer.rewards.function is not None)
         if bad:
             metrics["eval/bad_rewards"] = bad
         trainer.runtime.synchronize()
@@ -153,38 +153,41 @@ class Evaluator:
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
                            sample_offset=offset + layout.d * share,
                            progress=getattr(trainer, "generation_progress", None))
-            responses, lengths = out.tokens[:, out.tokens.shape[1] - R:], out.response_lengths
+            responses, lengths = out.response_tokens, out.response_lengths
         return rollout_from_generation(ids, responses, lengths, layout, R, tok.pad_id, trainer.runtime.device,
                                        seq_multiple=trainer.seq_multiple)
 
     def _score(self, trainer, batch, records: List[dict], iteration: int):
-        """The run's reward for every row: its reward function, else its reward model."""
-        if trainer.rewarder is not None:
-            from puzzle.generation_stage import sample_maker
+        """The run's reward for every row: its reward function, else its reward model (each
+        checked by the run's ``Rewards``, the eval rows' scores kept out of the rollout's state)."""
+        rewards = trainer.rewards
+        if rewards.function is not None:
+            from puzzle.reward_functions.rewards import batch_samples
 
-            scores, bad = trainer.rewarder.score(sample_maker(batch, self.tokenizer, records), batch.size,
-                                                 iteration, "eval sample")
+            lo, hi = rewards.function.share(batch.size)
+            samples = batch_samples(batch, self.tokenizer, records, lo, hi)
+            scores, bad = rewards.function.score(lambda b: samples[b - lo], batch.size, iteration, "eval sample")
             return scores.float(), bad
         from puzzle.pipeline.stage import run_stage
         from puzzle.training import steps
         from puzzle.training.batch import gather_outputs
 
-        outs = run_stage(trainer._contexts(batch, [("reward", steps.reward_score_step())]), forward_only=True,
+        outs = run_stage(trainer.micro.contexts(batch, [("reward", steps.reward_score_step())]), forward_only=True,
                          placement="sequential")
         scores = gather_outputs(outs[0], "scores", trainer.engines["reward"], batch)
-        return trainer.bad_rewards.check_scores(scores.float(), f"reward model {self.cfg.reward_model} (eval)",
-                                                iteration)
+        return rewards.policy.check_scores(scores.float(), f"reward model {self.cfg.reward_model} (eval)",
+                                           iteration)
 
     def _write_samples(self, trainer, batch, records, prompt_indices, scores, iteration: int) -> None:
         if self.samples is None or self.samples.file is None:
             return
-        from puzzle.generation_stage import sample_maker
+        from puzzle.reward_functions.rewards import batch_samples
 
-        make = sample_maker(batch, self.tokenizer, records)
+        samples = batch_samples(batch, self.tokenizer, records, 0, len(prompt_indices) * self.n)
         rows = []
         for j, index in enumerate(prompt_indices):
             for k in range(self.n):
-                s = make(j * self.n + k)
+                s = samples[j * self.n + k]
                 row = {"iteration": iteration, "index": index, "sample": k, "prompt": s.prompt_text,
                        "response": s.response_text, "reward": float(scores[j * self.n + k])}
                 if "answer" in s.record:

@@ -238,18 +238,54 @@ def rollout_sample_rows(batch, tokenizer, iteration: int, count: int) -> List[di
     """``count`` rows of a scored rollout batch (``sample_rows``) as JSON-ready dicts: the prompt
     and response texts (without EOS), the response length and the reward (the score before any
     shaping or normalisation)."""
-    rows = []
-    tokens, plens, rlens = batch.tokens, batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
-    scores = batch.fields["scores"].tolist()
-    for b in sample_rows(count, batch.size):
-        p, r = plens[b], rlens[b]
-        response = [t for t in tokens[b, p:p + r].tolist() if t != tokenizer.eos_id]
-        rows.append({"iteration": iteration, "sample": b, "prompt": tokenizer.decode(tokens[b, :p].tolist()),
-                     "response": tokenizer.decode(response), "response_length": r, "reward": scores[b]})
-    return rows
+    from puzzle.reward_functions.rewards import decode_rows
+
+    picked = sample_rows(count, batch.size)
+    rlens, scores = batch.response_lengths.tolist(), batch.fields["scores"].tolist()
+    samples = decode_rows(batch.tokens[picked].cpu(), batch.prompt_lengths[picked].tolist(),
+                          [rlens[b] for b in picked], tokenizer, [{} for _ in picked])
+    return [{"iteration": iteration, "sample": b, "prompt": s.prompt_text, "response": s.response_text,
+             "response_length": rlens[b], "reward": scores[b]} for b, s in zip(picked, samples)]
 
 
 def tokens_per_second(batch, metrics: dict) -> float:
     """Prompt and response tokens of the iteration's batch over its three stages' time."""
     seconds = metrics["time_generate"] + metrics["time_score"] + metrics["time_train"]
     return float((batch.prompt_lengths + batch.response_lengths).sum()) / max(seconds, 1e-9)
+
+
+class StageClock:
+    """The wall time of each stage of an iteration (``time_<stage>``, the accelerator synchronised
+    at each stage's end) and, on an accelerator, the busiest rank's peak memory per stage
+    (``mem_peak_gib_<stage>``, one collective in ``metrics``). Entering a stage tells
+    ``progress(iteration, "<phase> stage")`` and ``offload`` (--rl-offload-optimizer-during-inference)."""
+
+    def __init__(self, runtime, iteration: int, progress, offload):
+        self.runtime, self.iteration, self.progress, self.offload = runtime, iteration, progress, offload
+        self.seconds, self.peaks = {}, {}
+        self.start = time.perf_counter()
+
+    def stage(self, name: str, phase: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def timed():
+            self.progress(self.iteration, f"{phase} stage")
+            self.offload.before(phase)
+            self.runtime.reset_peak_memory()
+            t0 = time.perf_counter()
+            yield
+            self.runtime.synchronize()
+            self.seconds[name] = time.perf_counter() - t0
+            self.peaks[name] = self.runtime.peak_memory_bytes()
+
+        return timed()
+
+    def metrics(self, samples: int) -> dict:
+        """Collective on an accelerator (the peaks' max over ranks)."""
+        out = {"samples_per_sec": samples / (time.perf_counter() - self.start),
+               **{f"time_{k}": v for k, v in self.seconds.items()}}
+        if self.runtime.on_accelerator:
+            peaks = self.runtime.all_reduce(list(self.peaks.values()), op="max")
+            out.update({f"mem_peak_gib_{k}": v / 2 ** 30 for k, v in zip(self.peaks, peaks)})
+        return out

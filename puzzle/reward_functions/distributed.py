@@ -64,15 +64,22 @@ class RolloutRewarder:
         self.reward = load_reward_fn(spec)
         self.scorer = RewardScorer(self.reward, workers, timeout)
 
+    @staticmethod
+    def share(size: int) -> Tuple[int, int]:
+        """The rows ``lo .. hi - 1`` of ``size`` that this rank scores (contiguous, in rank order)."""
+        on = dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        per = -(-size // world)
+        return min(rank * per, size), min((rank + 1) * per, size)
+
     def score(self, make_sample: Callable[[int], Sample], size: int, iteration: int,
               what: str = "sample") -> Tuple[torch.Tensor, int]:
         """Scores ``[size]`` float32 (bad ones replaced) and the number of bad ones, on every rank.
 
-        ``make_sample(b)`` builds sample ``b`` (called only for this rank's share)."""
+        ``make_sample(b)`` builds sample ``b`` (called only for this rank's share, ``share``)."""
         on = dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
-        per = -(-size // world)
-        lo, hi = min(rank * per, size), min((rank + 1) * per, size)
+        lo, hi = self.share(size)
         results = self.scorer.score([make_sample(b) for b in range(lo, hi)])
         rt = runtime()
         buf = torch.zeros(2, size, dtype=torch.float64)  # values, bad flags

@@ -1,7 +1,10 @@
 """Autoregressive generation from an actor at any (P, D, T), with a static in-place KV cache.
 
 ``generate`` is called on every rank of the actor's layout with this DP rank's prompts. The
-output is left-padded to the longest prompt (responses start at one column), as before.
+output is in response coordinates, the form the rollout batch stores per-token quantities in:
+``response_tokens`` [b, max_new] and ``logprobs`` [b, max_new], row b's response (up to and
+including EOS) in its first ``response_lengths[b]`` columns, pad after it. Prompts are not copied
+into it: the caller has them.
 
 Decode loop. Prompts are sorted by length (longest first, ties in row order) and served through
 static KV caches (puzzle/models/sdpa_attention.py ``StaticKVCache``) of ``slots`` rows. Every row
@@ -54,18 +57,11 @@ from puzzle.rollout.sampling import SamplingParams
 
 @dataclass
 class GenerationOutput:
-    """Prompts left-padded to the longest prompt Lp, responses right-padded after EOS.
+    """This rank's responses in response coordinates (``b`` rows, ``max_new`` columns)."""
 
-    All tensors have ``b`` rows; the [b, Lp + max_new] masks are int64 0/1.
-    """
-
-    tokens: torch.Tensor            # [b, Lp + max_new]
-    attention_mask: torch.Tensor    # [b, Lp + max_new] prompt_mask | response_mask
-    prompt_mask: torch.Tensor       # [b, Lp + max_new] 1 on real prompt tokens
-    response_mask: torch.Tensor     # [b, Lp + max_new] 1 on generated tokens up to and incl. EOS
-    prompt_lengths: torch.Tensor    # [b]
-    response_lengths: torch.Tensor  # [b]
-    prompt_length: int = 0          # Lp: the column where responses start
+    response_tokens: torch.Tensor   # [b, max_new] long: the response, then pad_id
+    response_lengths: torch.Tensor  # [b] long: generated tokens up to and including EOS
+    prompt_lengths: torch.Tensor    # [b] long
     forward_passes: int = 0         # model calls run by this rank (all micro-batches)
     # [b, max_new] float32: log-prob of each generated token as it was sampled (sampling.py
     # ``sampled_logprobs``: temperature-scaled, unfiltered, scoring's function); 0 after the response
@@ -73,8 +69,7 @@ class GenerationOutput:
 
     def responses(self) -> List[List[int]]:
         """The generated tokens of every row (up to and including EOS)."""
-        lp = self.prompt_length
-        return [self.tokens[i, lp:lp + int(n)].tolist() for i, n in enumerate(self.response_lengths)]
+        return [self.response_tokens[i, :int(n)].tolist() for i, n in enumerate(self.response_lengths)]
 
 
 def service_order(prompts: List[List[int]]) -> List[int]:
@@ -435,7 +430,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         model.train(was_training)
         if sequence_parallel:
             set_model_to_sequence_parallel(model, True)
-    return _assemble(prompts, results, params, lp, stepper.forward_passes)
+    return _assemble(prompts, results, params, stepper.forward_passes)
 
 
 def _progress_report(progress, batches: List[SlotBatch], rows: int):
@@ -479,23 +474,12 @@ def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[i
     return cpu_backend.device_mapping_suspended()
 
 
-def _assemble(prompts, results: Results, params: SamplingParams, lp: int,
-              forward_passes: int) -> GenerationOutput:
-    b, n_new = len(prompts), params.max_new_tokens
-    plen = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+def _assemble(prompts, results: Results, params: SamplingParams, forward_passes: int) -> GenerationOutput:
+    """The responses in response coordinates, pad after each one (on the host)."""
     rlen = results.resp_len.cpu()
-    out = results.out.cpu()
-    keep = torch.arange(n_new).unsqueeze(0) < rlen.unsqueeze(1)
+    keep = torch.arange(params.max_new_tokens).unsqueeze(0) < rlen.unsqueeze(1)
+    tokens = torch.where(keep, results.out.cpu(), torch.full((), params.pad_id, dtype=torch.long))
     logprobs = torch.where(keep, results.logprobs.cpu(), torch.zeros(()))
-    cols = torch.arange(lp + n_new).unsqueeze(0)
-    prompt_mask = ((cols >= lp - plen.unsqueeze(1)) & (cols < lp)).long()
-    response_mask = ((cols >= lp) & (cols < lp + rlen.unsqueeze(1))).long()
-    tokens = torch.full((b, lp + n_new), params.pad_id, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        tokens[i, lp - len(p):lp] = torch.tensor(p, dtype=torch.long)
-    resp = tokens[:, lp:]
-    resp[response_mask[:, lp:].bool()] = out[response_mask[:, lp:].bool()]
-    return GenerationOutput(tokens=tokens, attention_mask=prompt_mask | response_mask,
-                            prompt_mask=prompt_mask, response_mask=response_mask,
-                            prompt_lengths=plen, response_lengths=rlen,
-                            prompt_length=lp, forward_passes=forward_passes, logprobs=logprobs)
+    return GenerationOutput(response_tokens=tokens, response_lengths=rlen,
+                            prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+                            forward_passes=forward_passes, logprobs=logprobs)

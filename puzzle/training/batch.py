@@ -160,7 +160,8 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
                             lengths: Optional[torch.Tensor], layout, max_new_tokens: int,
                             pad_id: int, device: torch.device, seq_multiple: int = 1, *,
                             logprobs: Optional[torch.Tensor] = None, with_logprobs: bool = False) -> RolloutBatch:
-    """The world's RolloutBatch from each generation DP rank's [b, R] responses and [b] lengths.
+    """The world's RolloutBatch from each generation DP rank's [b, R] responses and [b] lengths
+    (``GenerationOutput.response_tokens`` / ``response_lengths``: response coordinates).
 
     ``responses``/``lengths`` are this rank's rows (prompts ``d*b .. (d+1)*b`` of the batch; with
     E > 1 the part of its expert-parallel group, Layout.generation_share) on the ranks that
@@ -178,36 +179,30 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
     responses = world_assemble(responses, d0, B, (R,), torch.long, owner, device)
     lengths = world_assemble(lengths, d0, B, (), torch.long, owner, device)
     prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
-    Lmax = int(prompt_lengths.max())
-    left = torch.full((B, Lmax), pad_id, dtype=torch.long)
-    for b, p in enumerate(prompt_ids):
-        left[b, Lmax - len(p):] = torch.tensor(p, dtype=torch.long)
     seq = -(-int((prompt_lengths + R).max()) // seq_multiple) * seq_multiple
-    left, prompt_lengths = left.to(device), prompt_lengths.to(device)
-    tokens = right_pad_rollout(left, prompt_lengths, responses, lengths, seq, pad_id)
+    tokens = right_padded_rows(prompt_ids, responses, lengths, seq, pad_id)
     fields = {}
     if with_logprobs:
         fields["gen_logprobs"] = world_assemble(logprobs, d0, B, (R,), torch.float32, owner, device)
-    return RolloutBatch(tokens, prompt_lengths, lengths, R, fields)
+    return RolloutBatch(tokens, prompt_lengths.to(device), lengths, R, fields)
 
 
-def right_pad_rollout(tokens_left: torch.Tensor, prompt_lengths: torch.Tensor,
-                      response_tokens: torch.Tensor, response_lengths: torch.Tensor,
-                      seq_len: int, pad_id: int) -> torch.Tensor:
-    """Left-padded prompts [B, Lp] + responses [B, R] -> right-padded rows [B, seq_len]."""
-    B, Lp = tokens_left.shape
-    R = response_tokens.shape[1]
-    dev = tokens_left.device
-    out = torch.full((B, seq_len), pad_id, dtype=torch.long, device=dev)
-    col = torch.arange(seq_len, device=dev).unsqueeze(0)                  # [1, S]
-    p, r = prompt_lengths.unsqueeze(1), response_lengths.unsqueeze(1)     # [B, 1]
-    in_prompt = col < p
-    in_resp = (col >= p) & (col < p + r)
-    src_prompt = (Lp - p + col).clamp(0, Lp - 1)
-    src_resp = (col - p).clamp(0, max(R - 1, 0))
-    out = torch.where(in_prompt, tokens_left.gather(1, src_prompt), out)
+def right_padded_rows(prompt_ids: List[List[int]], response_tokens: torch.Tensor,
+                      response_lengths: torch.Tensor, seq_len: int, pad_id: int) -> torch.Tensor:
+    """Rows [B, seq_len] on the responses' device: row b is prompt b, its first
+    ``response_lengths[b]`` response tokens ([B, R] response coordinates), then ``pad_id``
+    (``seq_len`` >= every prompt's length + R)."""
+    B, R = response_tokens.shape
+    dev = response_tokens.device
+    out = torch.full((B, seq_len), pad_id, dtype=torch.long)
+    for b, p in enumerate(prompt_ids):
+        out[b, :len(p)] = torch.tensor(p, dtype=torch.long)
+    out = out.to(dev)
     if R:
-        out = torch.where(in_resp, response_tokens.gather(1, src_resp), out)
+        p = torch.tensor([len(x) for x in prompt_ids], dtype=torch.long, device=dev).unsqueeze(1)
+        col = p + torch.arange(R, device=dev).unsqueeze(0)                  # [B, R] where each goes
+        keep = torch.arange(R, device=dev).unsqueeze(0) < response_lengths.unsqueeze(1)
+        out.scatter_(1, col, torch.where(keep, response_tokens, torch.full_like(response_tokens, pad_id)))
     return out
 
 

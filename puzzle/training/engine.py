@@ -134,3 +134,27 @@ class ModelEngine:
                                         seq_length, micro_batch_size, forward_only=False)
         return {"outputs": outputs, **self.optimizer_step()}
 
+
+
+def build_role_engines(cfg) -> dict:
+    """Every role of the run (``cfg.roles``: a RunConfig's) on this rank, in its layout; HF
+    checkpoints (``--hf-*-path``) are read shard by shard into the ranks that hold them."""
+    from dataclasses import replace
+
+    from puzzle.parallel.groups import layout_for
+
+    engines = {}
+    for role, spec in cfg.roles.items():
+        optim = replace(cfg.optim, lr=spec.lr) if spec.trainable else None
+        # the reference starts as the actor: same shape and seed -> the same weights
+        engines[role] = ModelEngine(role, spec.arch, layout_for(spec.plan), trainable=spec.trainable,
+                                    optim=optim, seed=spec.init_seed(cfg.seed), recompute=cfg.recompute,
+                                    bf16=cfg.bf16, fp16=cfg.fp16, transformer_impl=cfg.transformer_impl,
+                                    sequence_parallel=cfg.sequence_parallel)
+        if spec.hf_path and engines[role].member:
+            from puzzle.models.hf_checkpoint import load_hf_into_model
+
+            # a critic from an LM keeps its fresh head
+            load_hf_into_model(engines[role].module, spec.arch, role, spec.hf_path,
+                               allow_missing_head=spec.description.allow_missing_head)
+    return engines

@@ -69,3 +69,35 @@ def check_scores(fields: dict, mask: torch.Tensor, iteration: int, sources: Dict
         if bad.any():
             raise NonFiniteError(f"non-finite {key.replace('_', ' ')} of the {role} model at iteration "
                                  f"{iteration} (scoring stage; {int(bad.sum())} values)")
+
+
+class SkipPolicy:
+    """``--skip-nonfinite-iterations N``: after the backward passes of an optimizer step, the
+    models with a NaN/inf loss or gradient skip that step (their gradients zeroed), up to N times
+    in the run (the count is checkpointed); past the allowance NonFiniteError on every rank."""
+
+    def __init__(self, allowed: int, rank: int, faults):
+        self.allowed, self.rank, self.faults = allowed, rank, faults
+        self.skipped = 0
+
+    def roles_to_skip(self, trained: List[tuple], iteration: int, where: str) -> set:
+        """Collective. ``trained``: (role, engine, its last-stage micro-batch outputs, loss keys)
+        per trained model (outputs [] off the owning rank). Returns the roles whose optimizer
+        step is skipped, the same on every rank."""
+        for role, eng, _, _ in trained:
+            inject_for_test(role, eng, iteration, self.faults)
+        found = find(trained)
+        engines = {role: eng for role, eng, _, _ in trained}
+        for role, kinds in found.items():
+            msg = describe(role, kinds, iteration, where)
+            if self.skipped >= self.allowed:
+                raise NonFiniteError(msg + (f"; {self.skipped} step(s) skipped already, "
+                                            f"--skip-nonfinite-iterations {self.allowed}" if self.allowed else
+                                            "; --skip-nonfinite-iterations N skips up to N such steps"))
+            self.skipped += 1
+            if self.rank == 0:
+                print(f"warning: {msg}: optimizer step skipped ({self.skipped}/{self.allowed}, "
+                      f"--skip-nonfinite-iterations)", flush=True)
+            if engines[role].member:
+                engines[role].zero_grad()
+        return set(found)

@@ -4,7 +4,6 @@ from tests.harness import run_world
 
 MAX_NEW = 8
 PROMPT_LENS = [5, 2, 7, 3]
-LP = max(PROMPT_LENS)
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +20,7 @@ def _combined(entries, name):
         out = e[name]
         if out["d"] in by_d:
             assert out["tokens"] == by_d[out["d"]]["tokens"], (name, out["p"], out["t"])
-            assert out["response_mask"] == by_d[out["d"]]["response_mask"]
+            assert out["response_lengths"] == by_d[out["d"]]["response_lengths"]
         else:
             by_d[out["d"]] = out
     rows = []
@@ -54,18 +53,12 @@ def test_same_tokens_at_every_layout(world):
             assert _combined(entries, name) == rows, (plan, name)
 
 
-def test_output_layout_and_masks(world):
+def test_output_in_response_coordinates(world):
     out = next(e for e in world[0]["layouts"]["(P=1, D=1, T=1)"] if e)["plain"]
-    assert out["prompt_length"] == LP
     assert out["prompt_lengths"] == PROMPT_LENS
-    for i, row in enumerate(out["tokens"]):
-        assert len(row) == LP + MAX_NEW
-        pm, rm, am = out["prompt_mask"][i], out["response_mask"][i], out["attention_mask"][i]
-        assert pm == [0] * (LP - PROMPT_LENS[i]) + [1] * PROMPT_LENS[i] + [0] * MAX_NEW
-        assert rm == [0] * LP + [1] * MAX_NEW
-        assert am == [a | b for a, b in zip(pm, rm)]
-        assert row[:LP - PROMPT_LENS[i]] == [0] * (LP - PROMPT_LENS[i])  # pad_id=0
-        assert all(0 <= t < 200 for t in row[LP:])
+    for row, n, resp in zip(out["tokens"], out["response_lengths"], out["responses"]):
+        assert len(row) == MAX_NEW and n == MAX_NEW  # no EOS: every response runs to the budget
+        assert row[:n] == resp and all(0 <= t < 200 for t in row)
 
 
 def test_eos_stops_rows_and_masks(world):
@@ -81,11 +74,10 @@ def test_eos_stops_rows_and_masks(world):
             if e is None:
                 continue
             out = e["eos"]
-            lp = out["prompt_length"]  # this DP rank's longest prompt
-            for row, rm, n in zip(out["tokens"], out["response_mask"], out["response_lengths"]):
-                assert rm == [0] * lp + [1] * n + [0] * (MAX_NEW - n)
-                assert row[lp + n:] == [3] * (MAX_NEW - n)  # pad_id=3 after EOS
-                assert row[lp + n - 1] == eos or n == MAX_NEW
+            for row, n in zip(out["tokens"], out["response_lengths"]):
+                assert len(row) == MAX_NEW
+                assert row[n:] == [3] * (MAX_NEW - n)  # pad_id=3 after EOS
+                assert row[n - 1] == eos or n == MAX_NEW
             # the whole batch finished at its first token: one model call, not MAX_NEW
             one = e["all_done"]
             assert one["response_lengths"] == [1] and one["forward_passes"] == 1, plan
@@ -98,7 +90,7 @@ def test_max_new_tokens_respected(world):
             if e is None:
                 continue
             short = e["short"]
-            assert all(len(r) == short["prompt_length"] + 1 for r in short["tokens"])
+            assert all(len(r) == 1 for r in short["tokens"])
             assert short["response_lengths"] == [1] * len(short["tokens"])
         rows = _combined(res[plan], "short")
         assert rows == [r[:1] for r in res["base"]]

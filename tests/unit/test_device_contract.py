@@ -11,7 +11,7 @@ import torch
 
 from puzzle.parallel.device import Runtime, check_on_device
 from puzzle.tools.compare_metrics import compare, main as compare_main
-from puzzle.training.batch import right_pad_rollout, rollout_from_generation
+from puzzle.training.batch import right_padded_rows, rollout_from_generation
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,28 +35,27 @@ def test_no_cuda_device_literal_outside_the_device_module():
     assert not offenders, "CUDA named outside puzzle/parallel/device.py:\n" + "\n".join(offenders)
 
 
-def _right_pad_reference(left, plens, resp, rlens, seq, pad):
-    B, Lp = left.shape
-    out = torch.full((B, seq), pad, dtype=torch.long)
-    for b in range(B):
-        p, r = int(plens[b]), int(rlens[b])
-        out[b, :p] = left[b, Lp - p:]
-        out[b, p:p + r] = resp[b, :r]
+def _right_pad_reference(prompts, resp, rlens, seq, pad):
+    out = torch.full((len(prompts), seq), pad, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        r = int(rlens[b])
+        out[b, :len(p)] = torch.tensor(p)
+        out[b, len(p):len(p) + r] = resp[b, :r]
     return out
 
 
-def test_right_pad_rollout_matches_the_row_by_row_definition():
+def test_right_padded_rows_match_the_row_by_row_definition():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         B, Lp, R = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 7, (1,), generator=g)), \
             int(torch.randint(1, 5, (1,), generator=g))
         plens = torch.randint(1, Lp + 1, (B,), generator=g)
+        prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in plens]
         rlens = torch.randint(0, R + 1, (B,), generator=g)
-        left = torch.randint(0, 100, (B, Lp), generator=g)
         resp = torch.randint(0, 100, (B, R), generator=g)
         seq = int((plens + R).max()) + int(torch.randint(0, 3, (1,), generator=g))
-        got = right_pad_rollout(left, plens, resp, rlens, seq, 999)
-        assert torch.equal(got, _right_pad_reference(left, plens, resp, rlens, seq, 999))
+        got = right_padded_rows(prompts, resp, rlens, seq, 999)
+        assert torch.equal(got, _right_pad_reference(prompts, resp, rlens, seq, 999))
 
 
 def test_rollout_from_generation_world_of_one_rounds_for_sequence_parallel():

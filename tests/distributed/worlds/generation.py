@@ -37,10 +37,8 @@ def _engine(plan, backend="auto"):
 
 
 def _out(o):
-    return {"tokens": o.tokens.tolist(), "attention_mask": o.attention_mask.tolist(),
-            "prompt_mask": o.prompt_mask.tolist(), "response_mask": o.response_mask.tolist(),
-            "prompt_lengths": o.prompt_lengths.tolist(), "response_lengths": o.response_lengths.tolist(),
-            "responses": o.responses(), "prompt_length": o.prompt_length,
+    return {"tokens": o.response_tokens.tolist(), "prompt_lengths": o.prompt_lengths.tolist(),
+            "response_lengths": o.response_lengths.tolist(), "responses": o.responses(),
             "forward_passes": o.forward_passes}
 
 

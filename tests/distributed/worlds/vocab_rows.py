@@ -130,8 +130,8 @@ def _run(argv, tokenizer_dir, after=None):
     for role in ("actor", "ref"):
         _bias_unused_rows(trainer.engines[role])
     batches, metrics = [], []
-    score = trainer.score
-    trainer.score = lambda batch: (batches.append(batch), score(batch))[1]
+    score = trainer.scoring.run
+    trainer.scoring.run = lambda batch, iteration: (batches.append(batch), score(batch, iteration))[1]
     original = pipelined_generation.sample_tokens
     pipelined_generation.sample_tokens = _record(original)
     n = cfg.ppo.rollout_batch_size
@@ -214,10 +214,11 @@ def _graph_path(trainer, prompts):
         whole_step = len(engine.module._puzzle_decode_graphs.fused)
     finally:
         del engine.module._puzzle_decode_graphs
-    return {"graph": {"same_tokens": bool(torch.equal(eager.tokens, fused.tokens)),
+    past = torch.arange(8).unsqueeze(0) >= fused.response_lengths.unsqueeze(1)
+    return {"graph": {"same_tokens": bool(torch.equal(eager.response_tokens, fused.response_tokens)),
                       "logprob_gap": float((eager.logprobs - fused.logprobs).abs().max()),
-                      "logprobs_past_response": float(fused.logprobs[fused.response_mask[:, -8:] == 0].abs().sum()),
-                      "max_id": int(fused.tokens[fused.response_mask.bool()].max()),
+                      "logprobs_past_response": float(fused.logprobs[past].abs().sum()),
+                      "max_id": int(fused.response_tokens[~past].max()),
                       "whole_step_settings": whole_step, "unused_mass": sum(mass) / len(mass),
                       "T": engine.layout.plan.T, "P": engine.layout.plan.P}}
 

@@ -1,0 +1,157 @@
+"""A rollout's sequence scores, owned by one object: ``Rewards``.
+
+It is the only writer of ``fields['scores']`` (the raw score of every row, bad values already
+replaced or refused by ``--on-bad-reward``) and the only place where scores are shaped for the
+advantages (DAPO's overlong penalty, ``--reward-normalization running``). A score comes from
+
+- the reward function (``--reward-fn``): ``score`` decodes this rank's share of the rows to text,
+  once, and scores it across ranks (``RolloutRewarder``), or
+- the reward model (``--reward-model``): its forward pass runs in the scoring stage, which hands
+  the scores to ``take_model_scores`` to be checked like a function's.
+
+DAPO's group filter (``filter_scores``) and ReMax's greedy baseline read the same shaping. The
+state (the running moments of the normalisation) is checkpointed with the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from puzzle.algorithms import RunningMoments
+from puzzle.algorithms.advantage_estimators import group_mean_std
+from puzzle.algorithms.dapo import overlong_penalty
+from puzzle.reward_functions.distributed import BadRewardPolicy, RolloutRewarder
+from puzzle.reward_functions.runner import Sample
+
+
+def decode_rows(tokens: torch.Tensor, prompt_lengths: List[int], response_lengths: List[int],
+                tokenizer, records: List[dict], first: int = 0) -> List[Sample]:
+    """Rows ``first .. first + len(tokens) - 1`` of a rollout as reward-function Samples: their
+    [n, S] right-padded ``tokens`` (on the host) split at the prompt, the EOS left out of the
+    response text; ``records[i]`` is row ``first + i``'s dataset record."""
+    out = []
+    for i, (p, r) in enumerate(zip(prompt_lengths, response_lengths)):
+        row = tokens[i].tolist()
+        pids, rids = row[:p], [t for t in row[p:p + r] if t != tokenizer.eos_id]
+        out.append(Sample(index=first + i, prompt_text=tokenizer.decode(pids), response_text=tokenizer.decode(rids),
+                          prompt_ids=pids, response_ids=rids, record=records[i]))
+    return out
+
+
+def batch_samples(batch, tokenizer, records: List[dict], lo: int, hi: int) -> List[Sample]:
+    """Rows ``lo .. hi - 1`` of ``batch`` decoded (only those rows leave the device);
+    ``records[b]`` is row b's record."""
+    return decode_rows(batch.tokens[lo:hi].cpu(), batch.prompt_lengths[lo:hi].tolist(),
+                       batch.response_lengths[lo:hi].tolist(), tokenizer, records[lo:hi], first=lo)
+
+
+class Rewards:
+    """Scores, checks and shapes the sequence scores of every rollout of a run (identical on
+    every rank: every call is collective)."""
+
+    def __init__(self, cfg, tokenizer):
+        ppo = cfg.ppo
+        self.tokenizer, self.n_samples = tokenizer, ppo.n_samples_per_prompt
+        self.function: Optional[RolloutRewarder] = None
+        if cfg.reward_fn:
+            self.function = RolloutRewarder(cfg.reward_fn, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
+                                            on_bad_reward=cfg.on_bad_reward, bad_reward_value=cfg.bad_reward_value)
+        self.policy = self.function.policy if self.function else BadRewardPolicy(cfg.on_bad_reward,
+                                                                                cfg.bad_reward_value)
+        self.model_name = cfg.reward_model
+        self.max_new_tokens = ppo.max_new_tokens
+        self.overlong = (ppo.overlong_buffer_len, ppo.overlong_penalty_factor)
+        self.normalization = ppo.reward_normalization
+        self.norm = RunningMoments()  # --reward-normalization running (checkpointed)
+
+    # ---- writing the raw scores --------------------------------------------------------------
+    def score_rollout(self, rollout, iteration: int) -> dict:
+        """The reward function's scores of a generation stage's ``Rollout`` (rows that DAPO's
+        filter scored already keep theirs) and of ReMax's greedy baseline; the bad rewards of the
+        iteration so far. Without a reward function (a reward model scores in the scoring stage):
+        nothing."""
+        if self.function is None:
+            return {}
+        batch, bad = rollout.batch, rollout.stats.get("bad_rewards", 0)
+        if "scores" not in batch.fields:
+            bad += self.score(batch, rollout.records, iteration)
+        if rollout.greedy is not None:  # its bad rewards are warned about, not counted
+            self.score_baseline(batch, rollout.greedy, rollout.records, iteration)
+        return {"bad_rewards": bad}
+
+    def score(self, batch, records: Optional[List[dict]], iteration: int, what: str = "sample") -> int:
+        """The reward function's scores of every row into ``fields['scores']`` (``records``: one
+        per prompt, row b is of prompt b // N, or None); returns how many were bad."""
+        size = batch.size
+        rows = [records[b // self.n_samples] if records is not None else {} for b in range(size)]
+        lo, hi = self.function.share(size)
+        samples = batch_samples(batch, self.tokenizer, rows, lo, hi)
+        scores, bad = self.function.score(lambda b: samples[b - lo], size, iteration, what)
+        batch.fields["scores"] = scores.to(batch.device)
+        return bad
+
+    def score_baseline(self, batch, greedy, records: List[dict], iteration: int) -> int:
+        """ReMax: the greedy sample of every prompt scored and shaped into
+        ``batch.fields['baseline_scores']`` (normalised with the batch's scores in ``shaped``)."""
+        bad = self.score(greedy, records, iteration, what="greedy baseline sample")
+        batch.fields["baseline_scores"] = self._overlong(greedy.fields["scores"], greedy.response_lengths)
+        return bad
+
+    def take_model_scores(self, batch, scores: torch.Tensor, iteration: int) -> int:
+        """The reward model's scores into ``fields['scores']``, non-finite ones replaced or
+        refused (``--on-bad-reward``) like a function's; returns how many were bad."""
+        batch.fields["scores"], bad = self.policy.check_scores(scores, f"reward model {self.model_name}", iteration)
+        return bad
+
+    # ---- shaping -----------------------------------------------------------------------------
+    def _overlong(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """DAPO's overlong penalty added to the scores (--overlong-buffer-len)."""
+        buffer_len, factor = self.overlong
+        if not buffer_len:
+            return scores
+        return scores + overlong_penalty(lengths, self.max_new_tokens, buffer_len, factor)
+
+    def filter_scores(self, batch) -> torch.Tensor:
+        """What DAPO's group filter compares: the scores with the overlong penalty."""
+        return self._overlong(batch.fields["scores"], batch.response_lengths)
+
+    def shaped(self, batch) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The scores the advantages read, and ReMax's baseline: overlong penalty, then the
+        running normalisation (updated once per call, with these scores)."""
+        scores = self._overlong(batch.fields["scores"], batch.response_lengths)
+        baseline = batch.fields.get("baseline_scores")
+        if self.normalization == "running":
+            scores = self.norm.normalize(scores).float()
+            baseline = None if baseline is None else self.norm.normalize(baseline, update=False).float()
+        return scores, baseline
+
+    # ---- metrics -----------------------------------------------------------------------------
+    def metrics(self, batch) -> Dict[str, float]:
+        """The raw scores' mean and spread (overall and within groups), the solved fraction
+        (score >= 1: a verifiable reward's "correct") and the normaliser's moments."""
+        scores = batch.fields["scores"].to(torch.float64)
+        out = {"reward_mean": float(batch.fields["scores"].mean())}
+        if self.normalization == "running":
+            out.update(reward_norm_mean=self.norm.mean, reward_norm_std=self.norm.std)
+        out.update({"reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
+                    "solved_fraction": float((scores >= 1.0).to(torch.float64).mean())})
+        N = self.n_samples
+        if N > 1 and "group_index" in batch.fields:
+            _, std, _ = group_mean_std(scores, batch.fields["group_index"])
+            out["reward_group_std_mean"] = float(std.mean())
+            out["groups_all_solved"] = int(((scores >= 1.0).view(-1, N).all(dim=1)).sum())
+            out["groups_none_solved"] = int(((scores < 1.0).view(-1, N).all(dim=1)).sum())
+        return out
+
+    # ---- checkpointed state ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return self.norm.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.norm.load_state_dict(state)
+
+    def close(self) -> None:
+        if self.function is not None:
+            self.function.close()

@@ -1,0 +1,86 @@
+"""Stage 2, scoring: forward passes of the roles that exist over the rollout batch.
+
+``MicroBatching`` is where a stage's data moves: it cuts each model's data-parallel share of the
+batch into micro-batches (puzzle/training/batch.py ``RolloutBatch.micro_batches``, packed without
+padding by default) and wraps them in the ``StageContext`` a stage schedule runs. The outputs come
+back to every rank through ``gather_outputs`` (one world all-reduce per field), so the batch
+leaves the stage complete and identical on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from puzzle.algorithms.rollout_correction import mismatch_metrics
+from puzzle.config import ROLES
+from puzzle.pipeline.stage import StageContext, run_stage
+from puzzle.training import nonfinite, steps
+from puzzle.training.batch import RolloutBatch, gather_outputs
+
+#: each scoring role's outputs: (key in its micro-batch outputs, field of the batch)
+SCORED_FIELDS = {"actor": (("logprobs", "old_logprobs"), ("entropy", "entropy")),
+                 "ref": (("logprobs", "ref_logprobs"),), "critic": (("values", "values"),),
+                 "reward": (("scores", "scores"),)}
+
+
+class MicroBatching:
+    """Each model's micro-batches of a batch: ``micro_batch_size`` rows of its DP share, packed
+    without padding (``packed``, --use-remove-padding) or right-padded."""
+
+    def __init__(self, engines: Dict, micro_batch_size: int, packed: bool, seq_multiple: int, pad_id: int):
+        self.engines, self.micro_batch_size, self.packed = engines, micro_batch_size, packed
+        self.seq_multiple, self.pad_id = seq_multiple, pad_id
+
+    def contexts(self, batch: RolloutBatch, jobs: List[Tuple[str, object]]) -> List[StageContext]:
+        """A StageContext per (role, forward_step) job over its model's DP share of ``batch``."""
+        mbs, packed = self.micro_batch_size, self.packed
+        contexts = []
+        for role, fn in jobs:
+            eng = self.engines[role]
+            share = batch.share_for(eng.layout)
+            mbatches = share.micro_batches(mbs, packed=packed, seq_multiple=self.seq_multiple,
+                                           pad_id=self.pad_id)
+            seq, rows = batch.tokens.shape[1], mbs
+            if packed:  # [1, T] micro-batches of their own lengths: stages exchange the shapes
+                seq, rows = max(mb["tokens"].shape[1] for mb in mbatches), 1
+            if eng.member:
+                eng.config.variable_seq_lengths = packed and eng.layout.plan.P > 1
+            contexts.append(StageContext(eng, fn, iter(mbatches), share.size // mbs, seq, rows))
+        return contexts
+
+
+class ScoringStage:
+    """Actor old log-probs and entropy, reference log-probs, critic values and reward-model scores
+    (handed to the run's ``Rewards`` to be checked), each written once into ``batch.fields``."""
+
+    def __init__(self, cfg, engines: Dict, micro: MicroBatching, rewards, vocab: int):
+        self.cfg, self.engines, self.micro, self.rewards, self.vocab = cfg, engines, micro, rewards, vocab
+
+    def jobs(self, R: int) -> List[Tuple[str, object]]:
+        ppo = self.cfg.ppo
+        temp = 1.0 if ppo.greedy else ppo.temperature
+        jobs = {"actor": steps.logprob_score_step(self.vocab, temp, R, with_entropy=True),
+                "ref": steps.logprob_score_step(self.vocab, temp, R),
+                "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
+        return [(role, jobs[role]) for role in ROLES if role in self.engines]
+
+    def run(self, batch: RolloutBatch, iteration: int) -> dict:
+        """Collective: the scored fields on every rank; raises NonFiniteError on a NaN/inf output."""
+        ppo, f = self.cfg.ppo, batch.fields
+        jobs = self.jobs(batch.max_new_tokens)
+        outs = run_stage(self.micro.contexts(batch, jobs), forward_only=True, placement=self.cfg.score_placement)
+        stats = {}
+        for (role, _), out in zip(jobs, outs):
+            for key, name in SCORED_FIELDS[role]:
+                value = gather_outputs(out, key, self.engines[role], batch)
+                if role == "reward":  # a reward model's scores follow --on-bad-reward like a function's
+                    stats["bad_rewards"] = self.rewards.take_model_scores(batch, value, iteration)
+                else:
+                    f[name] = value
+        nonfinite.check_scores(f, batch.response_mask, iteration,
+                               {name: role for role, _ in jobs for _, name in SCORED_FIELDS[role]})
+        if "gen_logprobs" in f:  # generation vs scoring log-probs of the sampled tokens
+            stats.update(mismatch_metrics(f["gen_logprobs"], f["old_logprobs"], batch.response_mask,
+                                          ppo.rl_inference_logprobs_is_correction,
+                                          ppo.rl_importance_sampling_truncation_coef))
+        return stats
