@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
+import torch
+
 PLACEMENTS = ("sequential", "disjoint", "time-sharing")
 
 
@@ -45,10 +47,19 @@ def run_stage(contexts: List[StageContext], *, forward_only: bool, placement: st
     """Forward(-backward) every context; returns each context's last-stage outputs ([] elsewhere).
 
     Training contexts only accumulate gradients: the caller zeroes grads before and steps each
-    engine's optimizer after.
+    engine's optimizer after. A forward-only stage runs without autograd: a trainable model's
+    forward would otherwise keep every layer's saved activations of a micro-batch alive (on an
+    H100 the 1.1B scoring peak was above the training one).
     """
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)} (got {placement!r})")
+    if forward_only:
+        with torch.no_grad():
+            return _run_groups(contexts, forward_only=True, placement=placement)
+    return _run_groups(contexts, forward_only=False, placement=placement)
+
+
+def _run_groups(contexts: List[StageContext], *, forward_only: bool, placement: str) -> List[List[Any]]:
     outputs: List[List[Any]] = [[] for _ in contexts]
     for indices in rank_groups(contexts).values():
         group = [contexts[i] for i in indices]
