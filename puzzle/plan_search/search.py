@@ -459,6 +459,7 @@ def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
     ind = {v: _individual_best(ev, L, v) for v in VARS}
     lean = {v: _individual_best(ev, L, v, lean=True) for v in ("R", "W")}
     gen_by_pt = {(q.P, q.T): i for i, q in enumerate(L.plans["G"])}
+    ref_idx = {q: i for i, q in enumerate(L.plans["R"])}
     starts = []
     for p in [None] + sorted({q.P for q in L.plans["A"]}):
         if p is None:
@@ -470,6 +471,8 @@ def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
         qa = L.plans["A"][a]
         variants = [(pick["C"], pick["R"], pick["W"]), (pick["C"], ind["R"], ind["W"]), (ind["C"], pick["R"], ind["W"]),
                     (pick["C"], lean["R"], lean["W"]), (ind["C"], lean["R"], lean["W"])]
+        if ev.tied and qa in ref_idx:  # MoE: the reference also at the actor's layout (its expert split)
+            variants += [(c, ref_idx[qa], w) for c, _, w in variants[:2]]
         for g in (ind["G"], gen_by_pt.get((qa.P, qa.T))):
             if g is not None:
                 starts += [ev.fix((L.li, a, g, c, r, w)) for c, r, w in variants]
@@ -571,7 +574,7 @@ def exhaustive_search(job: PPOJob) -> SearchResult:
                     continue
                 for r in range(nR):
                     for w in range(nW):
-                        base_t = tr + ev.score_time(li, a, c, r, w)[0]
+                        base_t = tr + ev.score_time(li, a, c, r, w)[0] + ev.offload_time(li, a, c, r, w)
                         if base_t + g_lb >= best_c:
                             continue
                         bound = s_ac + L.smax["R"][r] + L.smax["W"][w] + max(a_ac, L.amax["R"][r], L.amax["W"][w])

@@ -7,7 +7,7 @@ import pytest
 
 from puzzle.parallel.plan import ParallelPlan as PP
 from puzzle.plan_search import (CostModel, InfeasibleError, MemoryModel, ModelRole, ModelShape, PPOJob, PPOWorkload,
-                                load_profile, similarity_search)
+                                exhaustive_search, load_profile, similarity_search)
 from puzzle.plan_search import experts
 from puzzle.plan_search.cost_model import expert_params_on_rank, params_on_stage
 from puzzle.plan_search.search import candidate_plans
@@ -145,6 +145,9 @@ def test_search_splits_experts_that_do_not_fit_whole():
     actor = res.plans["actor"]
     assert actor["training"].E > 1 and actor["generation"] == actor["training"]
     assert res.peak_memory_bytes <= PROFILE.device_memory_bytes
+    # the exhaustive search counts the offload round trip as the objective does: never above
+    offload = dataclasses.replace(job, workload=dataclasses.replace(w, offload_during_inference=True))
+    assert exhaustive_search(offload).total_time <= similarity_search(offload).total_time * (1 + 1e-12)
     with pytest.raises(InfeasibleError, match="actor expert optimizer"):
         similarity_search(dataclasses.replace(job, world_size=8))
 
