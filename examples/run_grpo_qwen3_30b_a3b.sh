@@ -45,7 +45,7 @@ MOE_ARGS=(     # 128 experts of 768, top-8 renormalised (norm_topk_prob), aux lo
 )
 DATA_ARGS=(
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$ACTOR_DIR"
-    --vocab-size 151936                      # only used when the tokenizer files are absent (--dry-run)
+    --vocab-size 151936                      # only used when the tokenizer files are absent, as in --dry-run
     --hf-actor-path "$ACTOR_DIR"
     --prompt-data "$DATA" --prompt-key prompt --apply-chat-template --max-prompt-length 512
 )

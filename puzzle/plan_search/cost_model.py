@@ -23,6 +23,10 @@ Stages of one PPO iteration (PUZZLE §4.3, Fig. 6): *generation* (actor, autoreg
   replayed step reaches).
 * Time-sharing of several models with equal P on the same devices: PUZZLE Eq. (1), the sum of
   the models' pipelined work plus ONE bubble of the largest per-micro-batch stage time.
+* Mixture-of-experts models (puzzle.plan_search.experts): layer times of the active width (topk
+  experts), plus per MoE layer the dispatcher's dispatch + combine forward and again backward over
+  the expert group's link, the expert-data-parallel gradient sync and Adam step of the rank's
+  expert shard, and per decode step the bytes of the experts the batch touches.
 * Switching the actor from its training to its generation plan: :func:`switch_bytes_per_rank`
   (the exact lower bound: destination-layout bytes a rank does not already hold) over the
   intra-/inter-node bandwidth.

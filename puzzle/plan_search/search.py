@@ -16,7 +16,8 @@ Objective (Eq. (2) extended to all models and stages)::
     T_gen(G) + T_switch(A -> G) + T_scoring(A, C, R, W) + T_training(A, C)
 
 subject to every rank's peak memory fitting the device (memory_model). Degrees P and T are
-powers of two, T <= ranks_per_node, D = group size / (P*T).
+powers of two, T <= ranks_per_node, D = group size / (P*T). A MoE model's plans also choose E and
+ETP (:func:`expert_degrees`); a MoE actor generates at its training layout (G = A).
 
 * :func:`similarity_search`: from each stage's individually best plans (and variants where the
   generation plan starts at the training plan, or the other models align their P with the

@@ -191,3 +191,23 @@ def test_dry_run_of_a_moe_run():
     assert {"actor expert weights", "actor expert grads", "actor expert optimizer", "ref expert weights"} <= labels
     result, _ = search(cfg, PROFILE)
     assert result.plans["actor"]["generation"] == result.plans["actor"]["training"]
+
+
+def test_qwen3_30b_a3b_example_fits_16_gpus_of_80_gb():
+    """examples/run_grpo_qwen3_30b_a3b.sh's flags, checked in this process as its --dry-run does."""
+    from tests.harness import REPO, script_arrays
+
+    from puzzle.arguments import build_parser, config_for_planning
+    from puzzle.plan_search.command import memory_estimate, search
+
+    arrays = script_arrays(REPO / "examples" / "run_grpo_qwen3_30b_a3b.sh")
+    flags = [f.replace("$GPUS_PER_NODE", "8") for name, fl in arrays.items()
+             if name not in ("DISTRIBUTED_ARGS", "ALL_ARGS") for f in fl]
+    cfg = config_for_planning(build_parser(prog="x", raise_errors=True).parse_args(flags + ["--world-size", "16"]))
+    actor = cfg.roles["actor"]
+    assert (actor.plan, actor.gen_plan) == (PP(1, 16, 1, E=8, ETP=1),) * 2
+    assert actor.arch.num_experts == 128 and actor.arch.kv_channels == 128 and cfg.ppo.max_new_tokens + 512 == 4096
+    reports = memory_estimate(cfg, PROFILE)
+    assert all(r.fits for r in reports) and len(reports) == 16
+    result, _ = search(cfg, PROFILE)  # the search's plan splits the experts as the script does
+    assert result.plans["actor"]["training"].E == 8
