@@ -388,10 +388,8 @@ def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPla
     the split weights; RMSNorm weights, the final norm and a value head are replicated over TP;
     the embedding (stage 0) and the LM head (last stage) are vocabulary-split. This is the
     lower bound any routing table (puzzle.switch.routing) must move; it can later delegate.
-    Expert layers are not modelled here: a MoE model is refused."""
-    if shape.is_moe:
-        raise ValueError("switch_bytes_per_rank: the bytes of a switch between layouts of a MoE model are not "
-                         "modelled (its generation layout is its training layout)")
+    A MoE model's experts add what :func:`experts.switch_bytes` counts (the split parameters
+    above are then the attention's and the dense MLPs', the router replicated)."""
     shape.check_plan(src, "switch source")
     shape.check_plan(dst, "switch destination")
     L = shape.num_layers
@@ -445,6 +443,8 @@ def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPla
                         else:
                             inter += nbytes
                 memo[key] = out[r] = (int(round(intra * dtype_bytes)), int(round(inter * dtype_bytes)))
+    for r, (intra, inter) in experts.switch_bytes(shape, src, dst, ranks_per_node, dtype_bytes).items():
+        out[r] = (out[r][0] + int(round(intra)), out[r][1] + int(round(inter)))
     return dict(sorted(out.items()))
 
 

@@ -107,3 +107,42 @@ def decode_extra_expert_bytes(shape, rows: float, E: int, ETP: int, T: int) -> f
     per_expert = expert_params(shape) / ETP * BF16
     active = k * expert_params(shape) / T * BF16
     return moe_fraction(shape) * max(0.0, touched * per_expert - active)
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def switch_bytes(shape, src, dst, ranks_per_node=None, dtype_bytes: int = BF16) -> dict:
+    """Expert bytes every rank of ``dst`` lacks when the experts move from ``src``'s split to
+    ``dst``'s: {rank: (intra-node, inter-node)}. A rank's expert box is (its stage's layers) x
+    (its E-slice of the experts) x (its ETP-slice of each expert's MLP); what its own ``src`` box
+    covers stays, the rest comes from a ``src`` holder of each piece, counted intra-node when one
+    holder (over the expert-data-parallel replicas) shares the receiver's node."""
+    if not shape.num_experts:
+        return {}
+    L, N = shape.num_layers, shape.num_experts
+    per = moe_fraction(shape) * expert_params(shape) * dtype_bytes  # one expert of an average layer
+    rpn = ranks_per_node or (1 << 62)
+    out = {}
+    for r in dst.ranks:
+        pd, _, ed, td = dst.expert_coords(r)
+        box = ((pd * L / dst.P, (pd + 1) * L / dst.P), (ed * N / dst.E, (ed + 1) * N / dst.E),
+               (td / dst.ETP, (td + 1) / dst.ETP))
+        own = src.expert_coords(r) if src.contains(r) else None
+        intra = inter = 0.0
+        for ps in range(src.P):
+            lay = _overlap(*box[0], ps * L / src.P, (ps + 1) * L / src.P)
+            for es in range(src.E) if lay else ():
+                exp = _overlap(*box[1], es * N / src.E, (es + 1) * N / src.E)
+                for ts in range(src.ETP) if exp else ():
+                    if own is not None and (own[0], own[2], own[3]) == (ps, es, ts):
+                        continue
+                    piece = lay * exp * _overlap(*box[2], ts / src.ETP, (ts + 1) / src.ETP) * per
+                    holders = (src.expert_rank(ps, d, es, ts) // rpn for d in range(src.EDP))
+                    if any(node == r // rpn for node in holders):
+                        intra += piece
+                    else:
+                        inter += piece
+        out[r] = (intra, inter)
+    return out

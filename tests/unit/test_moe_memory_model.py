@@ -213,3 +213,21 @@ def test_qwen3_30b_a3b_example_fits_16_gpus_of_80_gb():
     assert all(r.fits for r in reports) and len(reports) == 16
     result, _ = search(cfg, PROFILE)  # the search's plan splits the experts as the script does
     assert result.plans["actor"]["training"].E == 8
+
+
+def test_switch_bytes_of_experts_by_hand():
+    """8 ranks, 4 per node: E = 8 -> E = 4 doubles each rank's experts. Rank 0 keeps [0, 2) and
+    takes [2, 4) from rank 1 (its node); rank 2 needs [8, 12), held by ranks 4 and 5 (the other
+    node). E = 4 -> E = 8 halves them: rank 0 holds its half already."""
+    from puzzle.plan_search.cost_model import switch_bytes_per_rank
+
+    whole = MOE.num_layers * MOE.num_experts * experts.expert_params(MOE) * 2
+    down = experts.switch_bytes(MOE, PP(1, 8, 1, E=8), PP(1, 8, 1, E=4), 4)
+    assert down[0] == (whole / 8, 0.0) and down[2] == (0.0, whole / 4) and down[7] == (whole / 8, 0.0)
+    up = experts.switch_bytes(MOE, PP(1, 8, 1, E=4), PP(1, 8, 1, E=8), 4)
+    assert up[0] == (0.0, 0.0) and up[1] == (whole / 8, 0.0)
+    assert all(v == (0.0, 0.0) for v in experts.switch_bytes(MOE, PP(1, 8, 1, E=8), PP(1, 8, 1, E=8), 4).values())
+    # the dense part's lower bound is unchanged by the experts: E moves only expert bytes
+    same_dense = switch_bytes_per_rank(MOE, PP(1, 8, 1, E=8), PP(1, 8, 1, E=4), ranks_per_node=4)
+    assert same_dense[2] == (0, round(whole / 4))
+    assert CostModel(PROFILE, W).switch(_role(MOE), PP(1, 8, 1, E=8), PP(1, 8, 1, E=4))[0] == round(whole / 4)
