@@ -431,6 +431,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         if offset or D:
             flags += f"/--{role}-rank-offset/--{role}-data-parallel-size"
         E, ETP = layout.expert_model_parallel_size, layout.expert_tensor_parallel_size
+        if home is not None:  # a plan's expert degrees
+            E, ETP = home.E, home.ETP if home.has_experts_split else None
         if E > 1 or ETP is not None:
             flags += ("/--expert-model-parallel-size/--expert-tensor-parallel-size" if role == "actor" else
                       f"/--{role}-expert-model-parallel-size/--{role}-expert-tensor-parallel-size")
@@ -445,14 +447,15 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                 tensor_model_parallel_size=T, pipeline_model_parallel_size=P, expert_model_parallel_size=E,
                 expert_tensor_parallel_size=ETP))
             gP, gT = gen.pipeline_model_parallel_size, gen.tensor_model_parallel_size
+            gE, gETP = gen.expert_model_parallel_size, gen.expert_tensor_parallel_size
             if home is not None and layouts.actor_generation is not None:
-                gP, gT = layouts.actor_generation.P, layouts.actor_generation.T
+                ag = layouts.actor_generation
+                gP, gT, gE, gETP = ag.P, ag.T, ag.E, ag.ETP if ag.has_experts_split else None
             gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
-            if gen.expert_model_parallel_size > 1 or gen.expert_tensor_parallel_size is not None:
+            if gE > 1 or gETP is not None:
                 gflags += "/--actor-gen-expert-model-parallel-size/--actor-gen-expert-tensor-parallel-size"
             gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags,
-                                 offset=plan.offset, size=plan.size, E=gen.expert_model_parallel_size,
-                                 ETP=gen.expert_tensor_parallel_size)
+                                 offset=plan.offset, size=plan.size, E=gE, ETP=gETP)
             try:
                 check_layout(arch, gen_plan, "actor (generation layout)")
             except PlanError as e:

@@ -114,10 +114,16 @@ def layouts_as_flags(layouts: PlanLayouts, roles=None) -> List[str]:
         flags += [f"--{role}-tensor-model-parallel-size", str(home.T),
                   f"--{role}-pipeline-model-parallel-size", str(home.P),
                   f"--{role}-data-parallel-size", str(home.D), f"--{role}-rank-offset", str(home.offset)]
+        if home.has_experts_split:
+            flags += [f"--{role}-expert-model-parallel-size", str(home.E),
+                      f"--{role}-expert-tensor-parallel-size", str(home.ETP)]
         if role == "actor" and layouts.actor_generation is not None:
             gen = layouts.actor_generation
             flags += ["--actor-gen-tensor-model-parallel-size", str(gen.T),
                       "--actor-gen-pipeline-model-parallel-size", str(gen.P)]
+            if gen.has_experts_split:
+                flags += ["--actor-gen-expert-model-parallel-size", str(gen.E),
+                          "--actor-gen-expert-tensor-parallel-size", str(gen.ETP)]
     for stage, flag in PLACEMENT_FLAGS.items():
         if stage in layouts.placements:
             flags += [flag, layouts.placements[stage]]

@@ -199,13 +199,16 @@ class ParallelPlan:
 
     @classmethod
     def parse(cls, text: str) -> "ParallelPlan":
-        """Parse 'P,D,T' or 'P,D,T@offset' (also accepts 'x' separators)."""
+        """Parse 'P,D,T' or 'P,D,T@offset' (also accepts 'x' separators), optionally followed by
+        the expert degrees 'E=e' and 'ETP=x' ('(1,8,1,E=8)@0')."""
         body, _, off = text.strip().partition("@")
-        parts = body.replace("x", ",").replace("(", "").replace(")", "").split(",")
+        parts = [x.strip() for x in body.replace("x", ",").replace("(", "").replace(")", "").split(",")]
+        named = dict(x.split("=", 1) for x in parts if "=" in x)
         try:
-            vals = [int(x) for x in parts if x.strip()]
+            vals = [int(x) for x in parts if x and "=" not in x]
+            expert = {k.strip(): int(v) for k, v in named.items()}
         except ValueError:
             raise PlanError(f"cannot parse plan {text!r}: expected 'P,D,T' or 'P,D,T@offset'") from None
-        if len(vals) != 3:
-            raise PlanError(f"cannot parse plan {text!r}: expected three degrees P,D,T")
-        return cls(P=vals[0], D=vals[1], T=vals[2], offset=int(off) if off else 0)
+        if len(vals) != 3 or set(expert) - {"E", "ETP"}:
+            raise PlanError(f"cannot parse plan {text!r}: expected three degrees P,D,T (then E=, ETP=)")
+        return cls(P=vals[0], D=vals[1], T=vals[2], offset=int(off) if off else 0, **expert)

@@ -24,16 +24,22 @@ def shapes_from_config(cfg) -> Dict[str, ModelShape]:
     out = {}
     for role, spec in cfg.roles.items():
         a = spec.arch
-        if a.is_moe:
-            from puzzle.config_flags import fail
-
-            fail("--num-experts", f"{role}: the memory and cost models (--dry-run, --plan auto, search_plan.py) "
-                                  "do not model mixture-of-experts layers yet")
         out[role] = ModelShape(num_layers=a.num_layers, hidden_size=a.hidden_size,
                                ffn_hidden_size=a.ffn_hidden_size, num_attention_heads=a.num_attention_heads,
                                num_query_groups=a.num_query_groups, vocab_size=a.padded_vocab_size,
-                               swiglu=a.swiglu)
+                               swiglu=a.swiglu, kv_channels=a.kv_channels, **_expert_fields(a))
     return out
+
+
+def _expert_fields(arch) -> dict:
+    """The MoE fields of a ModelShape from a ModelArch (none for a dense model)."""
+    if not arch.is_moe:
+        return {}
+    pattern = arch.moe_layer_pattern
+    return dict(num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+                moe_router_topk=arch.moe_router_topk,
+                moe_layers=arch.num_layers if pattern is None else sum(pattern),
+                moe_dispatcher=arch.moe_token_dispatcher_type)
 
 
 def workload_from_config(cfg) -> PPOWorkload:
@@ -104,6 +110,8 @@ def print_dry_run(cfg, profile, out=sys.stdout) -> bool:
     for role, spec in cfg.roles.items():
         gen = f", generation {fmt_plan(spec.gen_plan)}" if role == "actor" else ""
         print(f"  {role:7s} {fmt_plan(spec.plan)}{gen}", file=out)
+    for line in expert_lines(cfg):
+        print("  " + line, file=out)
     print(f"  placements: scoring {cfg.score_placement}, training {cfg.train_placement}", file=out)
     est = stage_estimate(cfg, profile)
     print("  estimated stage seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in est.items()), file=out)
@@ -121,6 +129,22 @@ def print_dry_run(cfg, profile, out=sys.stdout) -> bool:
         print("error: the estimate exceeds device memory; try python search_plan.py with the same flags, "
               "--plan auto, smaller --rollout-batch-size/--max-new-tokens, or more ranks", file=out)
     return fits
+
+
+def expert_lines(cfg) -> List[str]:
+    """One line per MoE model: experts, active parameters and how its plan splits the experts."""
+    lines = []
+    for role, shape in shapes_from_config(cfg).items():
+        if not shape.is_moe:
+            continue
+        plan = cfg.roles[role].plan
+        lm_head = cfg.roles[role].description.lm_head
+        lines.append(f"{role} experts: {shape.num_experts} per MoE layer in {shape.n_moe_layers} of {shape.num_layers} "
+                     f"layers, top-{shape.moe_router_topk}, {shape.param_count(lm_head) / 1e9:.2f}B parameters "
+                     f"({shape.active_param_count(lm_head) / 1e9:.2f}B active); E={plan.E}, ETP={plan.ETP}: "
+                     f"{shape.num_experts // plan.E} experts per rank, EDP={plan.EDP}; "
+                     f"{shape.moe_dispatcher} dispatcher")
+    return lines
 
 
 def lever_lines(cfg, profile) -> List[str]:

@@ -23,6 +23,10 @@ Stages of one PPO iteration (PUZZLE §4.3, Fig. 6): *generation* (actor, autoreg
   replayed step reaches).
 * Time-sharing of several models with equal P on the same devices: PUZZLE Eq. (1), the sum of
   the models' pipelined work plus ONE bubble of the largest per-micro-batch stage time.
+* Mixture-of-experts models (puzzle.plan_search.experts): layer times of the active width (topk
+  experts), plus per MoE layer the dispatcher's dispatch + combine forward and again backward over
+  the expert group's link, the expert-data-parallel gradient sync and Adam step of the rank's
+  expert shard, and per decode step the bytes of the experts the batch touches.
 * Switching the actor from its training to its generation plan: :func:`switch_bytes_per_rank`
   (the exact lower bound: destination-layout bytes a rank does not already hold) over the
   intra-/inter-node bandwidth.
@@ -36,6 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.config import ROLES
 from puzzle.parallel.plan import ParallelPlan, PlanError
+from puzzle.plan_search import experts
 from puzzle.plan_search.profile_data import Profile, layer_params
 
 BF16 = 2  # bytes per bf16 value
@@ -53,34 +58,97 @@ class ModelShape:
     num_query_groups: int
     vocab_size: int
     swiglu: bool = True
+    # mixture of experts (puzzle.plan_search.experts): 0 experts = a dense model; ``moe_layers``
+    # of the layers have a MoE MLP (default all), the others a dense MLP of ffn_hidden_size
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    moe_layers: Optional[int] = None
+    moe_dispatcher: str = "alltoall"
+    kv_channels: Optional[int] = None  # projection size per head (None: hidden / heads)
+
+    def __post_init__(self):
+        if self.num_experts and not (1 <= self.moe_router_topk <= self.num_experts and self.moe_ffn_hidden_size >= 1
+                                     and 0 <= self.n_moe_layers <= self.num_layers):
+            raise ValueError(f"ModelShape: inconsistent MoE fields (num_experts={self.num_experts}, "
+                             f"topk={self.moe_router_topk}, moe_ffn_hidden_size={self.moe_ffn_hidden_size}, "
+                             f"moe_layers={self.moe_layers} of {self.num_layers})")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Layers with a MoE MLP (``moe_layers``, default every layer of a MoE model)."""
+        if not self.is_moe:
+            return 0
+        return self.num_layers if self.moe_layers is None else self.moe_layers
 
     @property
     def kv_dim(self) -> int:
+        if self.kv_channels is not None:
+            return self.kv_channels * self.num_query_groups
         return self.hidden_size * self.num_query_groups // self.num_attention_heads
 
     @property
-    def layer_split_params(self) -> int:
-        """Parameters of one layer that tensor parallelism splits (QKV, proj, MLP)."""
-        return layer_params(self)[0]
+    def compute_shape(self) -> "ModelShape":
+        """The dense shape whose layer does a MoE layer's per-rank work (active parameters: an
+        MLP ``topk`` experts wide, averaged with the dense layers); a dense model itself."""
+        if not self.is_moe:
+            return self
+        active = ((self.num_layers - self.n_moe_layers) * self.ffn_hidden_size
+                  + self.n_moe_layers * self.moe_router_topk * self.moe_ffn_hidden_size)
+        return ModelShape(self.num_layers, self.hidden_size, round(active / self.num_layers),
+                          self.num_attention_heads, self.num_query_groups, self.vocab_size, self.swiglu,
+                          kv_channels=self.kv_channels)
 
     @property
-    def layer_replicated_params(self) -> int:
-        """Parameters of one layer every TP rank holds whole (the two RMSNorm weights)."""
-        return layer_params(self)[1]
+    def layer_split_params(self) -> float:
+        """Parameters of one layer that tensor parallelism splits (QKV, proj, dense MLP; averaged
+        over the layers when some MLPs are MoE layers, whose experts are counted apart)."""
+        split = layer_params(self)[0]
+        if not self.is_moe:
+            return split
+        dense_mlp = experts.mlp_matrices(self) * self.hidden_size * self.ffn_hidden_size
+        return split - experts.moe_fraction(self) * dense_mlp
+
+    @property
+    def layer_replicated_params(self) -> float:
+        """Parameters of one layer every TP rank holds whole (the two RMSNorm weights; a MoE
+        layer's router)."""
+        repl = layer_params(self)[1]
+        if not self.is_moe:
+            return repl
+        return repl + experts.moe_fraction(self) * self.num_experts * self.hidden_size
 
     def head_params(self, lm_head: bool = True) -> int:
         return self.vocab_size * self.hidden_size if lm_head else self.hidden_size
 
     def param_count(self, lm_head: bool = True) -> int:
-        """Embedding + layers + final norm + head (LM head V*h, or a scalar value head h)."""
+        """Embedding + layers (experts included) + final norm + head (LM head V*h, or a scalar
+        value head h)."""
         L = self.num_layers
-        return (self.vocab_size * self.hidden_size + L * (self.layer_split_params + self.layer_replicated_params)
-                + self.hidden_size + self.head_params(lm_head))
+        n = (self.vocab_size * self.hidden_size + L * (self.layer_split_params + self.layer_replicated_params)
+             + self.hidden_size + self.head_params(lm_head))
+        return n if not self.is_moe else round(n + L * experts.expert_params_per_layer(self))
+
+    def active_param_count(self, lm_head: bool = True) -> int:
+        """Parameters a token goes through (topk experts of each MoE layer)."""
+        return self.compute_shape.param_count(lm_head) + (
+            round(self.n_moe_layers * self.num_experts * self.hidden_size) if self.is_moe else 0)
 
     def check_plan(self, plan: ParallelPlan, what: str = "model") -> None:
         plan.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
                          num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size,
                          hidden_size=self.hidden_size, what=what)
+        if not self.is_moe:
+            if plan.has_experts_split:
+                raise PlanError(f"{what} has no experts: plan {plan} needs E=1 and ETP=T")
+            return
+        if self.num_experts % plan.E or self.moe_ffn_hidden_size % plan.ETP:
+            raise PlanError(f"{what} cannot use plan {plan}: num_experts={self.num_experts} / E={plan.E} or "
+                            f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} / ETP={plan.ETP} is not whole")
 
 
 #: PUZZLE Table 1 (LLaMA, 32000 vocab, MHA) + LLaMA-2-70B (GQA with 8 groups).
@@ -179,6 +247,10 @@ def plan_problems(shape: ModelShape, plan: ParallelPlan, workload: PPOWorkload, 
         out.append(f"T={plan.T} > {ranks_per_node} ranks per node")
     if plan.D > workload.max_dp(stage):
         out.append(f"D={plan.D} > {workload.max_dp(stage)} samples per {stage} batch")
+    if shape.is_moe and stage == "training" and (plan.T > 1 or plan.ETP > 1):
+        out.append(f"training MoE layers needs T = ETP = 1 (got T={plan.T}, ETP={plan.ETP})")
+    if shape.is_moe and stage == "generation" and plan.D % experts.token_sets(plan.E, plan.ETP, plan.T):
+        out.append(f"E*ETP/T={plan.E * plan.ETP // plan.T} must divide D={plan.D} for generation")
     return out
 
 
@@ -197,8 +269,14 @@ def _group_links(plan: ParallelPlan, rpn: int) -> Tuple[bool, bool, bool]:
     return tp, dp, pp
 
 
+def expert_params_on_rank(role: ModelRole, plan: ParallelPlan) -> float:
+    """Expert parameters one rank of ``plan`` holds (0 for a dense model)."""
+    return experts.expert_params_on_rank(role.shape, plan.P, plan.E, plan.ETP)
+
+
 def params_on_stage(role: ModelRole, P: int, T: int, p: int) -> float:
-    """Parameters one rank of pipeline stage p holds under degrees (P, T)."""
+    """Parameters one rank of pipeline stage p holds under degrees (P, T), experts apart
+    (:func:`expert_params_on_rank`)."""
     s = role.shape
     n = s.num_layers // P * (s.layer_split_params / T + s.layer_replicated_params)
     if p == 0:
@@ -309,7 +387,9 @@ def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPla
     Shards are boxes of (layer range of the pipeline stage) x (TP fraction [t/T, (t+1)/T)) of
     the split weights; RMSNorm weights, the final norm and a value head are replicated over TP;
     the embedding (stage 0) and the LM head (last stage) are vocabulary-split. This is the
-    lower bound any routing table (puzzle.switch.routing) must move; it can later delegate."""
+    lower bound any routing table (puzzle.switch.routing) must move; it can later delegate.
+    A MoE model's experts add what :func:`experts.switch_bytes` counts (the split parameters
+    above are then the attention's and the dense MLPs', the router replicated)."""
     shape.check_plan(src, "switch source")
     shape.check_plan(dst, "switch destination")
     L = shape.num_layers
@@ -363,6 +443,8 @@ def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPla
                         else:
                             inter += nbytes
                 memo[key] = out[r] = (int(round(intra * dtype_bytes)), int(round(inter * dtype_bytes)))
+    for r, (intra, inter) in experts.switch_bytes(shape, src, dst, ranks_per_node, dtype_bytes).items():
+        out[r] = (out[r][0] + int(round(intra)), out[r][1] + int(round(inter)))
     return dict(sorted(out.items()))
 
 
@@ -386,6 +468,35 @@ class CostModel:
             self._cache[key] = _group_links(plan, self.profile.ranks_per_node)
         return self._cache[key]
 
+    def _expert_link(self, plan: ParallelPlan) -> bool:
+        """Whether an expert-parallel group of ``plan`` spans two nodes."""
+        key = ("ep_link", plan)
+        if key not in self._cache:
+            rpn = self.profile.ranks_per_node
+            self._cache[key] = any(g[0] // rpn != g[-1] // rpn for g in plan.ep_groups()) if plan.E > 1 else False
+        return self._cache[key]
+
+    def _moe_comm(self, role: ModelRole, tokens: float, plan: ParallelPlan) -> float:
+        """Dispatcher seconds of an average layer's forward (dispatch + combine of a MoE layer,
+        weighted by the share of MoE layers); the backward moves as much again. 0 when dense."""
+        s = role.shape
+        if not s.is_moe:
+            return 0.0
+        one = experts.dispatch_seconds(self.profile, s, tokens, plan.E, plan.ETP, plan.T, self._expert_link(plan))
+        return 2.0 * experts.moe_fraction(s) * one
+
+    def _expert_sync(self, role: ModelRole, plan: ParallelPlan, inter: bool) -> float:
+        """Expert-data-parallel gradient sync of the rank's expert shard (reduce-scatter fp32 grads
+        + all-gather bf16 params with the distributed optimizer, else an all-reduce)."""
+        phe = expert_params_on_rank(role, plan)
+        n = plan.EDP
+        if phe <= 0 or n <= 1:
+            return 0.0
+        prof = self.profile
+        if self.workload.distributed_optimizer:
+            return (n - 1) / n * 6.0 * phe / prof.bandwidth(inter) + 2 * prof.latency(inter)
+        return prof.allreduce_time(4.0 * phe, n, inter)
+
     def _p2p(self, nbytes: float, P: int, inter: bool) -> float:
         return 0.0 if P == 1 else nbytes / self.profile.bandwidth(inter) + self.profile.latency(inter)
 
@@ -408,17 +519,19 @@ class CostModel:
         mb = min(w.micro_batch_size, samples)
         n_micro = math.ceil(samples / mb)
         tokens = mb * w.seq_len
-        tab = prof.layer_table(s)
+        tab = prof.layer_table(s.compute_shape)
         ar = 2 * prof.allreduce_time(tokens * s.hidden_size * BF16, T, tp_x)
+        ar_moe = ar + self._moe_comm(role, tokens, plan)  # MoE layers add the dispatcher's all-to-alls
         layers = s.num_layers // P
         p2p = self._p2p(tokens * s.hidden_size * BF16, P, pp_x)
         head_f = self._head_fwd(role, tokens, T)
-        t_f = layers * (tab.fwd(tokens, T) + ar) + head_f + p2p
-        t_b = layers * (tab.bwd(tokens, T) + ar) + 2 * head_f + p2p
+        t_f = layers * (tab.fwd(tokens, T) + ar_moe) + head_f + p2p
+        t_b = layers * (tab.bwd(tokens, T) + ar_moe) + 2 * head_f + p2p
         if w.recompute_granularity == "full":  # the recomputed layers run their forward again
             redo = layers if w.recompute_method == "uniform" else min(w.recompute_num_layers, layers)
-            t_b += redo * (tab.fwd(tokens, T) + ar)
+            t_b += redo * (tab.fwd(tokens, T) + ar_moe)
         phi = max(params_on_stage(role, P, T, 0), params_on_stage(role, P, T, P - 1))
+        phe = expert_params_on_rank(role, plan)
         if D > 1:
             if w.distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
                 dp = (D - 1) / D * 6.0 * phi / prof.bandwidth(dp_x) + 2 * prof.latency(dp_x)
@@ -426,7 +539,9 @@ class CostModel:
                 dp = prof.allreduce_time(4.0 * phi, D, dp_x)
         else:
             dp = 0.0
-        opt = prof.hbm_time(36.0 * phi / (D if w.distributed_optimizer else 1))  # Adam: ~36 B/param moved
+        dp += self._expert_sync(role, plan, dp_x)
+        opt = prof.hbm_time(36.0 * phi / (D if w.distributed_optimizer else 1)  # Adam: ~36 B/param moved
+                            + 36.0 * phe / (plan.EDP if w.distributed_optimizer else 1))
         reps = w.optimizer_steps
         t = t_f + t_b
         total = reps * (pipeline_time(n_micro, P, t) + dp + opt)
@@ -446,8 +561,8 @@ class CostModel:
         mb = min(w.score_mbs, samples)
         n_micro = math.ceil(samples / mb)
         tokens = mb * w.seq_len
-        tab = prof.layer_table(s)
-        ar = 2 * prof.allreduce_time(tokens * s.hidden_size * BF16, T, tp_x)
+        tab = prof.layer_table(s.compute_shape)
+        ar = 2 * prof.allreduce_time(tokens * s.hidden_size * BF16, T, tp_x) + self._moe_comm(role, tokens, plan)
         t = (s.num_layers // P * (tab.fwd(tokens, T) + ar) + self._head_fwd(role, tokens, T)
              + self._p2p(tokens * s.hidden_size * BF16, P, pp_x))
         cost = TaskCost(role.name, "forward", plan, n_micro, t, 0.0, 1, pipeline_time(n_micro, P, t))
@@ -462,7 +577,10 @@ class CostModel:
         if not self.workload.offload_during_inference:
             return 0.0
         phi = max(params_on_stage(role, plan.P, plan.T, p) for p in range(plan.P))
-        nbytes = 12.0 * phi / (plan.D if self.workload.distributed_optimizer else 1) if role.trainable else BF16 * phi
+        phe = expert_params_on_rank(role, plan)
+        dist = self.workload.distributed_optimizer
+        nbytes = (12.0 * phi / (plan.D if dist else 1) + 12.0 * phe / (plan.EDP if dist else 1) if role.trainable
+                  else BF16 * (phi + phe))
         return 2.0 * nbytes / self.profile.host_link_bandwidth
 
     # -- generation -----------------------------------------------------------------------
@@ -477,7 +595,7 @@ class CostModel:
         P, D, T = plan.P, plan.D, plan.T
         tp_x, _, pp_x = self._links(plan)
         h, V, layers = s.hidden_size, s.vocab_size, s.num_layers // P
-        tab = prof.layer_table(s)
+        tab = prof.layer_table(s.compute_shape)
         b = math.ceil(w.rollout_batch_size / D)
         rows = min(w.generation_micro_batch_size or b, b)
         steps = w.gen_len - 1  # the first token comes from the prefill
@@ -485,7 +603,8 @@ class CostModel:
             waves = math.ceil(b / rows)
             m, bm = 1, rows
             tok = rows * w.prompt_len
-            prefill = waves * (layers * (tab.fwd(tok, T) + 2 * prof.allreduce_time(tok * h * BF16, T, tp_x))
+            prefill = waves * (layers * (tab.fwd(tok, T) + 2 * prof.allreduce_time(tok * h * BF16, T, tp_x)
+                                         + self._moe_comm(role, tok, plan))
                                + self._head_fwd(role, rows, T))
         else:
             waves = 1
@@ -497,12 +616,15 @@ class CostModel:
         eff = 1.0
         if w.cuda_graphs:  # whole-width attention, no launch cost per kernel
             ctx = w.prompt_len + w.gen_len
-            split, repl = layer_params(s)
+            split, repl = layer_params(s.compute_shape)
             layer_bytes = (split / T + repl) * BF16
             eff = prof.graph_decode_efficiency
             t_layer = max(prof.hbm_time(layer_bytes), prof.gemm_time(2.0 * bm * split / T)) / eff
         else:
             t_layer = tab.decode(bm, T)
+        if s.is_moe:  # the experts the step's tokens touch, beyond the active width; the dispatcher
+            t_layer += (prof.hbm_time(experts.decode_extra_expert_bytes(s, bm, plan.E, plan.ETP, T)) / eff
+                        + self._moe_comm(role, bm, plan))
         kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16) / eff
         head = (max(prof.hbm_time(V * h / T * BF16), 2.0 * bm * h * V / T / (prof.peak_flops * prof.gemm_efficiency))
                 if role.lm_head else 0.0)
@@ -527,13 +649,14 @@ class CostModel:
         P, T = plan.P, plan.T
         tp_x, _, pp_x = self._links(plan)
         h, layers = s.hidden_size, s.num_layers // P
-        tab = prof.layer_table(s)
+        tab = prof.layer_table(s.compute_shape)
         prefill = math.inf
         m_pre = m
         while True:
             bp = math.ceil(b / m_pre)
             tok = bp * w.prompt_len
-            t_pre = (layers * (tab.fwd(tok, T) + 2 * prof.allreduce_time(tok * h * BF16, T, tp_x))
+            t_pre = (layers * (tab.fwd(tok, T) + 2 * prof.allreduce_time(tok * h * BF16, T, tp_x)
+                               + self._moe_comm(role, tok, plan))
                      + self._head_fwd(role, bp, T) + self._p2p(tok * h * BF16, P, pp_x))
             prefill = min(prefill, pipeline_time(math.ceil(b / bp), P, t_pre))
             if m_pre >= b:

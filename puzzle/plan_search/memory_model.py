@@ -23,6 +23,11 @@ Active (only during a stage; the peak of a rank is static + the largest stage):
     prefill's activations.
 With ``offload_during_inference`` the trainable roles' gradients and optimizer states are on the
 host during generation and scoring, the frozen roles' weights during generation.
+Mixture-of-experts models (puzzle.plan_search.experts): the experts' weights, gradients and
+optimizer states are split over E*ETP ranks, the optimizer states sharded over the EDP expert-
+data-parallel ranks; a MoE layer's activations hold its routed (token, expert) pairs (topk per
+token), the dispatcher's permuted tokens and the router's probabilities; the KV cache is the
+attention's, unchanged.
 Models placed on the same devices in one stage run one after another or time-shared; PUZZLE
 §4.2 shows time-sharing keeps the sequential peak, so a stage's active memory is the largest
 of its models', not the sum.
@@ -32,10 +37,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.plan_search.cost_model import BF16, ModelRole, PPOWorkload, params_on_stage
+from puzzle.plan_search import experts
+from puzzle.plan_search.cost_model import BF16, ModelRole, PPOWorkload, expert_params_on_rank, params_on_stage
 from puzzle.plan_search.profile_data import Profile
 
 GiB = float(1 << 30)
@@ -56,7 +62,11 @@ def gib(x: float) -> str:
 
 
 def fmt_plan(plan: ParallelPlan) -> str:
+    """'(P,D,T)' or '(P,D,T)@offset'; with experts split '(P,D,T,E=e)' / '(P,D,T,E=e,ETP=x)'
+    (ParallelPlan.parse reads every form)."""
     s = f"({plan.P},{plan.D},{plan.T})"
+    if plan.has_experts_split:
+        s = s[:-1] + f",E={plan.E}" + (f",ETP={plan.ETP})" if plan.ETP != plan.T else ")")
     return s if plan.offset == 0 else f"{s}@{plan.offset}"
 
 
@@ -97,9 +107,15 @@ class MemoryModel:
         self._cache: Dict[tuple, object] = {}
 
     # ---- per stage-index items -------------------------------------------------------
-    def act_per_token_layer(self, role: ModelRole, T: int) -> float:
+    def act_per_token_layer(self, role: ModelRole, T: int, E: int = 1, ETP: Optional[int] = None) -> float:
+        """Activation bytes per token of an average layer (MoE layers' MLPs under (E, ETP))."""
         s = role.shape
-        return 8.0 * s.hidden_size + (4.0 * s.hidden_size + 4.0 * s.kv_dim + 6.0 * s.ffn_hidden_size) / T
+        if not s.is_moe:
+            return 8.0 * s.hidden_size + (4.0 * s.hidden_size + 4.0 * s.kv_dim + 6.0 * s.ffn_hidden_size) / T
+        m = experts.moe_fraction(s)
+        mlp = (1.0 - m) * 6.0 * s.ffn_hidden_size / T + m * experts.moe_activation_bytes_per_token(
+            s, T, E, T if ETP is None else ETP)
+        return 8.0 * s.hidden_size + (4.0 * s.hidden_size + 4.0 * s.kv_dim) / T + mlp
 
     def _logits(self, role: ModelRole, tokens: float, T: int, factor: float) -> float:
         """bf16 logits (factor 2; 4 with their gradient) + one chunk's fp32 working set."""
@@ -112,14 +128,20 @@ class MemoryModel:
                      stage: str = "training") -> List[Tuple[str, float]]:
         """What ``role`` keeps on the device during ``stage`` (offloaded parts left out)."""
         phi = params_on_stage(role, plan.P, plan.T, p)
+        phe = expert_params_on_rank(role, plan)
         offload = self.workload.offload_during_inference
+        dist = self.workload.distributed_optimizer
         items = []
         if role.trainable or not (offload and stage == "generation"):
             items.append((f"{role.name} weights", BF16 * phi))
+            if phe:
+                items.append((f"{role.name} expert weights", BF16 * phe))
         if role.trainable and not (offload and stage in ("generation", "scoring")):
             items.append((f"{role.name} grads", 4.0 * phi))
-            shards = plan.D if self.workload.distributed_optimizer else 1
-            items.append((f"{role.name} optimizer", 12.0 * phi / shards))
+            items.append((f"{role.name} optimizer", 12.0 * phi / (plan.D if dist else 1)))
+            if phe:
+                items.append((f"{role.name} expert grads", 4.0 * phe))
+                items.append((f"{role.name} expert optimizer", 12.0 * phe / (plan.EDP if dist else 1)))
         return items
 
     def offloaded_bytes(self, role: ModelRole, plan: ParallelPlan, p: int) -> float:
@@ -128,14 +150,17 @@ class MemoryModel:
         if not self.workload.offload_during_inference:
             return 0.0
         phi = params_on_stage(role, plan.P, plan.T, p)
+        phe = expert_params_on_rank(role, plan)
+        dist = self.workload.distributed_optimizer
         if role.trainable:
-            return 12.0 * phi / (plan.D if self.workload.distributed_optimizer else 1)
-        return BF16 * phi
+            return 12.0 * phi / (plan.D if dist else 1) + 12.0 * phe / (plan.EDP if dist else 1)
+        return BF16 * (phi + phe)
 
-    def activations(self, role: ModelRole, layers: int, tokens: float, inflight: int, T: int) -> float:
+    def activations(self, role: ModelRole, layers: int, tokens: float, inflight: int, T: int,
+                    E: int = 1, ETP: Optional[int] = None) -> float:
         """Training activations of ``inflight`` micro-batches of ``tokens`` over ``layers`` layers,
         with the workload's recompute."""
-        w, per_layer = self.workload, tokens * self.act_per_token_layer(role, T)
+        w, per_layer = self.workload, tokens * self.act_per_token_layer(role, T, E, ETP)
         if w.recompute_granularity != "full":
             return inflight * layers * per_layer
         n = min(w.recompute_num_layers, layers)
@@ -151,7 +176,7 @@ class MemoryModel:
         n_micro = math.ceil(samples / mb)
         tokens = mb * w.seq_len
         inflight = min(plan.P - p, n_micro)
-        act = self.activations(role, role.shape.num_layers // plan.P, tokens, inflight, plan.T)
+        act = self.activations(role, role.shape.num_layers // plan.P, tokens, inflight, plan.T, plan.E, plan.ETP)
         items = [(f"{role.name} activations", act)]
         if p == plan.P - 1 and role.lm_head:
             items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 4.0)))
@@ -161,7 +186,7 @@ class MemoryModel:
         w = self.workload
         mb = min(w.score_mbs, math.ceil(w.rollout_batch_size / plan.D))
         tokens = mb * w.seq_len
-        items = [(f"{role.name} activations", 2 * tokens * self.act_per_token_layer(role, plan.T))]
+        items = [(f"{role.name} activations", 2 * tokens * self.act_per_token_layer(role, plan.T, plan.E, plan.ETP))]
         if p == plan.P - 1 and role.lm_head:
             items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 2.0)))
         return items
@@ -182,9 +207,10 @@ class MemoryModel:
         bm = math.ceil(rows / min(plan.P, rows))
         items = []
         if shadow:
-            items.append((f"{role.name} shadow weights", BF16 * params_on_stage(role, plan.P, plan.T, p)))
+            items.append((f"{role.name} shadow weights", BF16 * (params_on_stage(role, plan.P, plan.T, p)
+                                                                 + expert_params_on_rank(role, plan))))
         items.append((f"{role.name} KV cache", rows * self.kv_bytes_per_sequence(role, plan)))
-        prefill = 2 * bm * w.prompt_len * self.act_per_token_layer(role, plan.T)
+        prefill = 2 * bm * w.prompt_len * self.act_per_token_layer(role, plan.T, plan.E, plan.ETP)
         items.append((f"{role.name} prefill activations", prefill))
         if p == plan.P - 1:
             items.append((f"{role.name} logits", self._logits(role, bm, plan.T, 4.0)))
@@ -228,7 +254,8 @@ class MemoryModel:
         worst = None
         for p in range(plan.P):
             if stage == "generation":
-                its = [(f"{role.name} weights", BF16 * params_on_stage(role, plan.P, plan.T, p))]
+                its = [(f"{role.name} weights", BF16 * (params_on_stage(role, plan.P, plan.T, p)
+                                                        + expert_params_on_rank(role, plan)))]
                 its += self.generation_items(role, plan, p, shadow=False)
             else:
                 its = self.static_items(role, plan, p) + self.items(stage, role, plan, p)

@@ -27,7 +27,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
@@ -59,10 +59,19 @@ class ProfileError(ValueError):
     """A profile file or dictionary that is malformed."""
 
 
-def shape_key(shape) -> Tuple[int, int, int, int, bool]:
-    """The per-layer identity of a model shape (anything with the ModelShape attributes)."""
-    return (int(shape.hidden_size), int(shape.ffn_hidden_size), int(shape.num_attention_heads),
-            int(shape.num_query_groups), bool(shape.swiglu))
+def shape_key(shape) -> tuple:
+    """The per-layer identity of a model shape (anything with the ModelShape attributes); a head
+    size other than hidden / heads (``kv_channels``, Qwen3) is appended."""
+    key = (int(shape.hidden_size), int(shape.ffn_hidden_size), int(shape.num_attention_heads),
+           int(shape.num_query_groups), bool(shape.swiglu))
+    head = _head_size(shape)
+    return key if head is None else key + (head,)
+
+
+def _head_size(shape) -> Optional[int]:
+    """``kv_channels`` when it differs from hidden / heads, else None."""
+    kvc = getattr(shape, "kv_channels", None)
+    return None if kvc is None or kvc * shape.num_attention_heads == shape.hidden_size else int(kvc)
 
 
 def _interp(points: Sequence[Tuple[float, float]], x: float) -> float:
@@ -303,8 +312,13 @@ def save_profile(profile: Profile, path: str) -> None:
 def layer_params(shape) -> Tuple[int, int]:
     """(TP-split parameters, TP-replicated parameters) of one transformer layer."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
-    kv = h * shape.num_query_groups // shape.num_attention_heads
-    split = h * (h + 2 * kv) + h * h + (3 if shape.swiglu else 2) * h * f
+    head = _head_size(shape)
+    if head is None:
+        kv = h * shape.num_query_groups // shape.num_attention_heads
+        split = h * (h + 2 * kv) + h * h + (3 if shape.swiglu else 2) * h * f
+    else:  # queries of heads x head size, keys and values of groups x head size
+        q, kv = head * shape.num_attention_heads, head * shape.num_query_groups
+        split = h * (q + 2 * kv) + q * h + (3 if shape.swiglu else 2) * h * f
     return split, 2 * h  # two RMSNorm weights are replicated across TP
 
 

@@ -16,7 +16,8 @@ Objective (Eq. (2) extended to all models and stages)::
     T_gen(G) + T_switch(A -> G) + T_scoring(A, C, R, W) + T_training(A, C)
 
 subject to every rank's peak memory fitting the device (memory_model). Degrees P and T are
-powers of two, T <= ranks_per_node, D = group size / (P*T).
+powers of two, T <= ranks_per_node, D = group size / (P*T). A MoE model's plans also choose E and
+ETP (:func:`expert_degrees`); a MoE actor generates at its training layout (G = A).
 
 * :func:`similarity_search`: from each stage's individually best plans (and variants where the
   generation plan starts at the training plan, or the other models align their P with the
@@ -47,6 +48,8 @@ VARS = ("A", "G", "C", "R", "W")
 VAR_INFO = {"A": ("actor", "training", "a"), "G": ("actor", "generation", "a"),
             "C": ("critic", "training", "c"), "R": ("ref", "scoring", "a"), "W": ("reward", "scoring", "c")}
 _EXCHANGES = [(i, j) for i in range(3) for j in range(3) if i != j]  # multiply dim i by 2, divide dim j by 2
+#: then the expert moves: E x 2, E / 2 (MoE models only)
+_MOVES = len(_EXCHANGES) + 2
 
 
 class InfeasibleError(RuntimeError):
@@ -102,22 +105,44 @@ class SearchResult:
                 "seconds": round(self.seconds, 4), "levers": dict(self.levers)}
 
 
+def expert_degrees(shape: ModelShape, D: int, T: int) -> List[Tuple[int, int]]:
+    """(E, ETP) choices of a (D, T) stage: (1, T) for a dense model; for a MoE model every E that
+    divides num_experts with ETP in (T, 1), E * ETP dividing the stage's D*T ranks (megatron-core's
+    expert grid re-splits the same ranks: ETP x EP x EDP = TP x DP)."""
+    if not shape.is_moe:
+        return [(1, T)]
+    out = []
+    for ETP in sorted({T, 1}, reverse=True):
+        if shape.moe_ffn_hidden_size % ETP:
+            continue
+        out += [(E, ETP) for E in range(1, shape.num_experts + 1)
+                if shape.num_experts % E == 0 and (D * T) % (E * ETP) == 0]
+    return out
+
+
 def candidate_plans(shape: ModelShape, n: int, offset: int, workload: PPOWorkload, stage: str,
                     ranks_per_node: int) -> Tuple[List[ParallelPlan], List[str]]:
-    """Plans of one model on ranks [offset, offset + n): P, T powers of two, T <= ranks_per_node.
-    Returns (valid plans, 'why not' lines for the rejected ones)."""
+    """Plans of one model on ranks [offset, offset + n): P, T powers of two, T <= ranks_per_node;
+    for a MoE model also E and ETP (:func:`expert_degrees`). Returns (valid plans, 'why not' lines
+    for the rejected ones)."""
     ok, bad = [], []
     P = 1
     while P <= n:
         T = 1
         while P * T <= n and T <= ranks_per_node:
             if n % (P * T) == 0:
-                plan = ParallelPlan(P, n // (P * T), T, offset)
-                why = plan_problems(shape, plan, workload, stage, ranks_per_node)
-                (bad.append(f"{fmt_plan(plan)}: " + "; ".join(why)) if why else ok.append(plan))
+                for E, ETP in expert_degrees(shape, n // (P * T), T):
+                    plan = ParallelPlan(P, n // (P * T), T, offset, E=E, ETP=ETP)
+                    why = plan_problems(shape, plan, workload, stage, ranks_per_node)
+                    (bad.append(f"{fmt_plan(plan)}: " + "; ".join(why)) if why else ok.append(plan))
             T *= 2
         P *= 2
     return ok, bad
+
+
+def _plan_key(q: ParallelPlan) -> tuple:
+    """(P, D, T, E, ETP) with ETP 0 when it follows T (an exchange keeps that)."""
+    return q.P, q.D, q.T, q.E, 0 if q.ETP == q.T else q.ETP
 
 
 class _Layout:
@@ -137,6 +162,12 @@ class _Layout:
                 self.plans[v] = [ParallelPlan(1, n, 1, off)]
                 continue
             plans, bad = candidate_plans(ev.roles[model].shape, n, off, ev.w, stage, rpn)
+            if v == "A" and ev.tied:  # the MoE actor generates at its training layout
+                gen_ok = set(candidate_plans(ev.roles[model].shape, n, off, ev.w, "generation", rpn)[0])
+                bad += [f"{fmt_plan(q)}: cannot generate" for q in plans if q not in gen_ok]
+                plans = [q for q in plans if q in gen_ok]
+            if v == "G" and ev.tied:
+                plans = self.plans["A"]
             if not plans:
                 self.missing.append(f"layout {self.name}: {model} {stage} on {n} ranks has no valid (P,D,T): "
                                     + "; ".join(bad))
@@ -176,18 +207,21 @@ class _Layout:
         # exchange table: exch[v][i][e] = index of plan i with exchange e applied, -1 if none
         self.exch = {}
         for v in VARS:
-            where = {(q.P, q.D, q.T): i for i, q in enumerate(self.plans[v])}
+            where = {_plan_key(q): i for i, q in enumerate(self.plans[v])}
             rows = []
             for q in self.plans[v]:
                 row = []
                 for i, j in _EXCHANGES:
-                    d = [q.P, q.D, q.T]
+                    d = list(_plan_key(q))
                     if d[j] % 2:
                         row.append(-1)
                         continue
                     d[i] *= 2
                     d[j] //= 2
                     row.append(where.get(tuple(d), -1))
+                key = _plan_key(q)
+                row.append(where.get(key[:3] + (q.E * 2,) + key[4:], -1))
+                row.append(where.get(key[:3] + (q.E // 2,) + key[4:], -1) if q.E % 2 == 0 else -1)
                 rows.append(row)
             self.exch[v] = rows
 
@@ -207,6 +241,9 @@ class _Evaluator:
         self.w = job.workload
         self.roles = ppo_roles(job.actor, job.critic, job.ref, job.reward)
         self.absent = {v for v, (model, _, _) in VAR_INFO.items() if model not in job.roles}
+        #: a MoE actor generates at its training layout (G = A): runs refuse another generation
+        #: layout until the switch moves experts (the cost model prices such a switch already)
+        self.tied = job.actor.is_moe
         self.cost = CostModel(self.profile, self.w)
         self.mem = MemoryModel(self.profile, self.w)
         self.usable = self.profile.device_memory_bytes - self.profile.memory_reserved_bytes
@@ -345,6 +382,10 @@ class _Evaluator:
         elif -self.rejected[0][0] > ov:
             heapq.heapreplace(self.rejected, (-ov, self._seq, cfg))
 
+    def fix(self, cfg) -> tuple:
+        """``cfg`` with the generation plan tied to the training plan where it must be."""
+        return cfg[:2] + (cfg[1],) + cfg[3:] if self.tied else cfg
+
     def penalised(self, cfg) -> float:
         t, ov = self.evaluate(cfg)
         return t if ov <= 0 else 1e9 + ov / GiB * 1e3 + t  # walk towards feasibility first
@@ -419,6 +460,7 @@ def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
     ind = {v: _individual_best(ev, L, v) for v in VARS}
     lean = {v: _individual_best(ev, L, v, lean=True) for v in ("R", "W")}
     gen_by_pt = {(q.P, q.T): i for i, q in enumerate(L.plans["G"])}
+    ref_idx = {q: i for i, q in enumerate(L.plans["R"])}
     starts = []
     for p in [None] + sorted({q.P for q in L.plans["A"]}):
         if p is None:
@@ -430,9 +472,11 @@ def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
         qa = L.plans["A"][a]
         variants = [(pick["C"], pick["R"], pick["W"]), (pick["C"], ind["R"], ind["W"]), (ind["C"], pick["R"], ind["W"]),
                     (pick["C"], lean["R"], lean["W"]), (ind["C"], lean["R"], lean["W"])]
+        if ev.tied and qa in ref_idx:  # MoE: the reference also at the actor's layout (its expert split)
+            variants += [(c, ref_idx[qa], w) for c, _, w in variants[:2]]
         for g in (ind["G"], gen_by_pt.get((qa.P, qa.T))):
             if g is not None:
-                starts += [(L.li, a, g, c, r, w) for c, r, w in variants]
+                starts += [ev.fix((L.li, a, g, c, r, w)) for c, r, w in variants]
     return list(dict.fromkeys(starts))
 
 
@@ -448,15 +492,15 @@ def _descend(ev: _Evaluator, cfg: tuple, pairs: bool = False) -> tuple:
         for vi in range(5):
             for q in tables[vi][cur[vi + 1]]:
                 if q >= 0:
-                    cand = cur[:vi + 1] + (q,) + cur[vi + 2:]
+                    cand = ev.fix(cur[:vi + 1] + (q,) + cur[vi + 2:])
                     c = ev.penalised(cand)
                     if c < best_c:
                         best, best_c = cand, c
-        for e in range(len(_EXCHANGES)):  # joint move on A, C, R, W
+        for e in range(_MOVES):  # joint move on A, C, R, W
             a, c_, r, w = (L.exch["A"][cur[1]][e], L.exch["C"][cur[3]][e], L.exch["R"][cur[4]][e],
                            L.exch["W"][cur[5]][e])
             if min(a, c_, r, w) >= 0:
-                cand = (cur[0], a, cur[2], c_, r, w)
+                cand = ev.fix((cur[0], a, cur[2], c_, r, w))
                 c = ev.penalised(cand)
                 if c < best_c:
                     best, best_c = cand, c
@@ -468,7 +512,7 @@ def _descend(ev: _Evaluator, cfg: tuple, pairs: bool = False) -> tuple:
                             if q >= 0 and r >= 0:
                                 cand = list(cur)
                                 cand[vi + 1], cand[vj + 1] = q, r
-                                cand = tuple(cand)
+                                cand = ev.fix(tuple(cand))
                                 c = ev.penalised(cand)
                                 if c < best_c:
                                     best, best_c = cand, c
@@ -514,7 +558,8 @@ def exhaustive_search(job: PPOJob) -> SearchResult:
             continue
         li, disjoint = L.li, L.k is not None
         nA, nG, nC, nR, nW = (len(L.plans[v]) for v in VARS)
-        gen_sorted = [sorted((ev.gen_switch(li, a, g), g) for g in range(nG)) for a in range(nA)]
+        gen_sorted = [sorted((ev.gen_switch(li, a, g), g) for g in (range(nG) if not ev.tied else (a,)))
+                      for a in range(nA)]
         min_r = min(t.work for t in L.task["R"])
         min_w = min(t.work for t in L.task["W"])
         for a in range(nA):
@@ -530,7 +575,7 @@ def exhaustive_search(job: PPOJob) -> SearchResult:
                     continue
                 for r in range(nR):
                     for w in range(nW):
-                        base_t = tr + ev.score_time(li, a, c, r, w)[0]
+                        base_t = tr + ev.score_time(li, a, c, r, w)[0] + ev.offload_time(li, a, c, r, w)
                         if base_t + g_lb >= best_c:
                             continue
                         bound = s_ac + L.smax["R"][r] + L.smax["W"][w] + max(a_ac, L.amax["R"][r], L.amax["W"][w])

@@ -205,14 +205,6 @@ def test_unsupported_moe_runs_are_refused(extra, needle):
         _run_cfg(*extra)
 
 
-def test_plan_search_refuses_moe():
-    from puzzle.config_flags import ArgumentError
-    from puzzle.plan_search.command import shapes_from_config
-
-    with pytest.raises(ArgumentError, match="--num-experts: actor: the memory and cost models"):
-        shapes_from_config(_run_cfg())
-
-
 def test_experts_split_over_ranks_score_and_train_padded():
     """E > 1: the token dispatchers need equal token counts within an expert group on gloo, so the
     run's micro-batches stay right-padded; E = 1 MoE and dense runs pack by default."""

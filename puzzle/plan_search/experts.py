@@ -1,0 +1,148 @@
+"""Mixture-of-experts terms of the memory and cost models (pure Python, no torch).
+
+A MoE layer (megatron-core's MoELayer: a TopKRouter and ``num_experts`` SwiGLU experts of
+``moe_ffn_hidden_size``) splits its experts over E ranks (``--expert-model-parallel-size``) and
+each expert's MLP over ETP ranks (``--expert-tensor-parallel-size``); attention and the dense
+layers keep the (P, D, T) split. Per pipeline stage the D*T ranks hold E*ETP expert shards,
+replicated over EDP = D*T / (E*ETP) expert-data-parallel ranks (megatron-core's expert grid).
+
+* Parameters: the experts' weights, gradients and (distributed) optimizer states are split over
+  E*ETP and sharded over EDP; the router (num_experts x hidden) is replicated.
+* Work: with balanced routing every rank of a stage computes an equal share of the routed
+  (token, expert) pairs, so the per-rank FLOPs equal a dense layer's whose MLP is ``topk`` experts
+  wide (active parameters) at the same T.
+* Dispatcher: the all-to-all dispatcher sends each token's ``topk`` copies to the experts' ranks
+  and brings them back -- 2 all-to-alls per MoE layer forward, 2 more backward, each moving
+  ``tokens x hidden x topk x bf16 x (E-1)/E`` bytes per rank. The all-gather dispatcher gathers
+  the hidden states of the expert group's W = E*ETP/T token sets and reduce-scatters the result.
+* Decode: a step reads only the experts its tokens touch: of N experts, a batch of n tokens
+  routed top-k touches N * (1 - (1 - k/N)^n) in expectation (uniform routing).
+Routing is assumed balanced (dropless, no capacity factor); an unbalanced step is slower and
+holds more activations on its busiest expert rank.
+"""
+
+from __future__ import annotations
+
+BF16 = 2
+#: bytes per token of the router's fp32 logits and probabilities kept for the backward pass, per expert
+ROUTER_BYTES_PER_EXPERT = 8
+
+
+def mlp_matrices(shape) -> int:
+    """Weight matrices of one (expert or dense) MLP: 3 with SwiGLU (gate, up, down), else 2."""
+    return 3 if shape.swiglu else 2
+
+
+def expert_params(shape) -> int:
+    """Parameters of one expert's MLP."""
+    return mlp_matrices(shape) * shape.hidden_size * shape.moe_ffn_hidden_size
+
+
+def moe_fraction(shape) -> float:
+    """Share of the layers whose MLP is a MoE layer."""
+    return shape.n_moe_layers / shape.num_layers if shape.num_experts else 0.0
+
+
+def expert_params_per_layer(shape) -> float:
+    """Expert parameters of an average layer (all experts, before any split)."""
+    return moe_fraction(shape) * shape.num_experts * expert_params(shape)
+
+
+def expert_params_on_rank(shape, P: int, E: int, ETP: int) -> float:
+    """Expert parameters one rank of a pipeline stage holds under degrees (P, E, ETP)."""
+    return shape.num_layers / P * expert_params_per_layer(shape) / (E * ETP) if shape.num_experts else 0.0
+
+
+def expected_experts_touched(num_experts: int, topk: int, tokens: float) -> float:
+    """Expected distinct experts ``tokens`` tokens reach when each picks ``topk`` of
+    ``num_experts`` uniformly: N * (1 - (1 - k/N)^tokens)."""
+    if tokens <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - topk / num_experts) ** tokens)
+
+
+def token_sets(E: int, ETP: int, T: int) -> int:
+    """Distinct token sets an expert group of E*ETP ranks serves (TP ranks share their tokens)."""
+    return max(1, E * ETP // T)
+
+
+def dispatch_bytes(shape, tokens: float, E: int, ETP: int, T: int) -> float:
+    """Bytes one rank sends (and receives) in ONE dispatch or combine of ``tokens`` tokens."""
+    if not shape.num_experts:
+        return 0.0
+    if shape.moe_dispatcher == "alltoall":
+        return tokens * shape.hidden_size * shape.moe_router_topk * BF16 * (E - 1) / E
+    return tokens * shape.hidden_size * BF16 * (token_sets(E, ETP, T) - 1)  # all-gather / reduce-scatter
+
+
+def dispatch_seconds(profile, shape, tokens: float, E: int, ETP: int, T: int, inter_node: bool) -> float:
+    """Time of one dispatch (or combine) over the expert group's link."""
+    nbytes = dispatch_bytes(shape, tokens, E, ETP, T)
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / profile.bandwidth(inter_node) + profile.latency(inter_node)
+
+
+def moe_activation_bytes_per_token(shape, T: int, E: int, ETP: int) -> float:
+    """Training activations of one MoE layer's MLP part per token on one rank: the routed pairs'
+    gate/up/product (6 * topk * moe_ffn bf16 bytes over T), the permuted tokens in and out of the
+    experts (2 * topk * hidden bf16 over T/ETP), the router's fp32 logits and probabilities, and
+    with the all-gather dispatcher the gathered hidden states of the group."""
+    k, h = shape.moe_router_topk, shape.hidden_size
+    act = 6.0 * k * shape.moe_ffn_hidden_size / T + 2.0 * BF16 * k * h * ETP / T
+    act += ROUTER_BYTES_PER_EXPERT * shape.num_experts
+    if shape.moe_dispatcher != "alltoall":
+        act += BF16 * h * token_sets(E, ETP, T)
+    return act
+
+
+def decode_extra_expert_bytes(shape, rows: float, E: int, ETP: int, T: int) -> float:
+    """Expert bytes one rank reads per decode step of an average layer beyond a dense layer of
+    the active width (topk experts over T, which the layer table already prices): the local
+    experts the expert group's tokens touch. Never negative (the active width is the floor)."""
+    if not shape.num_experts:
+        return 0.0
+    n, k = shape.num_experts, shape.moe_router_topk
+    touched = expected_experts_touched(n, k, rows * token_sets(E, ETP, T)) / E
+    per_expert = expert_params(shape) / ETP * BF16
+    active = k * expert_params(shape) / T * BF16
+    return moe_fraction(shape) * max(0.0, touched * per_expert - active)
+
+
+def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def switch_bytes(shape, src, dst, ranks_per_node=None, dtype_bytes: int = BF16) -> dict:
+    """Expert bytes every rank of ``dst`` lacks when the experts move from ``src``'s split to
+    ``dst``'s: {rank: (intra-node, inter-node)}. A rank's expert box is (its stage's layers) x
+    (its E-slice of the experts) x (its ETP-slice of each expert's MLP); what its own ``src`` box
+    covers stays, the rest comes from a ``src`` holder of each piece, counted intra-node when one
+    holder (over the expert-data-parallel replicas) shares the receiver's node."""
+    if not shape.num_experts:
+        return {}
+    L, N = shape.num_layers, shape.num_experts
+    per = moe_fraction(shape) * expert_params(shape) * dtype_bytes  # one expert of an average layer
+    rpn = ranks_per_node or (1 << 62)
+    out = {}
+    for r in dst.ranks:
+        pd, _, ed, td = dst.expert_coords(r)
+        box = ((pd * L / dst.P, (pd + 1) * L / dst.P), (ed * N / dst.E, (ed + 1) * N / dst.E),
+               (td / dst.ETP, (td + 1) / dst.ETP))
+        own = src.expert_coords(r) if src.contains(r) else None
+        intra = inter = 0.0
+        for ps in range(src.P):
+            lay = _overlap(*box[0], ps * L / src.P, (ps + 1) * L / src.P)
+            for es in range(src.E) if lay else ():
+                exp = _overlap(*box[1], es * N / src.E, (es + 1) * N / src.E)
+                for ts in range(src.ETP) if exp else ():
+                    if own is not None and (own[0], own[2], own[3]) == (ps, es, ts):
+                        continue
+                    piece = lay * exp * _overlap(*box[2], ts / src.ETP, (ts + 1) / src.ETP) * per
+                    holders = (src.expert_rank(ps, d, es, ts) // rpn for d in range(src.EDP))
+                    if any(node == r // rpn for node in holders):
+                        intra += piece
+                    else:
+                        inter += piece
+        out[r] = (intra, inter)
+    return out

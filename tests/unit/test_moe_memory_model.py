@@ -1,0 +1,233 @@
+"""Mixture-of-experts terms of the memory model, the cost model and the plan search (pure CPU)."""
+
+import dataclasses
+import io
+
+import pytest
+
+from puzzle.parallel.plan import ParallelPlan as PP
+from puzzle.plan_search import (CostModel, InfeasibleError, MemoryModel, ModelRole, ModelShape, PPOJob, PPOWorkload,
+                                exhaustive_search, load_profile, similarity_search)
+from puzzle.plan_search import experts
+from puzzle.plan_search.cost_model import expert_params_on_rank, params_on_stage
+from puzzle.plan_search.search import candidate_plans
+
+PROFILE = load_profile("a100_80gb")
+W = PPOWorkload(rollout_batch_size=64, prompt_len=256, gen_len=256, micro_batch_size=2)
+DENSE = ModelShape(num_layers=8, hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4,
+                   vocab_size=1024)
+#: one expert of the dense MLP's width, always chosen: the dense model plus a 1-expert router
+ONE_EXPERT = dataclasses.replace(DENSE, num_experts=1, moe_router_topk=1, moe_ffn_hidden_size=1024)
+MOE = dataclasses.replace(DENSE, num_experts=16, moe_router_topk=2, moe_ffn_hidden_size=256)
+#: Qwen3-30B-A3B (HF config: 48 layers, hidden 2048, 32 heads / 4 KV groups of 128, 128 experts of 768, top-8)
+QWEN3_30B = ModelShape(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                       num_query_groups=4, vocab_size=151936, kv_channels=128, num_experts=128,
+                       moe_router_topk=8, moe_ffn_hidden_size=768)
+
+
+def _role(shape, trainable=True):
+    return ModelRole("actor", shape, trainable, True)
+
+
+def _items(mem, role, plan, kind="static"):
+    return dict(mem.items(kind, role, plan, 0))
+
+
+def test_qwen3_30b_a3b_parameter_counts():
+    """30.5B parameters, 3.3B active (the model card's figures)."""
+    assert QWEN3_30B.param_count() == pytest.approx(30.53e9, rel=2e-3)
+    assert QWEN3_30B.active_param_count() == pytest.approx(3.35e9, rel=1e-2)
+    assert QWEN3_30B.compute_shape.ffn_hidden_size == 8 * 768 and not QWEN3_30B.compute_shape.is_moe
+
+
+def test_one_always_chosen_expert_is_the_dense_model():
+    dense, one = _role(DENSE), _role(ONE_EXPERT)
+    router = DENSE.num_layers * DENSE.hidden_size
+    assert ONE_EXPERT.param_count() == DENSE.param_count() + router
+    assert ONE_EXPERT.compute_shape == DENSE
+    plan = PP(1, 4, 1)
+    assert (params_on_stage(one, 1, 1, 0) + expert_params_on_rank(one, plan)
+            == pytest.approx(params_on_stage(dense, 1, 1, 0) + router))
+    mem = MemoryModel(PROFILE, W)
+    d, m = _items(mem, dense, plan), _items(mem, one, plan)
+    assert m["actor weights"] + m["actor expert weights"] == pytest.approx(d["actor weights"] + 2 * router)
+    # no all-to-all at E = 1: training and scoring cost the dense model's, up to the router's bytes
+    cm = CostModel(PROFILE, W)
+    assert cm._moe_comm(one, 4096, plan) == 0.0
+    assert cm.train_cost(one, plan).total == pytest.approx(cm.train_cost(dense, plan).total, rel=1e-3)
+    assert cm.forward_cost(one, plan).total == pytest.approx(cm.forward_cost(dense, plan).total, rel=1e-6)
+    # a dense model has no expert items at all
+    assert set(d) == {"actor weights", "actor grads", "actor optimizer"}
+
+
+def test_expert_state_scales_with_E():
+    mem, role = MemoryModel(PROFILE, W), _role(MOE)
+    per_E = {E: _items(mem, role, PP(1, 16, 1, E=E)) for E in (1, 2, 4, 16)}
+    for E, items in per_E.items():
+        assert items["actor expert weights"] == pytest.approx(per_E[1]["actor expert weights"] / E)
+        assert items["actor expert grads"] == pytest.approx(per_E[1]["actor expert grads"] / E)
+        # optimizer states: split over E, sharded over EDP = 16 / E: the same bytes per rank
+        assert items["actor expert optimizer"] == pytest.approx(per_E[1]["actor expert optimizer"])
+        # the dense part keeps its (P, D, T) split
+        assert items["actor weights"] == per_E[1]["actor weights"]
+    # ETP splits each expert like E splits the experts
+    assert _items(mem, role, PP(1, 8, 2, E=2, ETP=2))["actor expert weights"] == pytest.approx(
+        per_E[4]["actor expert weights"])
+
+
+def test_moe_activations_hold_the_routed_tokens():
+    mem = MemoryModel(PROFILE, W)
+    dense_mlp = 6.0 * DENSE.ffn_hidden_size
+    moe = experts.moe_activation_bytes_per_token(MOE, 1, 1, 1)
+    k, f, h = MOE.moe_router_topk, MOE.moe_ffn_hidden_size, MOE.hidden_size
+    assert moe == 6.0 * k * f + 4.0 * k * h + 8.0 * MOE.num_experts
+    assert mem.act_per_token_layer(_role(MOE), 1) - mem.act_per_token_layer(_role(DENSE), 1) == pytest.approx(
+        moe - dense_mlp)
+    # T splits the routed pairs as it splits a dense MLP; with ETP = T every rank of an expert's
+    # ETP group holds the whole hidden vector of the group's pairs
+    assert experts.moe_activation_bytes_per_token(MOE, 2, 1, 1) - 8.0 * 16 == pytest.approx((moe - 8.0 * 16) / 2)
+    split_etp = experts.moe_activation_bytes_per_token(MOE, 2, 1, 2) - 8.0 * 16
+    assert split_etp == pytest.approx(6.0 * k * f / 2 + 4.0 * k * h)
+    # the KV cache is the attention's
+    kv = mem.kv_bytes_per_sequence
+    assert kv(_role(MOE), PP(1, 4, 1, E=4)) == kv(_role(DENSE), PP(1, 4, 1))
+
+
+def test_all_to_all_bytes_and_time():
+    assert experts.dispatch_bytes(MOE, 4096, 1, 1, 1) == 0.0
+    assert experts.dispatch_bytes(MOE, 4096, 4, 1, 1) == 4096 * 512 * 2 * 2 * 3 / 4
+    cm, role = CostModel(PROFILE, W), _role(MOE)
+    intra, inter = cm._moe_comm(role, 4096, PP(1, 8, 1, E=8)), cm._moe_comm(role, 4096, PP(1, 16, 1, E=16))
+    assert 0.0 < intra < inter  # E = 16 spans two nodes of 8
+    one = experts.dispatch_seconds(PROFILE, MOE, 4096, 8, 1, 1, False)
+    assert intra == pytest.approx(2 * one)  # dispatch + combine per MoE layer forward
+    # training pays 4 all-to-alls per MoE layer (2 forward, 2 backward) over E = 1
+    t1, t8 = cm.train_cost(role, PP(1, 8, 1)), cm.train_cost(role, PP(1, 8, 1, E=8))
+    tokens = W.micro_batch_size * W.seq_len
+    extra = MOE.num_layers * 2 * cm._moe_comm(role, tokens, PP(1, 8, 1, E=8))
+    assert t8.t_stage - t1.t_stage == pytest.approx(extra, rel=1e-9)
+
+
+def test_decode_reads_the_experts_touched():
+    n, k = 128, 8
+    assert experts.expected_experts_touched(n, k, 1) == pytest.approx(k)
+    assert experts.expected_experts_touched(n, k, 10 ** 4) == pytest.approx(n)
+    touched = [experts.expected_experts_touched(n, k, t) for t in (1, 4, 16, 64)]
+    assert touched == sorted(touched) and touched[-1] < n
+    assert experts.decode_extra_expert_bytes(QWEN3_30B, 1, 1, 1, 1) == pytest.approx(0.0, abs=1e-6)
+    big = experts.decode_extra_expert_bytes(QWEN3_30B, 64, 1, 1, 1)
+    assert big == pytest.approx((experts.expected_experts_touched(n, k, 64) - k) * 3 * 2048 * 768 * 2)
+    cm = CostModel(PROFILE, dataclasses.replace(W, rollout_batch_size=512))
+    role = _role(QWEN3_30B)
+    # a larger batch touches more experts: a decode step of the MoE layer costs more than the dense
+    # layer of the active width
+    dense = cm.generation_cost(_role(QWEN3_30B.compute_shape), PP(1, 8, 1))
+    assert cm.generation_cost(role, PP(1, 8, 1)).t_stage > dense.t_stage
+
+
+def test_candidate_plans_search_E():
+    plans, _ = candidate_plans(MOE, 8, 0, W, "training", 8)
+    assert {(q.T, q.ETP) for q in plans} == {(1, 1)}  # megatron-core trains MoE layers at T = ETP = 1 here
+    assert {q.E for q in plans if q.P == 1} == {1, 2, 4, 8}
+    assert all(q.D * q.T % (q.E * q.ETP) == 0 and MOE.num_experts % q.E == 0 for q in plans)
+    scoring, _ = candidate_plans(MOE, 8, 0, W, "scoring", 8)
+    assert {q.ETP for q in scoring if q.T == 2} == {1, 2}
+    generation, bad = candidate_plans(MOE, 8, 0, W, "generation", 8)
+    assert all(q.D % max(1, q.E * q.ETP // q.T) == 0 for q in generation)
+    dense = candidate_plans(DENSE, 8, 0, W, "training", 8)[0]
+    assert dense and all(q.E == 1 and q.ETP == q.T for q in dense)  # a dense model's plans are (P, D, T)
+
+
+def test_search_splits_experts_that_do_not_fit_whole():
+    """Qwen3-30B-A3B GRPO on 16 x 80 GB: E = 1 holds 30B parameters' state per rank; the search
+    splits the experts, and the actor generates at its training layout. 8 ranks hold no plan."""
+    w = PPOWorkload(rollout_batch_size=64, prompt_len=256, gen_len=512, micro_batch_size=1)
+    job = PPOJob(world_size=16, actor=QWEN3_30B, critic=QWEN3_30B, workload=w, roles=("actor", "ref"))
+    res = similarity_search(job)
+    actor = res.plans["actor"]
+    assert actor["training"].E > 1 and actor["generation"] == actor["training"]
+    assert res.peak_memory_bytes <= PROFILE.device_memory_bytes
+    # the exhaustive search counts the offload round trip as the objective does: never above
+    offload = dataclasses.replace(job, workload=dataclasses.replace(w, offload_during_inference=True))
+    assert exhaustive_search(offload).total_time <= similarity_search(offload).total_time * (1 + 1e-12)
+    with pytest.raises(InfeasibleError, match="actor expert optimizer"):
+        similarity_search(dataclasses.replace(job, world_size=8))
+
+
+def test_plan_document_carries_E_to_the_run():
+    from puzzle.arguments import parse_args, validate_args
+    from puzzle.plan_layouts import layouts_as_flags, read_plan_document
+    from puzzle.plan_search.memory_model import fmt_plan
+
+    plan = PP(1, 4, 1, E=2)
+    assert PP.parse(fmt_plan(plan)) == plan and fmt_plan(plan) == "(1,4,1,E=2)"
+    doc = {"plans": {"actor": {"training": "(1,4,1,E=2)", "generation": "(1,4,1,E=2)"},
+                     "ref": {"scoring": "(1,2,2,E=2,ETP=1)"}}}
+    layouts = read_plan_document(doc)
+    flags = layouts_as_flags(layouts)
+    assert flags[flags.index("--actor-expert-model-parallel-size") + 1] == "2"
+    cfg = validate_args(parse_args(_TINY_MOE + ["--kl-coef", "0.1"]), 4, 259, check_paths=False, layouts=layouts)
+    assert (cfg.roles["actor"].plan, cfg.roles["actor"].gen_plan) == (plan, plan)
+    assert cfg.roles["ref"].plan == PP(1, 2, 2, E=2, ETP=1)
+
+
+_TINY_MOE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--micro-batch-size", "2",
+             "--rollout-batch-size", "8", "--max-new-tokens", "16", "--num-experts", "4",
+             "--moe-ffn-hidden-size", "32", "--advantage-estimator", "grpo", "--n-samples-per-prompt", "2",
+             "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction", "--transformer-impl", "local"]
+
+
+def test_dry_run_of_a_moe_run():
+    from puzzle.arguments import parse_args, validate_args
+    from puzzle.plan_search.command import memory_estimate, print_dry_run, search
+
+    cfg = validate_args(parse_args(_TINY_MOE + ["--expert-model-parallel-size", "2"]), 4, 259, check_paths=False)
+    out = io.StringIO()
+    assert print_dry_run(cfg, PROFILE, out)
+    text = out.getvalue()
+    assert "actor   (1,4,1,E=2), generation (1,4,1,E=2)" in text
+    assert "actor experts: 4 per MoE layer in 2 of 2 layers, top-2" in text and "E=2, ETP=1" in text
+    labels = {label for label, _ in memory_estimate(cfg, PROFILE)[0].items}
+    assert {"actor expert weights", "actor expert grads", "actor expert optimizer", "ref expert weights"} <= labels
+    result, _ = search(cfg, PROFILE)
+    assert result.plans["actor"]["generation"] == result.plans["actor"]["training"]
+
+
+def test_qwen3_30b_a3b_example_fits_16_gpus_of_80_gb():
+    """examples/run_grpo_qwen3_30b_a3b.sh's flags, checked in this process as its --dry-run does."""
+    from tests.harness import REPO, script_arrays
+
+    from puzzle.arguments import build_parser, config_for_planning
+    from puzzle.plan_search.command import memory_estimate, search
+
+    arrays = script_arrays(REPO / "examples" / "run_grpo_qwen3_30b_a3b.sh")
+    flags = [f.replace("$GPUS_PER_NODE", "8") for name, fl in arrays.items()
+             if name not in ("DISTRIBUTED_ARGS", "ALL_ARGS") for f in fl]
+    cfg = config_for_planning(build_parser(prog="x", raise_errors=True).parse_args(flags + ["--world-size", "16"]))
+    actor = cfg.roles["actor"]
+    assert (actor.plan, actor.gen_plan) == (PP(1, 16, 1, E=8, ETP=1),) * 2
+    assert actor.arch.num_experts == 128 and actor.arch.kv_channels == 128 and cfg.ppo.max_new_tokens + 512 == 4096
+    reports = memory_estimate(cfg, PROFILE)
+    assert all(r.fits for r in reports) and len(reports) == 16
+    result, _ = search(cfg, PROFILE)  # the search's plan splits the experts as the script does
+    assert result.plans["actor"]["training"].E == 8
+
+
+def test_switch_bytes_of_experts_by_hand():
+    """8 ranks, 4 per node: E = 8 -> E = 4 doubles each rank's experts. Rank 0 keeps [0, 2) and
+    takes [2, 4) from rank 1 (its node); rank 2 needs [8, 12), held by ranks 4 and 5 (the other
+    node). E = 4 -> E = 8 halves them: rank 0 holds its half already."""
+    from puzzle.plan_search.cost_model import switch_bytes_per_rank
+
+    whole = MOE.num_layers * MOE.num_experts * experts.expert_params(MOE) * 2
+    down = experts.switch_bytes(MOE, PP(1, 8, 1, E=8), PP(1, 8, 1, E=4), 4)
+    assert down[0] == (whole / 8, 0.0) and down[2] == (0.0, whole / 4) and down[7] == (whole / 8, 0.0)
+    up = experts.switch_bytes(MOE, PP(1, 8, 1, E=4), PP(1, 8, 1, E=8), 4)
+    assert up[0] == (0.0, 0.0) and up[1] == (whole / 8, 0.0)
+    assert all(v == (0.0, 0.0) for v in experts.switch_bytes(MOE, PP(1, 8, 1, E=8), PP(1, 8, 1, E=8), 4).values())
+    # the dense part's lower bound is unchanged by the experts: E moves only expert bytes
+    same_dense = switch_bytes_per_rank(MOE, PP(1, 8, 1, E=8), PP(1, 8, 1, E=4), ranks_per_node=4)
+    assert same_dense[2] == (0, round(whole / 4))
+    assert CostModel(PROFILE, W).switch(_role(MOE), PP(1, 8, 1, E=8), PP(1, 8, 1, E=4))[0] == round(whole / 4)
