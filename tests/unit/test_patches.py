@@ -13,7 +13,8 @@ assert not megatron_patches.applied()
 r = megatron_patches.apply(); r2 = megatron_patches.apply()   # idempotent
 assert r == {"cpu_backend": True, "distrib_optimizer_step": True,
               "tied_embedding_checkpoint": True, "moe_router_without_te": True,
-              "moe_alltoall_cpu": True, "cpu_backward_devices": True} and r2 == r, r
+              "moe_alltoall_cpu": True, "cpu_backward_devices": True,
+              "gloo_cuda_tensors": False} and r2 == r, r   # the gloo-CUDA patch: GPU machines only
 x = torch.zeros(2, device="cuda")
 assert x.device.type == "cpu" and x.type() == "torch.cuda.FloatTensor"
 assert torch.ones(1).cuda().device.type == "cpu"
