@@ -109,3 +109,24 @@ def test_moe_actor_may_generate_at_another_expert_layout():
                       (["--actor-gen-tensor-model-parallel-size", "2"], "(P=1, D=2, T=2, E=2)")):
         actor = _run_cfg("--expert-model-parallel-size", "2", *gen).roles["actor"]
         assert (str(actor.plan), str(actor.gen_plan)) == ("(P=1, D=4, T=1, E=2)", want), gen
+
+
+def test_expert_optimizer_state_resumes_on_its_side_of_e1():
+    """megatron keeps experts' optimizer state apart only when E > 1: a checkpoint's optimizer
+    state resumes between E > 1 layouts or at E = 1 alone; --no-load-optim takes the weights."""
+    from types import SimpleNamespace
+
+    from puzzle.checkpointing import _expert_optimizer_problems
+    from tests.unit.test_moe import _run_cfg
+
+    def problems(saved_e, *flags, load_optim=True):
+        cfg = _run_cfg(*flags)
+        cfg = SimpleNamespace(roles=cfg.roles, load_optim=load_optim)
+        return _expert_optimizer_problems(cfg, "actor", {"plan": {"P": 1, "D": 4, "T": 1, "E": saved_e}})
+
+    assert problems(2, "--expert-model-parallel-size", "4") == []
+    assert problems(1) == []
+    (msg,) = problems(2)
+    assert "role actor: saved with E=2" in msg and "this run has E=1" in msg and "--no-load-optim" in msg
+    assert problems(1, "--expert-model-parallel-size", "2")[0].startswith("role actor: saved with E=1")
+    assert problems(2, load_optim=False) == []

@@ -3,14 +3,18 @@
 * the switch: a MoE actor moved between (P, D, T, E) layouts equals the model built at the
   destination (bitwise), each rank receiving exactly the bytes it lacks, also overlapped with
   the optimizer step;
-* the tiny MoE PPO run generating through the switch at another E (and P) gives the metrics of
-  the run that generates in its training layout, exactly, with the lower bound of bytes moved.
+* the tiny MoE PPO run, saved after its first iteration and resumed with every model at another
+  (P, D, E) layout and the actor generating through the switch at yet another (P, D, E), repeats
+  the straight run's second iteration exactly (the switch moving the lower bound of bytes).
 """
+
+import tempfile
 
 import torch
 import torch.distributed as dist
 
 from puzzle.config import ModelArch
+from puzzle.parallel.device import runtime
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan as P
 from puzzle.switch.shadow import routing_table_for, switch_to_generation
@@ -77,33 +81,40 @@ def check_overlap():
     return res
 
 
-#: the tiny PPO model with 4 experts (top-2, load-balancing loss), every model at (1,4,1); the
-#: actor trains with its experts split over 2 ranks
+#: the tiny PPO model with 4 experts (top-2, load-balancing loss), every model at (1,4,1) with its
+#: experts split over 2 ranks, 2 iterations, checkpointed after each
 MOE_RUN = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
            "--moe-aux-loss-coeff", "0.01", "--no-use-remove-padding", "--train-iters", "2", "--greedy",
-           "--rollout-batch-size", "8", "--global-batch-size", "8", "--micro-batch-size", "2",
+           "--rollout-batch-size", "4", "--global-batch-size", "4", "--micro-batch-size", "1",
            "--max-new-tokens", "8", "--ppo-epochs", "1",
            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
            "--critic-tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2"]
-#: generation at (P, D, T, E) = (2, 2, 1, 1) through the switch (overlapped with the step)
-SWITCHED = ["--actor-gen-pipeline-model-parallel-size", "2", "--actor-gen-tensor-model-parallel-size", "1",
-            "--actor-gen-expert-model-parallel-size", "1", "--switch-segments", "2"]
+#: resumed with the actor training at (P, D, T, E) = (2, 2, 1, 2) and generating at (1, 4, 1, 1) through
+#: the switch, the critic at (1, 4, 1, 4), the frozen reference (rebuilt, its weights checked against
+#: the saved fingerprint) at (1, 4, 1, 1)
+RESUMED = ["--pipeline-model-parallel-size", "2", "--actor-gen-pipeline-model-parallel-size", "1",
+           "--actor-gen-tensor-model-parallel-size", "1", "--actor-gen-expert-model-parallel-size", "1",
+           "--critic-expert-model-parallel-size", "4",
+           "--ref-pipeline-model-parallel-size", "1", "--ref-expert-model-parallel-size", "1"]
 
 
 def check_tiny_run():
-    """The tiny MoE run generating in its training layout, and through the switch to another E."""
+    """The tiny MoE run straight, and resumed after its first iteration at other layouts with the
+    actor generating through the switch at another E: the resumed run's iteration 2."""
     from puzzle.arguments import parse_args, validate_args
     from puzzle.data.tokenizers import build_tokenizer
 
-    direct = train_in_world(tiny_flags() + MOE_RUN)
-    switched = train_in_world(tiny_flags() + MOE_RUN + SWITCHED)
-    args = parse_args(tiny_flags() + MOE_RUN + SWITCHED)
+    with tempfile.TemporaryDirectory(prefix="puzzle-moe-ckpt-") as d:
+        ckpt = runtime().broadcast_object(d)
+        straight = train_in_world(tiny_flags() + MOE_RUN + ["--save", ckpt, "--save-interval", "1"])
+        resumed = train_in_world(tiny_flags() + MOE_RUN + RESUMED + ["--load", ckpt, "--ckpt-step", "1"])
+    args = parse_args(tiny_flags() + MOE_RUN + RESUMED)
     vocab = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
-    cfg = validate_args(args, dist.get_world_size(), vocab)
-    actor = cfg.roles["actor"]
+    roles = validate_args(args, dist.get_world_size(), vocab).roles
+    actor = roles["actor"]
     table = routing_table_for(actor.arch, "actor", actor.plan, actor.gen_plan)
-    return {"direct": direct["rows"], "switched": switched["rows"], "switch": switched["switch"],
-            "plans": [str(actor.plan), str(actor.gen_plan)],
+    return {"straight": straight["rows"], "resumed": resumed["rows"], "switch": resumed["switch"],
+            "plans": {r: str(s.plan) for r, s in roles.items()} | {"actor_gen": str(actor.gen_plan)},
             "lower_bound": max(table.bytes_lacking(r) for r in range(dist.get_world_size()))}
 
 
