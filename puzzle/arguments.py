@@ -539,15 +539,6 @@ def _check_moe_paths(args, roles, transformer_impl: str) -> None:
                   f"training the MoE {role} at {spec.plan} needs T = ETP = 1: megatron-core trains MoE layers "
                   "with T > 1 only under --sequence-parallel, which the local layer spec does not support; "
                   "split the experts with --expert-model-parallel-size instead")
-    actor = roles.get("actor")
-    if actor is not None and actor.arch.is_moe and actor.gen_plan not in (None, actor.plan):
-        _fail("--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size/"
-              "--actor-gen-expert-model-parallel-size",
-              f"the MoE actor generates at {actor.gen_plan} but trains at {actor.plan}: the switch between "
-              "layouts does not move experts yet; give the actor one layout")
-    for flag, value in (("--save", args.save), ("--load", args.load)):
-        if value:
-            _fail(flag, f"checkpoints of mixture-of-experts models ({', '.join(moe)}) are not supported yet")
     if args.cuda_graph_generation:
         _fail("--cuda-graph-generation", "MoE layers' token dispatchers synchronise with the host: "
                                          "not captured in CUDA graphs yet")

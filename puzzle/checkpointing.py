@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 import puzzle
 from puzzle.config import ROLES
+from puzzle.models.init import is_expert_param
 from puzzle.models.param_names import HEAD_LOCAL_NAME, drop_extra_state
 from puzzle.parallel.device import runtime
 
@@ -101,7 +102,8 @@ def read_tracker(root: str) -> Optional[int]:
 # ---- metadata (layout-free description of the run) -------------------------------------------
 def _plan_dict(plan) -> Optional[dict]:
     return None if plan is None else {"P": plan.P, "D": plan.D, "T": plan.T,
-                                      "offset": getattr(plan, "offset", 0)}
+                                      "offset": getattr(plan, "offset", 0),
+                                      "E": getattr(plan, "E", 1), "ETP": getattr(plan, "ETP", plan.T)}
 
 
 def _role_source(cfg, role: str) -> dict:
@@ -236,6 +238,7 @@ def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optiona
             problems.append(f"role {role} model shape differs: " + "; ".join(diff))
         if bool(saved["trainable"]) != bool(spec.trainable):
             problems.append(f"role {role}: trainable={saved['trainable']} in the checkpoint")
+        problems += _expert_optimizer_problems(cfg, role, saved)
         if not spec.trainable:
             src, want = saved.get("source", {}), _role_source(cfg, role)
             if src.get("hf_path") != want["hf_path"]:
@@ -250,6 +253,22 @@ def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optiona
     if problems:
         raise CheckpointError(f"cannot resume from {path}: " + " | ".join(problems))
     return it
+
+
+def _expert_optimizer_problems(cfg, role: str, saved: dict) -> List[str]:
+    """megatron keeps the optimizer state of experts split over E > 1 ranks in an optimizer of
+    their own (a chained optimizer), and of experts at E = 1 in the dense one: the optimizer state
+    of a MoE model resumes between layouts on the same side of E = 1 only."""
+    spec = cfg.roles[role]
+    if not (spec.trainable and spec.arch.is_moe and getattr(cfg, "load_optim", True)):
+        return []
+    was = (saved.get("plan") or {}).get("E", 1)
+    if (was > 1) == (spec.plan.E > 1):
+        return []
+    return [f"role {role}: saved with E={was} ({'its experts in an optimizer of their own' if was > 1 else 'one optimizer'}), "
+            f"this run has E={spec.plan.E}: megatron-core keeps the experts' optimizer state in a separate "
+            f"optimizer only when E > 1, so the optimizer state resumes at E {'> 1' if was > 1 else '= 1'} only; "
+            f"resume the weights alone with --no-load-optim"]
 
 
 # ---- per-role sharded state dicts --------------------------------------------------------------
@@ -291,7 +310,10 @@ def weight_fingerprint(engine) -> list:
     if engine.member:
         lay, arch = engine.layout, engine.arch
         for name, p in engine.module.named_parameters():
-            if lay.d != 0 or (lay.t != 0 and not getattr(p, "tensor_model_parallel", False)):
+            if is_expert_param(name):  # experts: their expert-DP replicas count once
+                if lay.edp != 0 or (lay.etp != 0 and not getattr(p, "tensor_model_parallel", False)):
+                    continue
+            elif lay.d != 0 or (lay.t != 0 and not getattr(p, "tensor_model_parallel", False)):
                 continue  # DP replicas and TP-replicated tensors (norms, scalar heads) count once
             if (name == HEAD_LOCAL_NAME and not arch.untie_embeddings_and_output_weights
                     and ROLES[engine.role].lm_head and not lay.is_first_stage):

@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_WORLDS = (
     ("distributed/worlds/foundation.py", "distributed/worlds/switch.py", "distributed/worlds/time_sharing.py",
      "distributed/worlds/generation.py"),
-    ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py", "distributed/worlds/moe.py"),
+    ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py", "distributed/worlds/moe.py",
+     "distributed/worlds/moe_switch.py"),
     ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
      "distributed/worlds/vocab_rows.py"),
 )

@@ -1,10 +1,12 @@
 """Benchmark: the inter-stage switch (PUZZLE §5.1-5.2) vs megatron-core's resharding refit.
 
-    python -m puzzle.bench.switch [--repeats 5] [--segments 8] [--out rows.json]
+    python -m puzzle.bench.switch [--repeats 5] [--segments 8] [--only all|dense|moe] [--out rows.json]
 
 Spawns its own 4-rank torchrun world (gloo, OMP_NUM_THREADS=1). One model (GQA + SwiGLU,
-untied: 4 layers, hidden 256, 8 heads / 4 query groups, ffn 512, vocab 1024), the actor at every
-source plan as a trainable ModelEngine, and for each plan pair (and its reverse), in ONE run:
+untied: 4 layers, hidden 256, 8 heads / 4 query groups, ffn 512, vocab 1024) and its mixture-of-experts
+version (every MLP 4 experts of ffn 512, top-2), the actor at every source plan as a trainable
+ModelEngine, and for each plan pair (dense: and its reverse; MoE: training layouts at T = 1 to
+generation layouts of another E), in ONE run:
 
 * bytes: ``bytes_moved_max_rank`` (measured, bytes received by the busiest rank),
   ``lower_bound_bytes_max_rank`` (bytes the busiest rank lacks), ``allgather_bytes_max_rank``
@@ -38,16 +40,35 @@ from pathlib import Path
 
 PAIRS = [((4, 1, 1), (2, 1, 2)), ((2, 1, 2), (1, 1, 4)), ((1, 2, 2), (1, 1, 4)), ((2, 2, 1), (1, 2, 2))]
 PAIRS = PAIRS + [(d, s) for s, d in PAIRS]
+#: mixture of experts, (P, D, T, E) training layouts (T = 1: MoE trains at T = ETP = 1) -> generation
+#: layouts of another E
+MOE_PAIRS = [((1, 4, 1, 4), (1, 4, 1, 1)), ((1, 4, 1, 2), (2, 2, 1, 1)), ((1, 4, 1, 2), (1, 1, 4, 1)),
+             ((1, 4, 1, 4), (1, 2, 2, 2)), ((2, 2, 1, 2), (1, 4, 1, 4))]
 WORLD = 4
 MBS, SEQ = 1, 64
 
 
-def _arch():
+def _arch(moe: bool = False):
     from puzzle.config import ModelArch
 
+    experts = dict(num_experts=4, moe_ffn_hidden_size=512, moe_router_topk=2) if moe else {}
     return ModelArch.llama(num_layers=4, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
                            num_query_groups=4, vocab_size=1024, make_vocab_size_divisible_by=128, seq_length=SEQ,
-                           untie_embeddings_and_output_weights=True)
+                           untie_embeddings_and_output_weights=True, **experts)
+
+
+def _plan(degrees):
+    """(P, D, T) or (P, D, T, E) -> ParallelPlan."""
+    from puzzle.parallel.plan import ParallelPlan
+
+    return ParallelPlan(*degrees[:3], E=degrees[3] if len(degrees) > 3 else 1)
+
+
+def _cases(only: str):
+    """(model kind, source plan, destination plan) of the run."""
+    dense = [("dense", _plan(s), _plan(d)) for s, d in PAIRS] if only in ("all", "dense") else []
+    moe = [("moe", _plan(s), _plan(d)) for s, d in MOE_PAIRS] if only in ("all", "moe") else []
+    return dense + moe
 
 
 def _timed(fn, repeats):
@@ -75,33 +96,27 @@ def _worker(args):
 
     dist.init_process_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
     from puzzle.parallel.groups import init_distributed, layout_for
-    from puzzle.parallel.plan import ParallelPlan
     from puzzle.switch.routing_executor import execute_routing
     from puzzle.models.param_names import table_params
     from puzzle.switch.shadow import build_shadow, routing_table_for, switch_to_generation
     from puzzle.training.engine import ModelEngine, OptimConfig
 
     rank, world = init_distributed()
-    arch = _arch()
-    plans = []
-    for s, d in PAIRS:
-        for p in (s, d):
-            if ParallelPlan(*p) not in plans:
-                plans.append(ParallelPlan(*p))
-    for p in plans:  # every layout, collectively, in the same order
-        layout_for(p)
+    cases = _cases(args.only)
+    archs = {"dense": _arch(), "moe": _arch(moe=True)}
+    for _, s, d in cases:  # every layout, collectively, in the same order
+        layout_for(s)
+        layout_for(d)
     engines = {}
-    for s, _ in PAIRS:
-        s = ParallelPlan(*s)
-        if s not in engines:
-            engines[s] = ModelEngine("actor", arch, layout_for(s), trainable=True, seed=5,
-                                     optim=OptimConfig(lr=1e-4))
+    for kind, s, _ in cases:
+        if (kind, s) not in engines:
+            engines[(kind, s)] = ModelEngine("actor", archs[kind], layout_for(s), trainable=True, seed=5,
+                                             optim=OptimConfig(lr=1e-4))
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, arch.vocab_size, (4, SEQ), generator=g)
+    tokens = torch.randint(0, archs["dense"].vocab_size, (4, SEQ), generator=g)
     rows = []
-    for s, d in PAIRS:
-        src, dst = ParallelPlan(*s), ParallelPlan(*d)
-        eng = engines[src]
+    for kind, src, dst in cases:
+        arch, eng = archs[kind], engines[(kind, src)]
         table = routing_table_for(arch, "actor", src, dst)
         shadow = build_shadow(arch, "actor", dst)
         src_params, dst_params = table_params(eng.module, "actor"), shadow.params()
@@ -131,7 +146,7 @@ def _worker(args):
         shadow.release()
         t_seq, t_asy = statistics.median(seq), statistics.median(asy)
         rows.append({
-            "src": str(src), "dst": str(dst),
+            "model": kind, "src": str(src), "dst": str(dst),
             "bytes_moved_max_rank": max(recv),
             "lower_bound_bytes_max_rank": max(table.bytes_lacking(r) for r in range(world)),
             "allgather_bytes_max_rank": max(table.allgather_bytes(r) for r in range(world)),
@@ -144,19 +159,19 @@ def _worker(args):
             "hidden_fraction": round((t_seq - t_asy) / t_puzzle, 3) if t_puzzle > 0 else None,
         })
         if rank == 0:
-            print(f"[switch bench] {src} -> {dst} done", file=sys.stderr, flush=True)
+            print(f"[switch bench] {kind} {src} -> {dst} done", file=sys.stderr, flush=True)
 
     # megatron-core's refit, last (a failure may leave the process group unusable)
     from megatron.core.resharding import swap_model_weights
 
     failed = None
-    for row, (s, d) in zip(rows, PAIRS):
-        src, dst = ParallelPlan(*s), ParallelPlan(*d)
+    for row, (kind, src, dst) in zip(rows, cases):
+        arch = archs[kind]
         row.update(time_mcore_refit_s=None, time_mcore_first_s=None, mcore_matches_puzzle=None, mcore_error=None)
         if failed:
             row["mcore_error"] = f"skipped after an earlier failure: {failed}"
             continue
-        eng = engines[src]
+        eng = engines[(kind, src)]
         shadow = build_shadow(arch, "actor", dst)
         try:
             dist.barrier()
@@ -189,6 +204,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--segments", type=int, default=8)
+    ap.add_argument("--only", choices=("all", "dense", "moe"), default="all",
+                    help="the dense model's plan pairs, the MoE model's (P, D, T, E) pairs, or both")
     ap.add_argument("--timeout", type=int, default=180, help="process-group timeout (s): guards a hang")
     ap.add_argument("--out", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -203,7 +220,8 @@ def main(argv=None):
                    PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
                "-m", "puzzle.bench.switch", "--worker", "--out-file", out_file,
-               "--repeats", str(args.repeats), "--segments", str(args.segments), "--timeout", str(args.timeout)]
+               "--repeats", str(args.repeats), "--segments", str(args.segments), "--timeout", str(args.timeout),
+               "--only", args.only]
         proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
                               timeout=args.timeout * 4 + 1200)
         if not Path(out_file).exists():

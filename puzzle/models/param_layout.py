@@ -54,6 +54,9 @@ class ParamSpec:
     its name for error messages (e.g. 8, 'num_query_groups'); None: the split dim size.
     ``tied_local_name``: for the word embeddings tied to the LM head, the local name of the
     copy the last stage holds when P > 1 (``output_layer.weight``).
+    ``expert`` / ``num_experts``: for an expert's parameter, its global expert index and the
+    experts of its layer; it is split over the expert-parallel ranks (E) and, inside an expert,
+    over the expert-tensor-parallel ranks (ETP) instead of T (:func:`expert_local_name`).
     """
 
     name: str
@@ -64,6 +67,8 @@ class ParamSpec:
     split_units: Optional[int] = None
     split_label: Optional[str] = None
     tied_local_name: Optional[str] = None
+    expert: Optional[int] = None
+    num_experts: Optional[int] = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -236,9 +241,33 @@ def _moe_specs(pre: str, i: int, h: int, num_experts: int, ffn: int, swiglu: boo
     for e in range(num_experts):
         ex = f"{pre}.mlp.experts.local_experts.{e}"
         out.append(ParamSpec(f"{ex}.linear_fc1.weight", (2 * ffn if swiglu else ffn, h),
-                             "swiglu_fc1" if swiglu else "column", layer=i, **ffns))
-        out.append(ParamSpec(f"{ex}.linear_fc2.weight", (h, ffn), "row", layer=i, **ffns))
+                             "swiglu_fc1" if swiglu else "column", layer=i, expert=e, num_experts=num_experts,
+                             **ffns))
+        out.append(ParamSpec(f"{ex}.linear_fc2.weight", (h, ffn), "row", layer=i, expert=e,
+                             num_experts=num_experts, **ffns))
     return out
+
+
+_EXPERT_RE = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
+
+
+def expert_local_name(name: str, local_index: int) -> str:
+    """``name`` (an expert's parameter) with its expert index replaced by ``local_index``: with
+    E expert-parallel ranks, rank ep holds experts ``[ep * n, (ep + 1) * n)`` (n = num_experts / E)
+    and megatron numbers them ``local_experts.0 .. n-1`` (SequentialMLP)."""
+    new, count = _EXPERT_RE.subn(lambda m: f"{m.group(1)}{local_index}.", name)
+    if count != 1:
+        raise ValueError(f"{name} is not an expert's parameter")
+    return new
+
+
+def expert_holding(spec: ParamSpec, E: int) -> Tuple[int, int]:
+    """(expert-parallel rank, local expert index) of the rank holding expert ``spec.expert``
+    when the layer's experts are split in E contiguous blocks."""
+    if spec.num_experts % E:
+        raise PlanError(f"num_experts={spec.num_experts} is not divisible by E={E} (parameter {spec.name})")
+    n = spec.num_experts // E
+    return spec.expert // n, spec.expert % n
 
 
 # ---- pipeline stages --------------------------------------------------------------------------

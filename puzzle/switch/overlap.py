@@ -51,9 +51,8 @@ from typing import Dict, List, Mapping, Tuple
 import torch
 
 from puzzle.switch.routing_executor import DEFAULT_BUCKET_BYTES, RoutingExecutor, SwitchStats
-from puzzle.models.param_layout import params_on_stage
 from puzzle.models.param_names import table_params
-from puzzle.switch.routing import RoutingTable
+from puzzle.switch.routing import RoutingTable, local_params
 
 # (model-param list attribute, main-param list attribute) pairs of megatron's optimizers,
 # aligned group by group and index by index
@@ -151,8 +150,7 @@ class _LeafSegments:
 def _segment_of_model_params(engine, table: RoutingTable, segment_of: Mapping[str, int]) -> Dict[int, int]:
     """id(model parameter) -> segment, via the source layout's local names."""
     layout = engine.layout
-    local_to_spec = {local: spec.name for local, spec in
-                     params_on_stage(table.specs, layout.p, layout.plan.P)}
+    local_to_spec = {local: spec.name for local, spec in local_params(table.specs, layout.plan, layout.rank)}
     by_data = {p.data_ptr(): name for name, p in table_params(engine.module, engine.role).items()}
     out = {}
     for _, p in engine.module.named_parameters():

@@ -13,7 +13,11 @@ from global index boxes:
   holder that is on r's node (when ``ranks_per_node`` is given), then has sent the fewest bytes
   so far, ties broken by rank distance from r (deterministic greedy sender balancing);
 * adjacent pieces from one source are merged, so one parameter from one source to one
-  destination is one op (two for SwiGLU fc1, whose local shard is [gate_t; up_t]).
+  destination is one op (two for SwiGLU fc1, whose local shard is [gate_t; up_t]);
+* experts' parameters (mixture of experts) are held by the ranks of one expert-parallel rank
+  of their stage (E splits a layer's experts in contiguous blocks, local expert indices from 0)
+  and split over the expert-tensor-parallel ranks (ETP) instead of T; switching between plans of
+  different E moves each expert to the ranks that lack it, like any other parameter.
 
 Every rank computes the same table (no communication, stable order) and keeps its own ops.
 Executing a table: each op copies ``src[src_local][src_box]`` (the SOURCE-layout shard on
@@ -28,8 +32,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.parallel.plan import ParallelPlan, PlanError
-from puzzle.models.param_layout import (Box, ParamSpec, check_tp_split, num_layers_of, params_on_stage,
-                                        resolve_layers_per_stage, shard_slices)
+from puzzle.models.param_layout import (Box, ParamSpec, check_tp_split, expert_holding, expert_local_name,
+                                        num_layers_of, params_on_stage, resolve_layers_per_stage, shard_slices)
 
 
 @dataclass(frozen=True)
@@ -83,21 +87,55 @@ def _unit_bytes(spec: ParamSpec, dtype_bytes: int) -> int:
     return n
 
 
+def _holder(spec: ParamSpec, rank: int, local: str, ways: int, index: int) -> _Holder:
+    """What ``rank`` holds of ``spec``: split ``ways`` ways (T, or ETP for experts), part ``index``."""
+    k = _axis(spec)
+    pieces = tuple(shard_slices(spec, ways, index))
+    offsets, off = [], 0
+    for b in pieces:
+        offsets.append(off)
+        off += b[k][1] - b[k][0]
+    return _Holder(rank, local, pieces, tuple(offsets))
+
+
 def _placement(specs: Sequence[ParamSpec], plan: ParallelPlan, lps: List[int]) -> Dict[str, Dict[int, _Holder]]:
-    """spec name -> {rank: holder} for every rank of ``plan`` holding that parameter."""
+    """spec name -> {rank: holder} for every rank of ``plan`` holding that parameter.
+
+    Dense parameters: every (d, t) rank of their stage holds TP part t. Experts' parameters:
+    the ranks of expert-parallel rank ep (experts ``[ep * n, (ep + 1) * n)``, n = num_experts / E)
+    hold them, expert-TP part etp, under the local expert index megatron gives them."""
     out: Dict[str, Dict[int, _Holder]] = {s.name: {} for s in specs}
     for p in range(plan.P):
         for local, spec in params_on_stage(specs, p, plan.P, lps):
-            k = _axis(spec)
+            if spec.expert is not None:
+                ep, index = expert_holding(spec, plan.E)
+                local = expert_local_name(local, index)
+                for etp in range(plan.ETP):
+                    for edp in range(plan.EDP):
+                        r = plan.expert_rank(p, edp, ep, etp)
+                        out[spec.name][r] = _holder(spec, r, local, plan.ETP, etp)
+                continue
             for t in range(plan.T):
-                pieces = tuple(shard_slices(spec, plan.T, t))
-                offsets, off = [], 0
-                for b in pieces:
-                    offsets.append(off)
-                    off += b[k][1] - b[k][0]
                 for d in range(plan.D):
                     r = plan.rank(p, d, t)
-                    out[spec.name][r] = _Holder(r, local, pieces, tuple(offsets))
+                    out[spec.name][r] = _holder(spec, r, local, plan.T, t)
+    return out
+
+
+def local_params(specs: Sequence[ParamSpec], plan: ParallelPlan, rank: int,
+                 layers_per_stage: Optional[Sequence[int]] = None) -> List[Tuple[str, ParamSpec]]:
+    """(local name, spec) of every parameter ``rank`` holds in ``plan``, in spec order: its
+    stage's parameters (:func:`params_on_stage`), of the experts only those of its expert-parallel
+    rank, named by their local expert index."""
+    p, _, ep, _ = plan.expert_coords(rank)
+    out = []
+    for local, spec in params_on_stage(specs, p, plan.P, layers_per_stage):
+        if spec.expert is not None:
+            holder_ep, index = expert_holding(spec, plan.E)
+            if holder_ep != ep:
+                continue
+            local = expert_local_name(local, index)
+        out.append((local, spec))
     return out
 
 
@@ -202,7 +240,10 @@ def _check_plans(specs: Sequence[ParamSpec], src: ParallelPlan, dst: ParallelPla
     problems: Dict[str, str] = {}
     for what, plan in (("source plan", src), ("destination plan", dst)):
         for spec in specs:
-            err = check_tp_split(spec, plan.T, f"{what} {plan}")
+            if spec.expert is not None and spec.num_experts % plan.E:
+                problems.setdefault(f"{what}:num_experts", f"num_experts={spec.num_experts} is not divisible "
+                                                           f"by E={plan.E} of {what} {plan}")
+            err = check_tp_split(spec, plan.ETP if spec.expert is not None else plan.T, f"{what} {plan}")
             if err:
                 problems.setdefault(f"{what}:{spec.split_label or spec.name}", err)
     if problems:

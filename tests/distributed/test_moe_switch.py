@@ -1,0 +1,53 @@
+"""Mixture-of-experts models between layouts of different E: the switch (bitwise, exactly the
+bytes each rank lacks, overlapped with the optimizer step) and the tiny MoE run checkpointed and
+resumed at other layouts, generating through it. One 4-rank world (tests/distributed/worlds/moe_switch.py)."""
+
+import pytest
+
+from tests.harness import assert_same_metrics, run_world
+
+#: generation's own log-probs against scoring's: fp32 rounding differs between generation
+#: layouts (the same bound as tests/e2e/test_tiny_moe.py)
+LOGPROB_DIFF = ("gen_score_logprob_diff_mean", "gen_score_logprob_diff_max")
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world("distributed/worlds/moe_switch.py", 4)
+
+
+def test_switch_between_expert_layouts_is_bitwise_and_minimal(world):
+    pairs = [r["pairs"] for r in world]
+    assert len(pairs[0]) == 5
+    for rank, res in enumerate(pairs):
+        for name, r in res.items():
+            assert r["bitwise"], (rank, name)
+            assert r["received"] == r["lacking"], (rank, name, r)
+    # every rank lacks experts when E grows or shrinks from a split layout; none from a full replica
+    for name, r in pairs[0].items():
+        assert (r["lacking"] == 0) == name.startswith("(P=1, D=4, T=1)->"), (name, r)
+
+
+def test_step_overlapped_with_expert_switch(world):
+    for r in world:
+        assert r["overlap"] == {"same_shadow": True, "bytes_ok": True}
+
+
+def test_tiny_moe_run_resumed_at_other_layouts_through_the_switch(world):
+    """Saved after iteration 1 with the actor, reference and critic at (1,4,1,E=2); resumed with the
+    actor training at (2,2,1,E=2) and generating at (1,4,1,E=1) through the switch, the critic at
+    (1,4,1,E=4), the reference at (1,4,1,E=1): iteration 2 repeats the straight run's exactly, the
+    gradient norms up to fp32 reduction order (other D, other E)."""
+    run = world[0]["tiny_run"]
+    assert run["plans"] == {"actor": "(P=2, D=2, T=1, E=2)", "critic": "(P=1, D=4, T=1, E=4)",
+                            "ref": "(P=1, D=4, T=1)", "actor_gen": "(P=1, D=4, T=1)"}
+    assert run["switch"] and [r["iteration"] for r in run["straight"]] == [1, 2]
+    assert [r["iteration"] for r in run["resumed"]] == [2]
+    straight, resumed = {2: run["straight"][1]}, {2: run["resumed"][0]}
+    norms = ("actor_grad_norm", "critic_grad_norm")
+    assert_same_metrics(resumed, straight, skip=norms + ("switch_bytes_max_rank",) + LOGPROB_DIFF)
+    assert_same_metrics(resumed, straight, keys=norms, rel=1e-6)
+    assert resumed[2]["switch_bytes_max_rank"] == run["lower_bound"] > 0
+    for row in (straight[2], resumed[2]):
+        assert 0 <= row["gen_score_logprob_diff_mean"] <= row["gen_score_logprob_diff_max"] <= 2e-6, row
+        assert 0.5 < row["moe_aux_loss"] < 4.0
