@@ -241,8 +241,9 @@ class _Evaluator:
         self.w = job.workload
         self.roles = ppo_roles(job.actor, job.critic, job.ref, job.reward)
         self.absent = {v for v, (model, _, _) in VAR_INFO.items() if model not in job.roles}
-        #: a MoE actor generates at its training layout (G = A): runs refuse another generation
-        #: layout until the switch moves experts (the cost model prices such a switch already)
+        #: the search keeps a MoE actor's generation at its training layout (G = A). Runs may
+        #: generate at another (P, D, T, E) since the switch moves experts, and the cost model
+        #: prices that switch; searching it is not done yet
         self.tied = job.actor.is_moe
         self.cost = CostModel(self.profile, self.w)
         self.mem = MemoryModel(self.profile, self.w)
