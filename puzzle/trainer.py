@@ -219,22 +219,28 @@ class PPOTrainer:
                                          ppo.overlong_penalty_factor)
 
     # ---- stage 2: scoring ----------------------------------------------------------------------
-    def _contexts(self, batch: RolloutBatch, jobs):
+    def _contexts(self, batch: RolloutBatch, jobs, token_budget: Optional[int] = None):
         """Each job's StageContext over its model's DP share: micro-batches of --micro-batch-size
-        rows, packed without padding (--use-remove-padding) or right-padded."""
+        rows, packed without padding (--use-remove-padding) or right-padded; with ``token_budget``
+        (--use-dynamic-bsz) DP shares balanced by tokens and micro-batches of that many tokens."""
         mbs, packed = self.cfg.ppo.micro_batch_size, self.remove_padding
+        token_budget = token_budget if self.cfg.ppo.use_dynamic_bsz else None
         contexts = []
         for role, fn in jobs:
             eng = self.engines[role]
-            share = batch.share_for(eng.layout)
+            order = batch.share_rows(eng.layout, balance=token_budget is not None)
+            share = batch.rows(order)
             mbatches = share.micro_batches(mbs, packed=packed, seq_multiple=self.seq_multiple,
-                                           pad_id=self.tokenizer.pad_id)
+                                           pad_id=self.tokenizer.pad_id, token_budget=token_budget)
+            if token_budget is not None:
+                order = order[torch.cat([mb["rows"] for mb in mbatches])]
             seq, rows = batch.tokens.shape[1], mbs
             if packed:  # [1, T] micro-batches of their own lengths: stages exchange the shapes
                 seq, rows = max(mb["tokens"].shape[1] for mb in mbatches), 1
             if eng.member:
                 eng.config.variable_seq_lengths = packed and eng.layout.plan.P > 1
-            contexts.append(StageContext(eng, fn, iter(mbatches), share.size // mbs, seq, rows))
+            contexts.append(StageContext(eng, fn, iter(mbatches), len(mbatches), seq, rows,
+                                         rows=order if token_budget is not None else None))
         return contexts
 
     def score(self, batch: RolloutBatch) -> dict:
@@ -246,14 +252,14 @@ class PPOTrainer:
                 "ref": steps.logprob_score_step(self.vocab, temp, R),
                 "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
         jobs = [(role, jobs[role]) for role in ROLES if role in self.engines]
-        outs = run_stage(self._contexts(batch, jobs), forward_only=True,
-                         placement=self.cfg.score_placement)
+        contexts = self._contexts(batch, jobs, ppo.log_prob_max_token_len_per_gpu)
+        outs = run_stage(contexts, forward_only=True, placement=self.cfg.score_placement)
         f = batch.fields
-        for (role, _), out in zip(jobs, outs):
+        for (role, _), out, ctx in zip(jobs, outs, contexts):
             for key, name in {"actor": (("logprobs", "old_logprobs"), ("entropy", "entropy")),
                               "ref": (("logprobs", "ref_logprobs"),), "critic": (("values", "values"),),
                               "reward": (("scores", "scores"),)}[role]:
-                f[name] = gather_outputs(out, key, self.engines[role], batch)
+                f[name] = gather_outputs(out, key, self.engines[role], batch, ctx.rows)
         stats = {}
         if "reward" in self.engines:  # a reward model's scores follow --on-bad-reward like a function's
             f["scores"], stats["bad_rewards"] = self.bad_rewards.check_scores(
@@ -325,7 +331,7 @@ class PPOTrainer:
                 jobs = [("actor", actor_step)]
                 if critic is not None:
                     jobs.append(("critic", steps.critic_train_step(R, ppo.value_clip_eps)))
-                contexts = self._contexts(mini, jobs)
+                contexts = self._contexts(mini, jobs, ppo.ppo_max_token_len_per_gpu)
                 for eng in trained:
                     if eng.member:
                         eng.zero_grad()
