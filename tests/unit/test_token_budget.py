@@ -137,3 +137,68 @@ def test_bad_budget_flags_are_refused(extra, flag, words):
     with pytest.raises(ArgumentError) as e:
         _validate(*extra)
     assert flag in str(e.value) and words in str(e.value)
+
+
+# ---- schedules and the cost/memory models with micro-batches of unequal tokens -------------------
+def test_unequal_makespans_are_eq1_with_equal_costs_and_time_sharing_never_loses():
+    from puzzle.pipeline import eq1_makespans, unequal_makespans
+
+    assert unequal_makespans(4, [[1.0] * 4, [1.0] * 4], [1.0, 1.0], [2.0, 2.0]) == eq1_makespans(4, 4, [1, 1], [2, 2])
+    for seed in range(30):
+        r = random.Random(seed)
+        costs = [[r.uniform(0.1, 1.0) for _ in range(r.randint(1, 6))] for _ in range(r.randint(1, 3))]
+        f = [r.uniform(0.5, 2.0) for _ in costs]
+        seq, shared = unequal_makespans(r.choice([2, 3, 4]), costs, f, [2 * x for x in f])
+        assert shared <= seq + 1e-9
+        assert shared >= sum(3 * fk * sum(c) for fk, c in zip(f, costs)) - 1e-9  # the busy time of stage 0
+    with pytest.raises(ValueError, match="one list of num_microbatches"):
+        from puzzle.pipeline import ContextSpec, simulate
+
+        simulate(2, [ContextSpec("a", 2)], [1.0], [1.0], microbatch_scale=[[1.0]])
+
+
+def test_cheap_micro_batches_shorten_the_simulated_stream():
+    from puzzle.pipeline import unequal_makespans
+
+    full = unequal_makespans(2, [[1.0] * 4], [1.0], [2.0])
+    tailed = unequal_makespans(2, [[1.0, 0.2, 0.2, 0.2]], [1.0], [2.0])
+    assert tailed[0] < full[0] and tailed[1] < full[1]
+
+
+def test_workload_prices_micro_batches_by_tokens():
+    from puzzle.plan_search.cost_model import PPOWorkload
+
+    padded = PPOWorkload(16, prompt_len=100, gen_len=900, micro_batch_size=2, packed=False, mean_gen_len=200)
+    assert padded.micro_batches(8, "training") == (4, 2000.0, 2000.0)  # B x S
+    cap = PPOWorkload(16, prompt_len=100, gen_len=900, micro_batch_size=2)  # every response at the cap
+    assert cap.micro_batches(8, "training") == (4, 2000.0, 2000.0)
+    packed = PPOWorkload(16, prompt_len=100, gen_len=900, micro_batch_size=2, mean_gen_len=200)
+    assert packed.micro_batches(8, "training") == (4, 600.0, 2000.0)  # mean tokens; memory at the cap
+    budget = PPOWorkload(16, prompt_len=100, gen_len=900, mean_gen_len=200, train_token_budget=1000,
+                         score_token_budget=3000)
+    assert budget.micro_batches(8, "training") == (3, 800.0, 1000.0)  # ceil(8 x 300 / 1000)
+    assert budget.micro_batches(8, "scoring") == (1, 2400.0, 3000.0)
+
+
+def test_cost_and_memory_models_read_the_token_pricing():
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles
+    from puzzle.plan_search.memory_model import MemoryModel
+    from puzzle.plan_search.profile_data import load_profile
+
+    shape = ModelShape(num_layers=8, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=16,
+                       num_query_groups=16, vocab_size=32000)
+    actor = ppo_roles(shape, shape)["actor"]
+    plan = ParallelPlan(P=2, D=2, T=2)
+    work = dict(rollout_batch_size=32, prompt_len=256, gen_len=3840, micro_batch_size=2)
+    cap, tailed = PPOWorkload(**work), PPOWorkload(**work, mean_gen_len=768)
+    budget = PPOWorkload(**work, mean_gen_len=768, train_token_budget=8192, score_token_budget=8192)
+    costs = [CostModel(load_profile(), w) for w in (cap, tailed, budget)]
+    train = [c.train_cost(actor, plan) for c in costs]
+    assert train[1].total < train[0].total and train[1].n_micro == train[0].n_micro == 8
+    assert train[2].n_micro == 2 and train[2].total < train[0].total
+    assert costs[2].forward_cost(actor, plan).n_micro < costs[0].forward_cost(actor, plan).n_micro
+    big = PPOWorkload(**work, mean_gen_len=768, train_token_budget=16384)  # vs 2 x 4096 tokens at the cap
+    mem = [dict(MemoryModel(load_profile(), w).train_items(actor, plan, 1)) for w in (cap, budget, big)]
+    assert mem[1]["actor activations"] == mem[0]["actor activations"]  # priced at the largest micro-batch
+    assert mem[2]["actor activations"] > mem[0]["actor activations"]
