@@ -237,8 +237,9 @@ class PPOTrainer:
             seq, rows = batch.tokens.shape[1], mbs
             if packed:  # [1, T] micro-batches of their own lengths: stages exchange the shapes
                 seq, rows = max(mb["tokens"].shape[1] for mb in mbatches), 1
-            if eng.member:
-                eng.config.variable_seq_lengths = packed and eng.layout.plan.P > 1
+            if eng.member:  # equal packed lengths (e.g. every response at the cap): no shape exchange
+                eng.config.variable_seq_lengths = (packed and eng.layout.plan.P > 1
+                                                   and len({mb["tokens"].shape[1] for mb in mbatches}) > 1)
             contexts.append(StageContext(eng, fn, iter(mbatches), len(mbatches), seq, rows,
                                          rows=order if token_budget is not None else None))
         return contexts
