@@ -41,7 +41,7 @@ def _gradients(trainer, mini, loss_agg: str, budget) -> tuple:
     jobs = [("actor", steps.actor_train_step(trainer.vocab, ppo.temperature, R, ppo.clip_eps, ppo.entropy_coef,
                                              loss_agg=loss_agg, kl_loss_coef=ppo.kl_loss_coef,
                                              use_kl_loss=ppo.use_kl_loss))]
-    if "critic" in trainer.engines:
+    if "critic" in trainer.engines and loss_agg == LOSS_AGG_MODES[0]:  # the critic's loss has no mode
         jobs.append(("critic", steps.critic_train_step(R, ppo.value_clip_eps)))
     for role, _ in jobs:
         if trainer.engines[role].member:
