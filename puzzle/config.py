@@ -317,6 +317,19 @@ class PPOParams:
         "(--no-use-remove-padding: right-padded [micro-batch, seq] rows, for comparison). MoE models split "
         "over E > 1 ranks always run padded.",
         kind="boolean_optional")
+    use_dynamic_bsz: bool = flag(
+        False, "training", "Token-budget micro-batches (verl's use_dynamic_bsz): each scoring and training "
+        "micro-batch holds as many packed sequences as fit --ppo-max-token-len-per-gpu (training) or "
+        "--log-prob-max-token-len-per-gpu (scoring) tokens, instead of --micro-batch-size rows, and the "
+        "rows are balanced over the data-parallel ranks by token count before sharding. Needs "
+        "--use-remove-padding.")
+    ppo_max_token_len_per_gpu: Optional[int] = flag(
+        None, "training", "With --use-dynamic-bsz: tokens (prompt + response, summed over the packed "
+        "sequences) per training micro-batch; at least the longest sequence (max prompt + max new tokens).",
+        type=int)
+    log_prob_max_token_len_per_gpu: Optional[int] = flag(
+        None, "training", "With --use-dynamic-bsz: tokens per scoring micro-batch (old and reference "
+        "log-probs, values, reward scores; forward only). Default: --ppo-max-token-len-per-gpu.", type=int)
     generation_micro_batch_size: Optional[int] = flag(
         None, _PPO, "Prompts per generation micro-batch (default: all of a DP rank's prompts). Smaller than "
         "a rank's prompts at P=1: finished rows take waiting prompts.", type=int)

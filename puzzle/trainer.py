@@ -64,7 +64,7 @@ class PPOTrainer:
         self.generation = GenerationStage(cfg, tokenizer, self.engines["actor"], self.switch, self.rewards,
                                           self.runtime.device, self.seq_multiple)
         self.micro = MicroBatching(self.engines, cfg.ppo.micro_batch_size, cfg.ppo.use_remove_padding,
-                                   self.seq_multiple, tokenizer.pad_id)
+                                   self.seq_multiple, tokenizer.pad_id, dynamic_bsz=cfg.ppo.use_dynamic_bsz)
         self.scoring = ScoringStage(cfg, self.engines, self.micro, self.rewards, self.vocab)
         self.advantages = AdvantageStage(cfg.ppo, self.rewards, with_reference="ref" in self.engines)
         self.training = TrainingStage(cfg, self.engines, self.micro, self.switch, self.vocab, self.rank)
@@ -117,8 +117,8 @@ class PPOTrainer:
     def compute_advantages(self, batch: RolloutBatch) -> dict:
         return self.advantages.run(batch)
 
-    def _contexts(self, batch: RolloutBatch, jobs):
-        return self.micro.contexts(batch, jobs)
+    def _contexts(self, batch: RolloutBatch, jobs, token_budget: Optional[int] = None):
+        return self.micro.contexts(batch, jobs, token_budget)
 
     @property
     def remove_padding(self) -> bool:

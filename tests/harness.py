@@ -35,7 +35,7 @@ SHARED_WORLDS = (
     ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py", "distributed/worlds/moe.py",
      "distributed/worlds/moe_switch.py"),
     ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
-     "distributed/worlds/vocab_rows.py"),
+     "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py"),
 )
 SHARED_TIMEOUT = 1150  # under scripts/test.sh's per-test --timeout
 _SEP = "::"

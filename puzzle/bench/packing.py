@@ -5,10 +5,12 @@
 In ONE run (two torchrun worlds: 1 rank at (P, D, T) = (1,1,1), 4 ranks at (2,1,2)), the same
 actor model scores (old log-probs and entropy, forward only) and trains (PPO loss, forward and
 backward, no optimizer step) the same rollout rows with ``--use-remove-padding`` off (rows
-right-padded to the longest sequence) and on (packed, THD). Two response-length distributions:
+right-padded to the longest sequence) and on (packed, THD), and packed with token-budget
+micro-batches (--use-dynamic-bsz, the budget the tokens of one padded micro-batch, rows * (prompt +
+cap)). Two response-length distributions:
 ``long_tailed`` (exponential, mean/max ~0.2, one row at the cap) and ``all_equal`` (every
 response at the cap). Wall times: max over ranks, median of ``--repeats``; each row gives the
-ratio padded / packed measured in the same run.
+ratios padded / packed and padded / token-budget measured in the same run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 HIDDEN, LAYERS, HEADS = 256, 4, 8
 PROMPT, MAX_NEW, ROWS, MBS = 32, 224, 16, 4
 LAYOUTS = {"111": (1, 1), "212": (2, 2)}  # name -> (P, T); D = world / (P * T) = 1
+MODES = ("padded", "packed", "budget")
 
 
 def response_lengths(kind: str, rows: int, cap: int, seed: int = 0):
@@ -84,10 +87,13 @@ def _worker(args) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    def run(batch, stage: str, packed: bool) -> float:
-        mbs = batch.micro_batches(MBS, packed=packed)
+    budget = MBS * (PROMPT + MAX_NEW)  # the tokens of one padded micro-batch: the same memory bound
+
+    def run(batch, stage: str, mode: str) -> float:
+        packed = mode != "padded"
+        mbs = batch.micro_batches(MBS, packed=packed, token_budget=budget if mode == "budget" else None)
         seq, rows = (max(m["tokens"].shape[1] for m in mbs), 1) if packed else (batch.tokens.shape[1], MBS)
-        engine.config.variable_seq_lengths = packed and P > 1
+        engine.config.variable_seq_lengths = packed and P > 1 and len({m["tokens"].shape[1] for m in mbs}) > 1
         if stage == "scoring":
             fn, fwd_only = steps.logprob_score_step(vocab, 1.0, MAX_NEW, with_entropy=True), True
         else:
@@ -102,18 +108,22 @@ def _worker(args) -> None:
         batch = _rollout(kind, vocab, MAX_NEW)
         lengths = (batch.prompt_lengths + batch.response_lengths).float()
         for stage in ("scoring", "training"):
-            times = {False: [], True: []}
-            run(batch, stage, False), run(batch, stage, True)  # warm-up
+            times = {mode: [] for mode in MODES}
+            for mode in MODES:  # warm-up
+                run(batch, stage, mode)
             for _ in range(args.repeats):
-                for packed in (False, True):
-                    times[packed].append(run(batch, stage, packed))
-            padded, packed = statistics.median(times[False]), statistics.median(times[True])
+                for mode in MODES:
+                    times[mode].append(run(batch, stage, mode))
+            padded, packed, budgeted = (statistics.median(times[mode]) for mode in MODES)
+            n_budget = len(batch.micro_batch_rows(MBS, budget))
             row = {"layout": args.layout, "P": P, "T": T, "distribution": kind, "stage": stage,
                    "rows": ROWS, "micro_batch_size": MBS, "max_new_tokens": MAX_NEW, "prompt": PROMPT,
                    "response_mean_over_max": round(float(batch.response_lengths.float().mean()) / MAX_NEW, 3),
                    "tokens_padded": ROWS * batch.tokens.shape[1], "tokens_packed": int(lengths.sum()),
                    "padded_s": round(padded, 4), "packed_s": round(packed, 4),
-                   "speedup_packed_over_padded": round(padded / packed, 3), "repeats": args.repeats,
+                   "speedup_packed_over_padded": round(padded / packed, 3),
+                   "token_budget": budget, "budget_micro_batches": n_budget, "budget_s": round(budgeted, 4),
+                   "speedup_budget_over_padded": round(padded / budgeted, 3), "repeats": args.repeats,
                    "hidden": HIDDEN, "layers": LAYERS, "loadavg_1min": round(os.getloadavg()[0], 2)}
             if rank == 0:
                 print("ROW " + json.dumps(row), flush=True)

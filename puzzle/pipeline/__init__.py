@@ -21,6 +21,7 @@ from puzzle.pipeline.time_sharing_schedule import (
     stream_makespan,
     theoretical_speedup,
     time_shared_schedule,
+    unequal_makespans,
 )
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "stream_makespan",
     "theoretical_speedup",
     "time_shared_schedule",
+    "unequal_makespans",
 ]

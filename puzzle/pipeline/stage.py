@@ -14,7 +14,7 @@ ranks run concurrently: a rank only runs the models it holds. Within a group:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -31,6 +31,7 @@ class StageContext:
     num_microbatches: int
     seq_length: int
     micro_batch_size: int
+    rows: Optional[Any] = None  # token-budget micro-batches: the batch rows of the outputs, in order
 
 
 def rank_groups(contexts: List[StageContext]) -> Dict[Tuple[int, int], List[int]]:

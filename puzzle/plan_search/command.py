@@ -54,7 +54,10 @@ def workload_from_config(cfg) -> PPOWorkload:
                        recompute_granularity=cfg.levers.recompute_granularity,
                        recompute_method=cfg.levers.recompute_method,
                        recompute_num_layers=cfg.levers.recompute_num_layers,
-                       offload_during_inference=cfg.levers.rl_offload_optimizer_during_inference)
+                       offload_during_inference=cfg.levers.rl_offload_optimizer_during_inference,
+                       packed=ppo.use_remove_padding,
+                       train_token_budget=ppo.ppo_max_token_len_per_gpu if ppo.use_dynamic_bsz else None,
+                       score_token_budget=ppo.log_prob_max_token_len_per_gpu if ppo.use_dynamic_bsz else None)
 
 
 def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:

@@ -208,6 +208,13 @@ class PPOWorkload:
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     offload_during_inference: bool = False
+    # micro-batches priced by their tokens: ``mean_gen_len`` response tokens on average (None: every
+    # response at ``gen_len``); ``packed`` sequences without padding (else rows padded to seq_len);
+    # token budgets per training / scoring micro-batch (--use-dynamic-bsz; None: micro_batch_size rows)
+    mean_gen_len: Optional[float] = None
+    packed: bool = True
+    train_token_budget: Optional[int] = None
+    score_token_budget: Optional[int] = None
 
     def __post_init__(self):
         for k in ("rollout_batch_size", "prompt_len", "gen_len", "micro_batch_size", "ppo_epochs", "ppo_minibatches"):
@@ -225,6 +232,24 @@ class PPOWorkload:
     @property
     def score_mbs(self) -> int:
         return self.score_micro_batch_size or self.micro_batch_size
+
+    @property
+    def mean_seq_len(self) -> float:
+        """Mean tokens of a sequence (prompt + mean response)."""
+        return self.prompt_len + (self.gen_len if self.mean_gen_len is None else self.mean_gen_len)
+
+    def micro_batches(self, samples: int, stage: str) -> Tuple[int, float, float]:
+        """(micro-batches, mean tokens of one, most tokens of one) of one DP rank's ``samples``
+        rows in ``stage`` ('training' or 'scoring'): ``micro_batch_size`` rows each, their tokens
+        the rows' mean (packed) or seq_len each (padded); with a token budget as many rows as fill
+        it (one micro-batch per budget of tokens, at most one per row)."""
+        budget = self.train_token_budget if stage == "training" else self.score_token_budget
+        if budget is not None:
+            n = min(max(1, math.ceil(samples * self.mean_seq_len / budget)), samples)
+            return n, samples * self.mean_seq_len / n, float(budget)
+        mb = min(self.micro_batch_size if stage == "training" else self.score_mbs, samples)
+        seq = self.mean_seq_len if self.packed else float(self.seq_len)
+        return math.ceil(samples / mb), mb * seq, float(mb * self.seq_len)
 
     @property
     def optimizer_steps(self) -> int:
@@ -516,9 +541,7 @@ class CostModel:
         P, D, T = plan.P, plan.D, plan.T
         tp_x, dp_x, pp_x = self._links(plan)
         samples = math.ceil(w.rollout_batch_size / w.ppo_minibatches / D)
-        mb = min(w.micro_batch_size, samples)
-        n_micro = math.ceil(samples / mb)
-        tokens = mb * w.seq_len
+        n_micro, tokens, _ = w.micro_batches(samples, "training")
         tab = prof.layer_table(s.compute_shape)
         ar = 2 * prof.allreduce_time(tokens * s.hidden_size * BF16, T, tp_x)
         ar_moe = ar + self._moe_comm(role, tokens, plan)  # MoE layers add the dispatcher's all-to-alls
@@ -558,9 +581,7 @@ class CostModel:
         P, D, T = plan.P, plan.D, plan.T
         tp_x, _, pp_x = self._links(plan)
         samples = math.ceil(w.rollout_batch_size / D)
-        mb = min(w.score_mbs, samples)
-        n_micro = math.ceil(samples / mb)
-        tokens = mb * w.seq_len
+        n_micro, tokens, _ = w.micro_batches(samples, "scoring")
         tab = prof.layer_table(s.compute_shape)
         ar = 2 * prof.allreduce_time(tokens * s.hidden_size * BF16, T, tp_x) + self._moe_comm(role, tokens, plan)
         t = (s.num_layers // P * (tab.fwd(tokens, T) + ar) + self._head_fwd(role, tokens, T)

@@ -172,9 +172,7 @@ class MemoryModel:
     def train_items(self, role: ModelRole, plan: ParallelPlan, p: int) -> List[Tuple[str, float]]:
         w = self.workload
         samples = math.ceil(w.rollout_batch_size / w.ppo_minibatches / plan.D)
-        mb = min(w.micro_batch_size, samples)
-        n_micro = math.ceil(samples / mb)
-        tokens = mb * w.seq_len
+        n_micro, _, tokens = w.micro_batches(samples, "training")  # the largest micro-batch's tokens
         inflight = min(plan.P - p, n_micro)
         act = self.activations(role, role.shape.num_layers // plan.P, tokens, inflight, plan.T, plan.E, plan.ETP)
         items = [(f"{role.name} activations", act)]
@@ -184,8 +182,7 @@ class MemoryModel:
 
     def forward_items(self, role: ModelRole, plan: ParallelPlan, p: int) -> List[Tuple[str, float]]:
         w = self.workload
-        mb = min(w.score_mbs, math.ceil(w.rollout_batch_size / plan.D))
-        tokens = mb * w.seq_len
+        _, _, tokens = w.micro_batches(math.ceil(w.rollout_batch_size / plan.D), "scoring")
         items = [(f"{role.name} activations", 2 * tokens * self.act_per_token_layer(role, plan.T, plan.E, plan.ETP))]
         if p == plan.P - 1 and role.lm_head:
             items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 2.0)))

@@ -60,21 +60,53 @@ class RolloutBatch:
         D = layout.plan.D
         return self.dp_share(layout.d if layout.member else 0, D)
 
+    @property
+    def sequence_lengths(self) -> List[int]:
+        """[B] host ints: each row's prompt + response tokens."""
+        return (self.prompt_lengths + self.response_lengths).tolist()
+
+    def share_rows(self, layout, balance: bool = False) -> torch.Tensor:
+        """The batch rows of ``layout``'s DP share (``share_for``): contiguous, or with ``balance``
+        the same number of rows per DP rank with the token sums balanced (token_budget.balance_rows)."""
+        D, d = layout.plan.D, (layout.d if layout.member else 0)
+        if not balance:
+            n = self.size // D
+            return torch.arange(d * n, (d + 1) * n, device=self.device)
+        from puzzle.training.token_budget import balance_rows
+
+        return torch.tensor(balance_rows(self.sequence_lengths, D)[d], dtype=torch.long, device=self.device)
+
+    def micro_batch_rows(self, mbs: int, token_budget: Optional[int] = None) -> List[List[int]]:
+        """Row indices of each micro-batch: ``mbs`` consecutive rows, or with ``token_budget`` as many
+        rows as fit that many tokens (token_budget.budget_micro_batches)."""
+        if token_budget is None:
+            return [list(range(s, min(s + mbs, self.size))) for s in range(0, self.size, mbs)]
+        from puzzle.training.token_budget import budget_micro_batches
+
+        return budget_micro_batches(self.sequence_lengths, token_budget)
+
     def micro_batches(self, mbs: int, packed: bool = False, seq_multiple: int = 1,
-                      pad_id: int = 0) -> List[dict]:
+                      pad_id: int = 0, token_budget: Optional[int] = None) -> List[dict]:
         """Micro-batches as dicts (what forward_step functions read): ``mbs`` rows each, their
         tokens right-padded [mbs, S], or with ``packed`` concatenated without padding (see
-        ``pack_rows``; the packed length a multiple of ``seq_multiple``)."""
+        ``pack_rows``; the packed length a multiple of ``seq_multiple``). ``token_budget`` (packed
+        only): micro-batches of as many rows as fit the budget (``micro_batch_rows``); each dict's
+        ``rows`` are then its rows of this batch, in the order of its outputs."""
+        if token_budget is not None and not packed:
+            raise ValueError("token-budget micro-batches need packed sequences")
         out = []
         mask = self.response_mask
-        for s in range(0, self.size, mbs):
-            sl = slice(s, s + mbs)
+        for group in self.micro_batch_rows(mbs, token_budget):
+            sl = (slice(group[0], group[-1] + 1) if token_budget is None
+                  else torch.tensor(group, dtype=torch.long, device=self.device))
             mb = {"tokens": self.tokens[sl], "prompt_lengths": self.prompt_lengths[sl],
                   "response_lengths": self.response_lengths[sl], "response_mask": mask[sl]}
             mb.update({k: v[sl] for k, v in self.fields.items()})
             if packed:
                 mb.update(pack_rows(mb["tokens"], mb["prompt_lengths"], mb["response_lengths"],
                                     seq_multiple, pad_id))
+            if token_budget is not None:
+                mb["rows"] = sl
             out.append(mb)
         return out
 
@@ -127,25 +159,31 @@ def gather_response(per_position: torch.Tensor, prompt_lengths: torch.Tensor, R:
 
 
 def world_assemble(local: Optional[torch.Tensor], row_offset: int, total_rows: int,
-                   shape_tail, dtype, owner: bool, device: torch.device) -> torch.Tensor:
+                   shape_tail, dtype, owner: bool, device: torch.device,
+                   rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Every rank gets the [total_rows, *shape_tail] tensor (on ``device``) whose rows were
     computed by owners.
 
-    ``local``: this rank's rows (placed at ``row_offset``) when ``owner``; ignored otherwise.
+    ``local``: this rank's rows (placed at ``row_offset``, or at the indices ``rows``) when
+    ``owner``; ignored otherwise.
     """
     buf = torch.zeros((total_rows, *shape_tail), dtype=torch.float64 if dtype.is_floating_point
                       else torch.long, device=device)
-    if owner and local is not None:
+    if owner and local is not None and rows is not None:
+        buf[rows] = local.to(buf.dtype)
+    elif owner and local is not None:
         buf[row_offset:row_offset + local.shape[0]] = local.to(buf.dtype)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(buf)
     return buf.to(dtype)
 
 
-def gather_outputs(outputs: List[dict], key: str, engine, batch: "RolloutBatch") -> torch.Tensor:
+def gather_outputs(outputs: List[dict], key: str, engine, batch: "RolloutBatch",
+                   rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One field of a model's per-micro-batch outputs, assembled on every rank in batch order.
 
-    Rows come from the last pipeline stage, TP rank 0, of each DP rank of ``engine``'s layout.
+    Rows come from the last pipeline stage, TP rank 0, of each DP rank of ``engine``'s layout:
+    its contiguous DP share, or the batch rows ``rows`` (in the order of the outputs) when given.
     """
     lay = engine.layout
     owner = engine.member and lay.is_last_stage and lay.t == 0
@@ -153,7 +191,7 @@ def gather_outputs(outputs: List[dict], key: str, engine, batch: "RolloutBatch")
     share = batch.size // lay.plan.D
     tail = () if key == "scores" else (batch.max_new_tokens,)
     return world_assemble(local, max(lay.d, 0) * share, batch.size, tail, torch.float32, owner,
-                          batch.device)
+                          batch.device, rows=rows)
 
 
 def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[torch.Tensor],

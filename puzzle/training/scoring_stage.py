@@ -9,7 +9,9 @@ leaves the stage complete and identical on every rank.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
+
+import torch
 
 from puzzle.algorithms.rollout_correction import mismatch_metrics
 from puzzle.config import ROLES
@@ -25,27 +27,37 @@ SCORED_FIELDS = {"actor": (("logprobs", "old_logprobs"), ("entropy", "entropy"))
 
 class MicroBatching:
     """Each model's micro-batches of a batch: ``micro_batch_size`` rows of its DP share, packed
-    without padding (``packed``, --use-remove-padding) or right-padded."""
+    without padding (``packed``, --use-remove-padding) or right-padded; with ``dynamic_bsz``
+    (--use-dynamic-bsz) and a token budget, DP shares balanced by tokens and micro-batches of at
+    most that many tokens."""
 
-    def __init__(self, engines: Dict, micro_batch_size: int, packed: bool, seq_multiple: int, pad_id: int):
+    def __init__(self, engines: Dict, micro_batch_size: int, packed: bool, seq_multiple: int, pad_id: int,
+                 dynamic_bsz: bool = False):
         self.engines, self.micro_batch_size, self.packed = engines, micro_batch_size, packed
-        self.seq_multiple, self.pad_id = seq_multiple, pad_id
+        self.seq_multiple, self.pad_id, self.dynamic_bsz = seq_multiple, pad_id, dynamic_bsz
 
-    def contexts(self, batch: RolloutBatch, jobs: List[Tuple[str, object]]) -> List[StageContext]:
-        """A StageContext per (role, forward_step) job over its model's DP share of ``batch``."""
+    def contexts(self, batch: RolloutBatch, jobs: List[Tuple[str, object]],
+                 token_budget: Optional[int] = None) -> List[StageContext]:
+        """A StageContext per (role, forward_step) job over its model's DP share of ``batch``
+        (``token_budget``: --ppo-max-token-len-per-gpu or --log-prob-max-token-len-per-gpu)."""
         mbs, packed = self.micro_batch_size, self.packed
+        token_budget = token_budget if self.dynamic_bsz else None
         contexts = []
         for role, fn in jobs:
             eng = self.engines[role]
-            share = batch.share_for(eng.layout)
-            mbatches = share.micro_batches(mbs, packed=packed, seq_multiple=self.seq_multiple,
-                                           pad_id=self.pad_id)
+            order = batch.share_rows(eng.layout, balance=token_budget is not None)
+            mbatches = batch.rows(order).micro_batches(mbs, packed=packed, seq_multiple=self.seq_multiple,
+                                                       pad_id=self.pad_id, token_budget=token_budget)
+            if token_budget is not None:
+                order = order[torch.cat([mb["rows"] for mb in mbatches])]
             seq, rows = batch.tokens.shape[1], mbs
             if packed:  # [1, T] micro-batches of their own lengths: stages exchange the shapes
                 seq, rows = max(mb["tokens"].shape[1] for mb in mbatches), 1
-            if eng.member:
-                eng.config.variable_seq_lengths = packed and eng.layout.plan.P > 1
-            contexts.append(StageContext(eng, fn, iter(mbatches), share.size // mbs, seq, rows))
+            if eng.member:  # equal packed lengths (e.g. every response at the cap): no shape exchange
+                eng.config.variable_seq_lengths = (packed and eng.layout.plan.P > 1
+                                                   and len({mb["tokens"].shape[1] for mb in mbatches}) > 1)
+            contexts.append(StageContext(eng, fn, iter(mbatches), len(mbatches), seq, rows,
+                                         rows=order if token_budget is not None else None))
         return contexts
 
 
@@ -68,11 +80,12 @@ class ScoringStage:
         """Collective: the scored fields on every rank; raises NonFiniteError on a NaN/inf output."""
         ppo, f = self.cfg.ppo, batch.fields
         jobs = self.jobs(batch.max_new_tokens)
-        outs = run_stage(self.micro.contexts(batch, jobs), forward_only=True, placement=self.cfg.score_placement)
+        contexts = self.micro.contexts(batch, jobs, ppo.log_prob_max_token_len_per_gpu)
+        outs = run_stage(contexts, forward_only=True, placement=self.cfg.score_placement)
         stats = {}
-        for (role, _), out in zip(jobs, outs):
+        for (role, _), out, ctx in zip(jobs, outs, contexts):
             for key, name in SCORED_FIELDS[role]:
-                value = gather_outputs(out, key, self.engines[role], batch)
+                value = gather_outputs(out, key, self.engines[role], batch, ctx.rows)
                 if role == "reward":  # a reward model's scores follow --on-bad-reward like a function's
                     stats["bad_rewards"] = self.rewards.take_model_scores(batch, value, iteration)
                 else:

@@ -80,7 +80,8 @@ class TrainingStage:
                 for eng in trained:
                     if eng.member:
                         eng.zero_grad()
-                contexts = self.micro.contexts(batch.rows(perm[s:s + ppo.mini_batch_size]), jobs)
+                contexts = self.micro.contexts(batch.rows(perm[s:s + ppo.mini_batch_size]), jobs,
+                                               ppo.ppo_max_token_len_per_gpu)
                 outs = run_stage(contexts, forward_only=False, placement=self.cfg.train_placement)
                 outs = [out if self._owner(eng) else [] for eng, out in zip(trained, outs)]
                 where = f"training stage, PPO epoch {epoch + 1}, mini-batch {k + 1} of {per_epoch}"
