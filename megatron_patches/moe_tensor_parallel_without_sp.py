@@ -8,10 +8,10 @@ Reason: ``MoELayer.forward`` raises "performance may degrade if MoE and tensor p
 enabled without also enabling sequence parallelism" whenever a MoE layer trains at T > 1 without
 ``--sequence-parallel``, and puzzle's local layer spec cannot run sequence parallelism (its norms
 refuse it). The guard is not only about speed: megatron's routers and token dispatchers assume
-sequence-parallel input when T > 1. Fed the whole sequence on every tensor-parallel rank, the
-dispatchers gather the T identical copies of each token (ETP > 1) or the expert data-parallel
-gradient sum adds them (ETP = 1), so expert gradients come out T times too large, and the
-load-balancing loss counts every token T times.
+sequence-parallel input when T > 1. Fed the whole sequence on every tensor-parallel rank (the
+guard skipped, nothing else changed), the dispatchers gather the T identical copies of each token
+(ETP > 1) or the expert data-parallel gradient sum adds them (ETP = 1): the tiny MoE PPO run's
+gradient norms at T = 2 then differ from T = 1's by 0.5%.
 
 The patch runs each MoE layer that trains at T > 1 without sequence parallelism exactly as it
 runs under sequence parallelism: the layer's input is split along the sequence over the
@@ -19,9 +19,12 @@ attention tensor-parallel group (the backward gathers the gradients), the unmodi
 routes, dispatches, computes and combines this rank's share of the tokens, and the output is
 gathered along the sequence (the backward keeps this rank's share of the gradient, which every
 tensor-parallel rank holds whole). A sequence length that T does not divide is padded with zero
-tokens, masked out of the load-balancing loss, whose outputs are dropped. Routers then see a share of the tokens, so their weight
-gradients are partial sums; as megatron does for sequence-parallel routers, ``finalize_model_grads``
-sums them over the tensor-parallel group. Layers that do not train, T = 1, and models built with
+tokens, masked out of the load-balancing loss, whose outputs are dropped. Routers then see a
+share of the tokens, so their weight gradients are partial sums; as megatron does for
+sequence-parallel routers, ``finalize_model_grads`` sums them over the tensor-parallel group.
+Experts at E = ETP = 1 are whole on every tensor-parallel rank: their gradients are summed over
+those ranks because puzzle.training.engine puts them in megatron's expert gradient buffers
+(reduced over the expert data-parallel group, which spans them) at every E. Layers that do not train, T = 1, and models built with
 sequence parallelism run megatron's code unchanged.
 
 Remove when: puzzle's layer spec runs sequence parallelism (then train MoE at T > 1 with

@@ -1,6 +1,6 @@
 """The tiny MoE run trained at tensor parallelism T = 2 without sequence parallelism (each
-tensor-parallel rank routing its share of the sequence, experts split over ETP = 2) gives the
-metrics of the run at T = 1, up to fp32 reduction order. Checked in the 4-rank world of
+tensor-parallel rank routing its share of the sequence; the actor's experts split over E = ETP = 2,
+the critic's whole at E = ETP = 1) gives the metrics of the run at T = 1 and E = 2, up to fp32 reduction order. Checked in the 4-rank world of
 tests/distributed/worlds/moe_switch.py."""
 
 import pytest
@@ -17,7 +17,7 @@ def world():
 def test_tiny_moe_run_at_tensor_parallel_2_matches_tensor_parallel_1(world):
     run = world[0]["tiny_run"]
     assert run["tensor_parallel_plans"]["actor"] == "(P=1, D=2, T=2, E=2) ETP=2"
-    assert run["tensor_parallel_plans"]["critic"] == "(P=1, D=2, T=2, E=2) ETP=2"
+    assert run["tensor_parallel_plans"]["critic"] == "(P=1, D=2, T=2, E=1, ETP=1) ETP=1"
     straight, tensor_parallel = run["straight"], run["tensor_parallel"]
     assert [r["iteration"] for r in tensor_parallel] == [1, 2]
     # the straight run trains at (1, 4, 1, E=2); the load-balancing loss and both gradient norms
