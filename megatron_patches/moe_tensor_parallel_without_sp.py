@@ -24,8 +24,8 @@ share of the tokens, so their weight gradients are partial sums; as megatron doe
 sequence-parallel routers, ``finalize_model_grads`` sums them over the tensor-parallel group.
 Experts at E = ETP = 1 are whole on every tensor-parallel rank: their gradients are summed over
 those ranks because puzzle.training.engine puts them in megatron's expert gradient buffers
-(reduced over the expert data-parallel group, which spans them) at every E. Layers that do not train, T = 1, and models built with
-sequence parallelism run megatron's code unchanged.
+(reduced over the expert data-parallel group, which spans them) at every E. Layers that do not
+train, T = 1, and models built with sequence parallelism run megatron's code unchanged.
 
 Remove when: puzzle's layer spec runs sequence parallelism (then train MoE at T > 1 with
 ``--sequence-parallel`` instead), or megatron-core splits the tokens itself without it.

@@ -1,7 +1,7 @@
 """The tiny MoE run trained at tensor parallelism T = 2 without sequence parallelism (each
 tensor-parallel rank routing its share of the sequence; the actor's experts split over E = ETP = 2,
-the critic's whole at E = ETP = 1) gives the metrics of the run at T = 1 and E = 2, up to fp32 reduction order. Checked in the 4-rank world of
-tests/distributed/worlds/moe_switch.py."""
+the critic's whole at E = ETP = 1) gives the metrics of the run at T = 1 and E = 2, up to fp32
+reduction order. Checked in the 4-rank world of tests/distributed/worlds/moe_switch.py."""
 
 import pytest
 

@@ -126,7 +126,8 @@ def test_expert_optimizer_state_resumes_across_e1():
         return _expert_optimizer_problems(cfg, "actor", saved)
 
     def saved(e, mark=True):
-        return {"plan": {"P": 1, "D": 4, "T": 1, "E": e}} | ({"experts_optimizer": EXPERTS_OWN_OPTIMIZER} if mark else {})
+        mark = {"experts_optimizer": EXPERTS_OWN_OPTIMIZER} if mark else {}
+        return {"plan": {"P": 1, "D": 4, "T": 1, "E": e}} | mark
 
     for e in (1, 2):
         assert problems(saved(e), "--expert-model-parallel-size", "4") == []
