@@ -18,6 +18,9 @@ Patches:
   arrays (CPU only).
 - ``cpu_backward_devices``: megatron's tensor-parallel gathers, reduce-scatters and all-to-all
   allocate on the CPU in backward passes (MoE dispatchers; CPU only).
+- ``moe_tensor_parallel_without_sp``: MoE layers train at T > 1 without sequence parallelism, each
+  tensor-parallel rank routing its share of the sequence as under sequence parallelism (the
+  routers' partial gradients summed over the tensor-parallel group); CPU and GPU.
 - ``gloo_cuda_tensors``: sends and receives of CUDA tensors over gloo groups go through host memory,
   and DDP's coalesced bucket collectives run one by one on gloo groups, so several ranks can share
   one GPU (``--distributed-backend gloo``; GPU only).
@@ -66,7 +69,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     global _applied
     check_version()
     from megatron_patches import (cpu_backend, cpu_backward_devices, distrib_optimizer_step, gloo_cuda_tensors,
-                                  moe_alltoall_cpu, moe_router_without_te, tied_embedding_checkpoint)
+                                  moe_alltoall_cpu, moe_router_without_te, moe_tensor_parallel_without_sp,
+                                  tied_embedding_checkpoint)
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
     result = {"cpu_backend": False, "moe_alltoall_cpu": False, "cpu_backward_devices": False,
@@ -87,6 +91,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     result["tied_embedding_checkpoint"] = True
     moe_router_without_te.apply()
     result["moe_router_without_te"] = True
+    moe_tensor_parallel_without_sp.apply()
+    result["moe_tensor_parallel_without_sp"] = True
     _applied = True
     return result
 

@@ -559,19 +559,12 @@ def _check_token_budget(ppo, roles):
 
 
 def _check_moe_paths(args, roles, transformer_impl: str) -> None:
-    """Mixture-of-experts models run generation, scoring and training (T = 1 when trained); the
-    paths not built for them yet are refused here, before anything is allocated."""
+    """Mixture-of-experts models run generation, scoring and training (also at T > 1 without
+    sequence parallelism: megatron_patches.moe_tensor_parallel_without_sp); the paths not built
+    for them yet are refused here, before anything is allocated."""
     moe = [r for r, spec in roles.items() if spec.arch.is_moe]
     if not moe:
         return
-    for role in moe:
-        spec = roles[role]
-        prefix = "" if role == "actor" else f"{role}-"
-        if ROLES[role].trainable and (spec.plan.T > 1 or spec.plan.ETP > 1):
-            _fail(f"--{prefix}tensor-model-parallel-size/--{prefix}expert-tensor-parallel-size",
-                  f"training the MoE {role} at {spec.plan} needs T = ETP = 1: megatron-core trains MoE layers "
-                  "with T > 1 only under --sequence-parallel, which the local layer spec does not support; "
-                  "split the experts with --expert-model-parallel-size instead")
     if args.cuda_graph_generation:
         _fail("--cuda-graph-generation", "MoE layers' token dispatchers synchronise with the host: "
                                          "not captured in CUDA graphs yet")

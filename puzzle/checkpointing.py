@@ -120,6 +120,8 @@ def run_metadata(cfg) -> dict:
                        "gen_plan": _plan_dict(spec.gen_plan), "trainable": bool(spec.trainable)}
         if not spec.trainable:
             roles[role]["source"] = _role_source(cfg, role)
+        elif spec.arch.is_moe:  # puzzle.training.engine: the experts' optimizer apart at every E
+            roles[role]["experts_optimizer"] = EXPERTS_OWN_OPTIMIZER
     return {"format": FORMAT, "puzzle_version": puzzle.__version__, "world_size": cfg.world_size,
             "seed": cfg.seed, "roles": roles,
             "optimizer": {"use_distributed_optimizer": bool(cfg.optim.use_distributed_optimizer),
@@ -255,19 +257,24 @@ def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optiona
     return it
 
 
+#: run_metadata's mark of a MoE role whose experts' optimizer state is apart from the dense one at
+#: every E (checkpoints from before it kept the experts in the dense optimizer at E = 1)
+EXPERTS_OWN_OPTIMIZER = "own"
+
+
 def _expert_optimizer_problems(cfg, role: str, saved: dict) -> List[str]:
-    """megatron keeps the optimizer state of experts split over E > 1 ranks in an optimizer of
-    their own (a chained optimizer), and of experts at E = 1 in the dense one: the optimizer state
-    of a MoE model resumes between layouts on the same side of E = 1 only."""
+    """Trained MoE models keep their experts' optimizer state in an optimizer of their own at
+    every E (puzzle.training.engine), so it resumes at any E. Checkpoints saved at E = 1 before
+    that (no experts_optimizer mark) hold the experts in the dense optimizer: their optimizer state
+    does not resume, their weights do (--no-load-optim). At E > 1 megatron always kept experts apart."""
     spec = cfg.roles[role]
     if not (spec.trainable and spec.arch.is_moe and getattr(cfg, "load_optim", True)):
         return []
     was = (saved.get("plan") or {}).get("E", 1)
-    if (was > 1) == (spec.plan.E > 1):
+    if was > 1 or saved.get("experts_optimizer") == EXPERTS_OWN_OPTIMIZER:
         return []
-    return [f"role {role}: saved with E={was} ({'its experts in an optimizer of their own' if was > 1 else 'one optimizer'}), "
-            f"this run has E={spec.plan.E}: megatron-core keeps the experts' optimizer state in a separate "
-            f"optimizer only when E > 1, so the optimizer state resumes at E {'> 1' if was > 1 else '= 1'} only; "
+    return [f"role {role}: saved at E=1 with its experts' optimizer state inside the dense optimizer "
+            f"(an earlier puzzle); this run keeps the experts in an optimizer of their own at every E: "
             f"resume the weights alone with --no-load-optim"]
 
 

@@ -16,6 +16,7 @@ import torch
 
 from puzzle.config import ModelArch, OptimConfig, Recompute  # noqa: F401  (OptimConfig: imported from here too)
 from puzzle.models.builders import build_role_model
+from puzzle.models.init import is_expert_param
 from puzzle.parallel.groups import Layout
 
 
@@ -67,6 +68,7 @@ class ModelEngine:
             use_distributed_optimizer=optim.use_distributed_optimizer,
             check_for_nan_in_grad=False,  # puzzle.training.nonfinite checks, names and may skip
         )
+        _experts_in_their_own_optimizer(self.module)
         self.model = DistributedDataParallel(self.config, ddp_config, self.module,
                                              pg_collection=pgc)
         opt_config = OptimizerConfig(
@@ -158,3 +160,16 @@ def build_role_engines(cfg) -> dict:
             load_hf_into_model(engines[role].module, spec.arch, role, spec.hf_path,
                                allow_missing_head=spec.description.allow_missing_head)
     return engines
+
+
+def _experts_in_their_own_optimizer(module) -> None:
+    """megatron marks expert parameters as not all-reduced over the data-parallel group only when
+    E > 1: their gradients then live in buffers of their own, reduced over the expert
+    data-parallel group, and get_megatron_optimizer gives them an optimizer of their own. Marked
+    at E = 1 too (the expert data-parallel group then spans the ranks holding the same experts),
+    a MoE model's optimizer has the same parts at every E, so its state resumes across E = 1.
+    Dense models have no expert parameters: nothing changes for them."""
+    for name, param in module.named_parameters():
+        if is_expert_param(name):
+            param.allreduce = False
+

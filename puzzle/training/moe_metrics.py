@@ -5,6 +5,9 @@ records the unscaled ``aux_loss`` of every training forward pass in a process-wi
 (``moe_utils.get_moe_layer_wise_logging_tracker``): per loss name, a tensor summed over the
 forward passes, one entry per layer. ``moe_aux_loss_metrics`` turns it into the mean loss per MoE
 layer and training micro-batch over every rank and trained MoE model, then clears the tracker.
+At T > 1 each tensor-parallel rank routes its share of the sequence
+(megatron_patches.moe_tensor_parallel_without_sp) and records its part of the loss: the T parts
+sum to the micro-batch's loss, counted once per tensor-parallel group.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def moe_aux_loss_metrics(engines: Iterable, rows: int, epochs: int, micro_batch_
                 if name in _NAMES)
     calls = 0
     for e in engines:
-        if e.member:
+        if e.member and e.layout.t == 0:  # a micro-batch's loss: the sum of its T ranks' parts
             layers = [i for i in range(e.arch.num_layers) if e.arch.is_moe_layer(i)]
             on_stage = sum(1 for i in layers if _stage_of(i, e) == e.layout.p)
             calls += on_stage * epochs * rows // (e.layout.plan.D * micro_batch_size)

@@ -111,22 +111,32 @@ def test_moe_actor_may_generate_at_another_expert_layout():
         assert (str(actor.plan), str(actor.gen_plan)) == ("(P=1, D=4, T=1, E=2)", want), gen
 
 
-def test_expert_optimizer_state_resumes_on_its_side_of_e1():
-    """megatron keeps experts' optimizer state apart only when E > 1: a checkpoint's optimizer
-    state resumes between E > 1 layouts or at E = 1 alone; --no-load-optim takes the weights."""
+def test_expert_optimizer_state_resumes_across_e1():
+    """Experts keep an optimizer of their own at every E: a checkpoint's optimizer state resumes at
+    any E; one saved at E = 1 without the mark (experts in the dense optimizer) takes
+    --no-load-optim."""
     from types import SimpleNamespace
 
-    from puzzle.checkpointing import _expert_optimizer_problems
+    from puzzle.checkpointing import EXPERTS_OWN_OPTIMIZER, _expert_optimizer_problems, run_metadata
     from tests.unit.test_moe import _run_cfg
 
-    def problems(saved_e, *flags, load_optim=True):
+    def problems(saved, *flags, load_optim=True):
         cfg = _run_cfg(*flags)
         cfg = SimpleNamespace(roles=cfg.roles, load_optim=load_optim)
-        return _expert_optimizer_problems(cfg, "actor", {"plan": {"P": 1, "D": 4, "T": 1, "E": saved_e}})
+        return _expert_optimizer_problems(cfg, "actor", saved)
 
-    assert problems(2, "--expert-model-parallel-size", "4") == []
-    assert problems(1) == []
-    (msg,) = problems(2)
-    assert "role actor: saved with E=2" in msg and "this run has E=1" in msg and "--no-load-optim" in msg
-    assert problems(1, "--expert-model-parallel-size", "2")[0].startswith("role actor: saved with E=1")
-    assert problems(2, load_optim=False) == []
+    def saved(e, mark=True):
+        mark = {"experts_optimizer": EXPERTS_OWN_OPTIMIZER} if mark else {}
+        return {"plan": {"P": 1, "D": 4, "T": 1, "E": e}} | mark
+
+    for e in (1, 2):
+        assert problems(saved(e), "--expert-model-parallel-size", "4") == []
+        assert problems(saved(e)) == []
+        assert problems(saved(2, mark=False)) == []  # megatron kept experts apart at E > 1
+    (msg,) = problems(saved(1, mark=False), "--expert-model-parallel-size", "2")
+    assert msg.startswith("role actor: saved at E=1") and "--no-load-optim" in msg
+    assert problems(saved(1, mark=False), load_optim=False) == []
+    # checkpoints mark their trained MoE roles (the frozen reference has no optimizer)
+    roles = run_metadata(_run_cfg())["roles"]
+    assert [r.get("experts_optimizer") for r in (roles["actor"], roles["critic"], roles["ref"])] == [
+        EXPERTS_OWN_OPTIMIZER, EXPERTS_OWN_OPTIMIZER, None]

@@ -3,6 +3,10 @@
 * the switch: a MoE actor moved between (P, D, T, E) layouts equals the model built at the
   destination (bitwise), each rank receiving exactly the bytes it lacks, also overlapped with
   the optimizer step;
+* the tiny MoE PPO run saved at E = 2 and resumed with the actor and critic at E = 1, optimizer
+  state included (experts keep an optimizer of their own at every E), repeats iteration 2 exactly;
+* the tiny MoE PPO run trained at T = 2 without sequence parallelism (the actor's experts split over
+  ETP = 2, the critic's whole at E = ETP = 1) for the straight run's iterations, to compare with it;
 * the tiny MoE PPO run, saved after its first iteration and resumed with every model at another
   (P, D, E) layout and the actor generating through the switch at yet another (P, D, E), repeats
   the straight run's second iteration exactly (the switch moving the lower bound of bytes).
@@ -96,6 +100,14 @@ RESUMED = ["--pipeline-model-parallel-size", "2", "--actor-gen-pipeline-model-pa
            "--actor-gen-tensor-model-parallel-size", "1", "--actor-gen-expert-model-parallel-size", "1",
            "--critic-expert-model-parallel-size", "4",
            "--ref-pipeline-model-parallel-size", "1", "--ref-expert-model-parallel-size", "1"]
+#: resumed with the actor and critic (and their optimizer state) at E = 1
+AT_E1 = ["--expert-model-parallel-size", "1", "--critic-expert-model-parallel-size", "1"]
+#: the actor trained at (P, D, T, E) = (1, 2, 2, 2) with ETP = T = 2 (the dispatcher gathers over T), the
+#: critic at (1, 2, 2, 1) with ETP = 1 (its experts whole on both tensor-parallel ranks, their gradients
+#: reduced over them): each tensor-parallel rank routes its share of the sequence
+#: (megatron_patches.moe_tensor_parallel_without_sp)
+TENSOR_PARALLEL = ["--tensor-model-parallel-size", "2", "--critic-tensor-model-parallel-size", "2",
+                   "--critic-expert-model-parallel-size", "1", "--critic-expert-tensor-parallel-size", "1"]
 
 
 def check_tiny_run():
@@ -108,14 +120,29 @@ def check_tiny_run():
         ckpt = runtime().broadcast_object(d)
         straight = train_in_world(tiny_flags() + MOE_RUN + ["--save", ckpt, "--save-interval", "1"])
         resumed = train_in_world(tiny_flags() + MOE_RUN + RESUMED + ["--load", ckpt, "--ckpt-step", "1"])
+        at_e1 = train_in_world(tiny_flags() + MOE_RUN + AT_E1 + ["--load", ckpt, "--ckpt-step", "1"])
+    tensor_parallel = train_in_world(tiny_flags() + MOE_RUN + TENSOR_PARALLEL)
     args = parse_args(tiny_flags() + MOE_RUN + RESUMED)
     vocab = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
     roles = validate_args(args, dist.get_world_size(), vocab).roles
     actor = roles["actor"]
     table = routing_table_for(actor.arch, "actor", actor.plan, actor.gen_plan)
     return {"straight": straight["rows"], "resumed": resumed["rows"], "switch": resumed["switch"],
+            "tensor_parallel": tensor_parallel["rows"], "at_e1": at_e1["rows"],
+            "at_e1_plans": _plans(tiny_flags() + MOE_RUN + AT_E1),
+            "tensor_parallel_plans": _plans(tiny_flags() + MOE_RUN + TENSOR_PARALLEL),
             "plans": {r: str(s.plan) for r, s in roles.items()} | {"actor_gen": str(actor.gen_plan)},
             "lower_bound": max(table.bytes_lacking(r) for r in range(dist.get_world_size()))}
+
+
+def _plans(argv) -> dict:
+    """{role: its training or scoring plan with its ETP} of the run ``argv``."""
+    from puzzle.arguments import parse_args, validate_args
+    from puzzle.data.tokenizers import build_tokenizer
+
+    args = parse_args(argv)
+    vocab = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+    return {r: f"{s.plan} ETP={s.plan.ETP}" for r, s in validate_args(args, dist.get_world_size(), vocab).roles.items()}
 
 
 if __name__ == "__main__":
