@@ -40,7 +40,7 @@ from pathlib import Path
 
 PAIRS = [((4, 1, 1), (2, 1, 2)), ((2, 1, 2), (1, 1, 4)), ((1, 2, 2), (1, 1, 4)), ((2, 2, 1), (1, 2, 2))]
 PAIRS = PAIRS + [(d, s) for s, d in PAIRS]
-#: mixture of experts, (P, D, T, E) training layouts (T = 1: MoE trains at T = ETP = 1) -> generation
+#: mixture of experts, (P, D, T, E) training layouts (T = 1) -> generation
 #: layouts of another E
 MOE_PAIRS = [((1, 4, 1, 4), (1, 4, 1, 1)), ((1, 4, 1, 2), (2, 2, 1, 1)), ((1, 4, 1, 2), (1, 1, 4, 1)),
              ((1, 4, 1, 4), (1, 2, 2, 2)), ((2, 2, 1, 2), (1, 4, 1, 4))]

@@ -127,7 +127,7 @@ def test_decode_reads_the_experts_touched():
 
 def test_candidate_plans_search_E():
     plans, _ = candidate_plans(MOE, 8, 0, W, "training", 8)
-    assert {(q.T, q.ETP) for q in plans} == {(1, 1)}  # megatron-core trains MoE layers at T = ETP = 1 here
+    assert {(q.T, q.ETP) for q in plans} == {(1, 1)}  # the search trains MoE layers at T = ETP = 1 only
     assert {q.E for q in plans if q.P == 1} == {1, 2, 4, 8}
     assert all(q.D * q.T % (q.E * q.ETP) == 0 and MOE.num_experts % q.E == 0 for q in plans)
     scoring, _ = candidate_plans(MOE, 8, 0, W, "scoring", 8)
