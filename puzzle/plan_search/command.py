@@ -106,8 +106,9 @@ def stage_estimate(cfg, profile) -> Dict[str, float]:
                          {"scoring": cfg.score_placement, "training": cfg.train_placement})
 
 
-def print_dry_run(cfg, profile, out=sys.stdout) -> bool:
-    """Print the dry-run report; returns whether every rank fits its device."""
+def print_dry_run(cfg, profile, out=None) -> bool:
+    """Print the dry-run report (to ``out``, default the current sys.stdout); returns whether every
+    rank fits its device."""
     reports = memory_estimate(cfg, profile)
     print(f"dry run: every flag is valid; world size {cfg.world_size}; profile {profile.name}", file=out)
     for role, spec in cfg.roles.items():

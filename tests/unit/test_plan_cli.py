@@ -68,19 +68,33 @@ def test_plan_flags_refuse_generation_on_other_ranks():
         plan_flags({"plans": {"actor": {"training": "bogus"}}})
 
 
-def _script(*extra):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(["bash", str(REPO / "examples/run_ppo_7b.sh"), "--dry-run", *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def _script_command(tmp_path, *extra):
+    """The train_ppo.py flags that examples/run_ppo_7b.sh --dry-run EXTRA runs: the script itself
+    runs, with a ``python3`` on its PATH that records its arguments instead of starting."""
+    shim, record = tmp_path / "bin", tmp_path / "argv"
+    shim.mkdir(exist_ok=True)
+    (shim / "python3").write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > "{record}"\n')
+    (shim / "python3").chmod(0o755)
+    env = dict(os.environ, PATH=f"{shim}{os.pathsep}{os.environ['PATH']}")
+    subprocess.run(["bash", str(REPO / "examples/run_ppo_7b.sh"), "--dry-run", *extra], cwd=REPO, env=env,
+                   check=True, timeout=60)
+    argv = record.read_bytes().decode().split("\0")[:-1]
+    assert argv[0] == "train_ppo.py"
+    return argv[1:]
 
 
-def test_dry_run_of_the_7b_script_on_a_cpu_machine():
-    proc = _script()
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "dry run: every flag is valid; world size 8" in proc.stdout
-    assert "per-device memory estimate" in proc.stdout and "DOES NOT FIT" not in proc.stdout
-    proc = _script("--rollout-batch-size", "1024", "--global-batch-size", "128",
-                   "--inference-dynamic-batching-buffer-size-gb", "70")
-    assert proc.returncode == 3 and "exceeds device memory" in proc.stdout
-    proc = _script("--tensor-model-parallel-size", "3")
-    assert proc.returncode == 2 and "--tensor-model-parallel-size" in proc.stderr
+def test_dry_run_of_the_7b_script_on_a_cpu_machine(tmp_path, monkeypatch, capfd):
+    """The script's own command, run in this process as train_ppo.py would run it."""
+    from puzzle import cli
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert cli.run(_script_command(tmp_path)) == 0
+    out = capfd.readouterr().out
+    assert "dry run: every flag is valid; world size 8" in out
+    assert "per-device memory estimate" in out and "DOES NOT FIT" not in out
+    assert cli.run(_script_command(tmp_path, "--rollout-batch-size", "1024", "--global-batch-size", "128",
+                                   "--inference-dynamic-batching-buffer-size-gb", "70")) == 3
+    assert "exceeds device memory" in capfd.readouterr().out
+    assert cli.run(_script_command(tmp_path, "--tensor-model-parallel-size", "3")) == 2
+    assert "--tensor-model-parallel-size" in capfd.readouterr().err
