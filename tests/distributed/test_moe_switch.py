@@ -7,7 +7,7 @@ import pytest
 from tests.harness import assert_same_metrics, run_world
 
 #: generation's own log-probs against scoring's: fp32 rounding differs between generation
-#: layouts (the same bound as tests/e2e/test_tiny_moe.py)
+#: layouts (the same bound as tests/distributed/test_vocab_rows.py's)
 LOGPROB_DIFF = ("gen_score_logprob_diff_mean", "gen_score_logprob_diff_max")
 
 
@@ -49,5 +49,19 @@ def test_tiny_moe_run_resumed_at_other_layouts_through_the_switch(world):
     assert_same_metrics(resumed, straight, keys=norms, rel=1e-6)
     assert resumed[2]["switch_bytes_max_rank"] == run["lower_bound"] > 0
     for row in (straight[2], resumed[2]):
+        assert 0 <= row["gen_score_logprob_diff_mean"] <= row["gen_score_logprob_diff_max"] <= 2e-6, row
+        assert 0.5 < row["moe_aux_loss"] < 4.0
+
+
+def test_tiny_moe_run_at_two_expert_layouts_agrees(world):
+    """The tiny MoE run's first iteration with every model's experts split over E = 2 ranks and
+    whole (E = 1): the same generation, rewards, scores, losses and aux loss, the gradient norms up
+    to fp32 reduction order (at E = 2 an expert's gradient sums tokens of other ranks)."""
+    run = world[0]["tiny_run"]
+    e2, e1 = {1: run["straight"][0]}, {1: run["from_scratch_at_e1"][0]}
+    norms = ("actor_grad_norm", "critic_grad_norm")
+    assert_same_metrics(e1, e2, skip=norms + LOGPROB_DIFF)
+    assert_same_metrics(e1, e2, keys=norms, rel=1e-5)
+    for row in (e1[1], e2[1]):
         assert 0 <= row["gen_score_logprob_diff_mean"] <= row["gen_score_logprob_diff_max"] <= 2e-6, row
         assert 0.5 < row["moe_aux_loss"] < 4.0

@@ -122,6 +122,7 @@ def check_tiny_run():
         resumed = train_in_world(tiny_flags() + MOE_RUN + RESUMED + ["--load", ckpt, "--ckpt-step", "1"])
         at_e1 = train_in_world(tiny_flags() + MOE_RUN + AT_E1 + ["--load", ckpt, "--ckpt-step", "1"])
     tensor_parallel = train_in_world(tiny_flags() + MOE_RUN + TENSOR_PARALLEL)
+    from_scratch_at_e1 = train_in_world(tiny_flags() + MOE_RUN + AT_E1 + ["--train-iters", "1"])
     args = parse_args(tiny_flags() + MOE_RUN + RESUMED)
     vocab = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
     roles = validate_args(args, dist.get_world_size(), vocab).roles
@@ -129,6 +130,7 @@ def check_tiny_run():
     table = routing_table_for(actor.arch, "actor", actor.plan, actor.gen_plan)
     return {"straight": straight["rows"], "resumed": resumed["rows"], "switch": resumed["switch"],
             "tensor_parallel": tensor_parallel["rows"], "at_e1": at_e1["rows"],
+            "from_scratch_at_e1": from_scratch_at_e1["rows"],
             "at_e1_plans": _plans(tiny_flags() + MOE_RUN + AT_E1),
             "tensor_parallel_plans": _plans(tiny_flags() + MOE_RUN + TENSOR_PARALLEL),
             "plans": {r: str(s.plan) for r, s in roles.items()} | {"actor_gen": str(actor.gen_plan)},
