@@ -34,10 +34,7 @@ _NAMES = ("send", "recv", "isend", "irecv")
 
 def _staged(tensor, group) -> bool:
     """Whether a message of ``tensor`` on ``group`` must go through host memory."""
-    import torch.distributed as dist
-
-    return (torch.is_tensor(tensor) and tensor.is_cuda
-            and dist.get_backend(group) == dist.Backend.GLOO)
+    return torch.is_tensor(tensor) and tensor.is_cuda and _on_gloo(group)
 
 
 def _fill(target: torch.Tensor, host: torch.Tensor) -> None:
@@ -104,6 +101,7 @@ def _group_of(args, kwargs):
 
 
 def _on_gloo(group) -> bool:
+    """Whether ``group`` (None: the world) runs on gloo."""
     import torch.distributed as dist
 
     return dist.get_backend(group) == dist.Backend.GLOO
