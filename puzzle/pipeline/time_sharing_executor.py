@@ -170,117 +170,134 @@ def run_time_shared(contexts: Sequence[Any], forward_only: bool, *, time_shared:
     st.P = P
     if P == 1:
         return _run_no_pipelining(contexts, forward_only, st)
+    return _Stream(contexts, forward_only, time_shared, memory_guard, st).run()
 
-    from megatron.core.pipeline_parallel.schedules import (backward_step,
-                                                           clear_embedding_activation_buffer,
-                                                           deallocate_output_tensor,
-                                                           finish_embedding_wgrad_compute,
-                                                           forward_step)
 
-    ctxs = [_Ctx(c, forward_only) for c in contexts]
-    pp_group = ctxs[0].p2p.pp_group
-    stage = pp_group.rank()
-    first, last = stage == 0, stage == P - 1
-    st.stage = stage
-    specs = [ContextSpec(f"{k}:{c.engine.role}", c.num_microbatches, forward_only)
-             for k, c in enumerate(contexts)]
-    weights = _weights(contexts)
-    if time_shared and memory_guard and not forward_only and not _guard_ok(P, specs, weights):
-        time_shared = False
-    st.mode = "time-shared" if time_shared else "sequential"
-    program = executor_program(P, stage, specs, time_shared=time_shared)
-    acts = [a for a in program if isinstance(a, Action)]
-    st.expected_peak = peak_in_flight(acts)
-    st.sequential_peak = peak_in_flight(sequential_schedule(P, stage, specs))
+class _Stream:
+    """One rank's execution of a stream's program (P > 1): the FIFO of forwards awaiting their
+    backward, the tensors in transit between the program's compute and P2P steps, the counters."""
 
-    if not forward_only:
-        for c in ctxs:
-            if c.config.finalize_model_grads_func is not None:
-                c.embedding_module = clear_embedding_activation_buffer(c.config, c.model, last)
-            c.disable_grad_sync()
+    def __init__(self, contexts, forward_only: bool, time_shared: bool, memory_guard: bool,
+                 st: ExecStats):
+        self.ctxs = [_Ctx(c, forward_only) for c in contexts]
+        self.forward_only = forward_only
+        self.st = st
+        P = st.P
+        self.stage = self.ctxs[0].p2p.pp_group.rank()
+        self.first, self.last = self.stage == 0, self.stage == P - 1
+        st.stage = self.stage
+        specs = [ContextSpec(f"{k}:{c.engine.role}", c.num_microbatches, forward_only)
+                 for k, c in enumerate(contexts)]
+        self.weights = _weights(contexts)
+        if time_shared and memory_guard and not forward_only and not _guard_ok(P, specs, self.weights):
+            time_shared = False
+        st.mode = "time-shared" if time_shared else "sequential"
+        self.program = executor_program(P, self.stage, specs, time_shared=time_shared)
+        st.expected_peak = peak_in_flight([a for a in self.program if isinstance(a, Action)])
+        st.sequential_peak = peak_in_flight(sequential_schedule(P, self.stage, specs))
+        self.fifo: deque = deque()   # (context, microbatch, input_tensor, output_tensor), forward order
+        self.pending_input = None    # received input of the next forward
+        self.pending_grad = None     # received output grad of the next backward
+        self.last_output = None      # output of the latest forward (to send)
+        self.last_input_grad = None  # input grad of the latest backward (to send)
+        self.weighted = 0
 
-    fifo: deque = deque()   # (context, microbatch, input_tensor, output_tensor), forward order
-    pending_input = None    # received input of the next forward
-    pending_grad = None     # received output grad of the next backward
-    last_output = None      # output of the latest forward (to send)
-    last_input_grad = None  # input grad of the latest backward (to send)
-    weighted = 0
+    def run(self) -> List[List[Any]]:
+        from megatron.core.pipeline_parallel.schedules import clear_embedding_activation_buffer
 
-    try:
-        for step in program:
-            if isinstance(step, Action):
-                c = ctxs[step.context]
-                st.order.append(repr(step))
-                if step.kind == "F":
-                    out, ntok = forward_step(
-                        c.sc.forward_step_func, c.sc.data_iterator, c.model, c.N, pending_input,
-                        c.store, c.config, cp_group_size=c.pgc.cp.size(),
-                        collect_non_loss_data=False, checkpoint_activations_microbatch=None,
-                        is_first_microbatch=step.microbatch == 0,
-                        current_microbatch=step.microbatch, is_last_stage=last)
-                    c.total_num_tokens += ntok
-                    last_output = out
-                    if not forward_only:
-                        fifo.append((step.context, step.microbatch, pending_input, out))
-                        deallocate_output_tensor(out[0], c.config.deallocate_pipeline_outputs)
-                        st.in_flight += 1
-                        weighted += weights[step.context]
-                        st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
-                        st.peak_in_flight_weighted = max(st.peak_in_flight_weighted, weighted)
-                    else:
-                        st.peak_in_flight = max(st.peak_in_flight, 1)
-                        st.peak_in_flight_weighted = max(st.peak_in_flight_weighted,
-                                                         weights[step.context])
-                    pending_input = None
+        if not self.forward_only:
+            for c in self.ctxs:
+                if c.config.finalize_model_grads_func is not None:
+                    c.embedding_module = clear_embedding_activation_buffer(c.config, c.model, self.last)
+                c.disable_grad_sync()
+        try:
+            for step in self.program:
+                if isinstance(step, Action):
+                    self.st.order.append(repr(step))
+                    (self._forward if step.kind == "F" else self._backward)(step)
                 else:
-                    k, m, inp, out = fifo.popleft()
-                    if (k, m) != (step.context, step.microbatch):
-                        raise RuntimeError(f"executor: backward {step!r} but FIFO head is {k}.{m}")
-                    if m == c.N - 1 and (c.config.grad_sync_func is None or stage == 0):
-                        c.enable_grad_sync()
-                    last_input_grad = backward_step(inp, out, pending_grad, c.model_type, c.config)
-                    pending_grad = None
-                    st.in_flight -= 1
-                    weighted -= weights[k]
-                continue
-            assert isinstance(step, CommStep)
-            if not step.ops:  # the first/last-stage half megatron turns into a no-op
-                continue
-            k = step.recv_context if step.recv_context is not None else step.ops[0].context
-            c = ctxs[k]
-            call = step.call
-            if call == "recv_forward":
-                pending_input = c.p2p.recv_forward(c.shapes, first)
-            elif call == "send_forward":
-                c.p2p.send_forward(last_output, last)
-            elif call == "send_forward_recv_backward":
-                pending_grad = c.p2p.send_forward_recv_backward(last_output, c.shapes, last)
-            elif call == "send_backward_recv_forward":
-                pending_input = c.p2p.send_backward_recv_forward(last_input_grad, c.shapes, first)
-            elif call == "send_backward":
-                c.p2p.send_backward(last_input_grad, first)
-            elif call == "recv_backward":
-                pending_grad = c.p2p.recv_backward(c.shapes, last)
-            else:  # pragma: no cover - schedule.py only emits the calls above
-                raise RuntimeError(f"unknown P2P call {call!r}")
-        if fifo:
-            raise RuntimeError(f"executor: {len(fifo)} forwards left without backward")
-    finally:
-        for c in ctxs:  # never leave a DDP in no_sync (also on errors)
-            if c._no_sync is not None:
-                c.enable_grad_sync()
-                if c.config.grad_sync_func is not None and not forward_only:
-                    c.config.grad_sync_func(c.model.parameters())
+                    self._communicate(step)
+            if self.fifo:
+                raise RuntimeError(f"executor: {len(self.fifo)} forwards left without backward")
+        finally:
+            for c in self.ctxs:  # never leave a DDP in no_sync (also on errors)
+                if c._no_sync is not None:
+                    c.enable_grad_sync()
+                    if c.config.grad_sync_func is not None and not self.forward_only:
+                        c.config.grad_sync_func(c.model.parameters())
+        if not self.forward_only:
+            self._finalize_grads()
+        return [c.store for c in self.ctxs]
 
-    if not forward_only:
-        for c in ctxs:  # same order on every rank: finalize has collectives
+    def _forward(self, step: Action) -> None:
+        from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
+
+        c, st = self.ctxs[step.context], self.st
+        out, ntok = forward_step(
+            c.sc.forward_step_func, c.sc.data_iterator, c.model, c.N, self.pending_input,
+            c.store, c.config, cp_group_size=c.pgc.cp.size(),
+            collect_non_loss_data=False, checkpoint_activations_microbatch=None,
+            is_first_microbatch=step.microbatch == 0,
+            current_microbatch=step.microbatch, is_last_stage=self.last)
+        c.total_num_tokens += ntok
+        self.last_output = out
+        if not self.forward_only:
+            self.fifo.append((step.context, step.microbatch, self.pending_input, out))
+            deallocate_output_tensor(out[0], c.config.deallocate_pipeline_outputs)
+            st.in_flight += 1
+            self.weighted += self.weights[step.context]
+            st.peak_in_flight = max(st.peak_in_flight, st.in_flight)
+            st.peak_in_flight_weighted = max(st.peak_in_flight_weighted, self.weighted)
+        else:
+            st.peak_in_flight = max(st.peak_in_flight, 1)
+            st.peak_in_flight_weighted = max(st.peak_in_flight_weighted, self.weights[step.context])
+        self.pending_input = None
+
+    def _backward(self, step: Action) -> None:
+        from megatron.core.pipeline_parallel.schedules import backward_step
+
+        c = self.ctxs[step.context]
+        k, m, inp, out = self.fifo.popleft()
+        if (k, m) != (step.context, step.microbatch):
+            raise RuntimeError(f"executor: backward {step!r} but FIFO head is {k}.{m}")
+        if m == c.N - 1 and (c.config.grad_sync_func is None or self.stage == 0):
+            c.enable_grad_sync()
+        self.last_input_grad = backward_step(inp, out, self.pending_grad, c.model_type, c.config)
+        self.pending_grad = None
+        self.st.in_flight -= 1
+        self.weighted -= self.weights[k]
+
+    def _communicate(self, step: CommStep) -> None:
+        if not step.ops:  # the first/last-stage half megatron turns into a no-op
+            return
+        k = step.recv_context if step.recv_context is not None else step.ops[0].context
+        c = self.ctxs[k]
+        p2p, call, first, last = c.p2p, step.call, self.first, self.last
+        if call == "recv_forward":
+            self.pending_input = p2p.recv_forward(c.shapes, first)
+        elif call == "send_forward":
+            p2p.send_forward(self.last_output, last)
+        elif call == "send_forward_recv_backward":
+            self.pending_grad = p2p.send_forward_recv_backward(self.last_output, c.shapes, last)
+        elif call == "send_backward_recv_forward":
+            self.pending_input = p2p.send_backward_recv_forward(self.last_input_grad, c.shapes, first)
+        elif call == "send_backward":
+            p2p.send_backward(self.last_input_grad, first)
+        elif call == "recv_backward":
+            self.pending_grad = p2p.recv_backward(c.shapes, last)
+        else:  # pragma: no cover - schedule.py only emits the calls above
+            raise RuntimeError(f"unknown P2P call {call!r}")
+
+    def _finalize_grads(self) -> None:
+        from megatron.core.pipeline_parallel.schedules import finish_embedding_wgrad_compute
+
+        for c in self.ctxs:  # same order on every rank: finalize has collectives
             if c.config.finalize_model_grads_func is None:
                 continue
-            finish_embedding_wgrad_compute(c.config, c.embedding_module, last, c.pgc.tp)
+            finish_embedding_wgrad_compute(c.config, c.embedding_module, self.last, c.pgc.tp)
             c.config.finalize_model_grads_func(
                 [c.model], c.total_num_tokens if c.config.calculate_per_token_loss else None,
                 pg_collection=c.pgc, force_all_reduce=False)
-    return [c.store for c in ctxs]
 
 
 def _run_no_pipelining(contexts, forward_only: bool, st: ExecStats) -> List[List[Any]]:
