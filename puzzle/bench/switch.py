@@ -96,9 +96,6 @@ def _worker(args):
 
     dist.init_process_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
     from puzzle.parallel.groups import init_distributed, layout_for
-    from puzzle.switch.routing_executor import execute_routing
-    from puzzle.models.param_names import table_params
-    from puzzle.switch.shadow import build_shadow, routing_table_for, switch_to_generation
     from puzzle.training.engine import ModelEngine, OptimConfig
 
     rank, world = init_distributed()
@@ -116,53 +113,77 @@ def _worker(args):
     tokens = torch.randint(0, archs["dense"].vocab_size, (4, SEQ), generator=g)
     rows = []
     for kind, src, dst in cases:
-        arch, eng = archs[kind], engines[(kind, src)]
-        table = routing_table_for(arch, "actor", src, dst)
-        shadow = build_shadow(arch, "actor", dst)
-        src_params, dst_params = table_params(eng.module, "actor"), shadow.params()
-        stats = []
-        t_puzzle = _timed(lambda: stats.append(execute_routing(table, src_params, dst_params)), args.repeats)
-        # gradients for the optimizer steps (kept across the timed steps: same work every step)
-        share = tokens.shape[0] // src.D
-        mine = tokens[eng.layout.d * share:(eng.layout.d + 1) * share]
-        eng.model.zero_grad_buffer()
-        eng.optimizer.zero_grad()
-        from puzzle.training.steps import lm_nll_step
-
-        eng.forward_backward(lm_nll_step(arch.vocab_size), iter(mine.split(MBS)), share // MBS, SEQ, MBS, forward_only=False)
-        seq, asy = [], []
-        for i in range(args.repeats + 1):  # interleaved, first pair is a warm-up
-            for k, out in ((1, seq), (args.segments, asy)):
-                dist.barrier()
-                t0 = time.perf_counter()
-                switch_to_generation(eng, dst, segments=k, shadow=shadow, optimizer_step=True)
-                dist.barrier()
-                if i:
-                    out.append(time.perf_counter() - t0)
-        # plain optimizer step alone, for reference
-        t_step = _timed(lambda: eng.optimizer.step(), args.repeats)
-        recv = [None] * world
-        dist.all_gather_object(recv, stats[-1].bytes_received)
-        shadow.release()
-        t_seq, t_asy = statistics.median(seq), statistics.median(asy)
-        rows.append({
-            "model": kind, "src": str(src), "dst": str(dst),
-            "bytes_moved_max_rank": max(recv),
-            "lower_bound_bytes_max_rank": max(table.bytes_lacking(r) for r in range(world)),
-            "allgather_bytes_max_rank": max(table.allgather_bytes(r) for r in range(world)),
-            "model_bytes": table.model_bytes(),
-            "time_puzzle_s": round(t_puzzle, 5),
-            "time_optimizer_step_s": round(t_step, 5),
-            "time_step_plus_switch_sequential_s": round(t_seq, 5),
-            "time_step_plus_switch_async_s": round(t_asy, 5),
-            "segments": args.segments,
-            "hidden_fraction": round((t_seq - t_asy) / t_puzzle, 3) if t_puzzle > 0 else None,
-        })
+        rows.append(_switch_row(args, archs[kind], engines[(kind, src)], kind, src, dst, tokens, world))
         if rank == 0:
             print(f"[switch bench] {kind} {src} -> {dst} done", file=sys.stderr, flush=True)
+    failed = _mcore_refit_columns(args, rows, cases, archs, engines, world)
+    if rank == 0:
+        Path(args.out_file).write_text(json.dumps(rows))
+    if not failed:
+        dist.barrier()
+        dist.destroy_process_group()
 
-    # megatron-core's refit, last (a failure may leave the process group unusable)
+
+def _switch_row(args, arch, eng, kind, src, dst, tokens, world) -> dict:
+    """One case's row: the bytes puzzle's routing moves against the bounds, and its times."""
+    import torch.distributed as dist
+
+    from puzzle.models.param_names import table_params
+    from puzzle.switch.routing_executor import execute_routing
+    from puzzle.switch.shadow import build_shadow, routing_table_for, switch_to_generation
+    from puzzle.training.steps import lm_nll_step
+
+    table = routing_table_for(arch, "actor", src, dst)
+    shadow = build_shadow(arch, "actor", dst)
+    src_params, dst_params = table_params(eng.module, "actor"), shadow.params()
+    stats = []
+    t_puzzle = _timed(lambda: stats.append(execute_routing(table, src_params, dst_params)), args.repeats)
+    # gradients for the optimizer steps (kept across the timed steps: same work every step)
+    share = tokens.shape[0] // src.D
+    mine = tokens[eng.layout.d * share:(eng.layout.d + 1) * share]
+    eng.model.zero_grad_buffer()
+    eng.optimizer.zero_grad()
+    eng.forward_backward(lm_nll_step(arch.vocab_size), iter(mine.split(MBS)), share // MBS, SEQ, MBS, forward_only=False)
+    seq, asy = [], []
+    for i in range(args.repeats + 1):  # interleaved, first pair is a warm-up
+        for k, out in ((1, seq), (args.segments, asy)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            switch_to_generation(eng, dst, segments=k, shadow=shadow, optimizer_step=True)
+            dist.barrier()
+            if i:
+                out.append(time.perf_counter() - t0)
+    # plain optimizer step alone, for reference
+    t_step = _timed(lambda: eng.optimizer.step(), args.repeats)
+    recv = [None] * world
+    dist.all_gather_object(recv, stats[-1].bytes_received)
+    shadow.release()
+    t_seq, t_asy = statistics.median(seq), statistics.median(asy)
+    return {
+        "model": kind, "src": str(src), "dst": str(dst),
+        "bytes_moved_max_rank": max(recv),
+        "lower_bound_bytes_max_rank": max(table.bytes_lacking(r) for r in range(world)),
+        "allgather_bytes_max_rank": max(table.allgather_bytes(r) for r in range(world)),
+        "model_bytes": table.model_bytes(),
+        "time_puzzle_s": round(t_puzzle, 5),
+        "time_optimizer_step_s": round(t_step, 5),
+        "time_step_plus_switch_sequential_s": round(t_seq, 5),
+        "time_step_plus_switch_async_s": round(t_asy, 5),
+        "segments": args.segments,
+        "hidden_fraction": round((t_seq - t_asy) / t_puzzle, 3) if t_puzzle > 0 else None,
+    }
+
+
+def _mcore_refit_columns(args, rows, cases, archs, engines, world):
+    """megatron-core's refit (swap_model_weights) of every case, last: a failure may leave the
+    process group unusable, so the cases after one are skipped. Returns the failure or None."""
+    import torch
+    import torch.distributed as dist
     from megatron.core.resharding import swap_model_weights
+
+    from puzzle.models.param_names import table_params
+    from puzzle.switch.routing_executor import execute_routing
+    from puzzle.switch.shadow import build_shadow, routing_table_for
 
     failed = None
     for row, (kind, src, dst) in zip(rows, cases):
@@ -193,11 +214,7 @@ def _worker(args):
             row["mcore_error"] = failed
             traceback.print_exc()
         shadow.release()
-    if rank == 0:
-        Path(args.out_file).write_text(json.dumps(rows))
-    if not failed:
-        dist.barrier()
-        dist.destroy_process_group()
+    return failed
 
 
 def main(argv=None):

@@ -117,105 +117,118 @@ def _worker(args) -> None:
 
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.pipeline import time_sharing_executor
-    from puzzle.pipeline.time_sharing_schedule import ContextSpec, simulate, theoretical_speedup
-    from puzzle.pipeline.stage import StageContext, run_stage
     from puzzle.training.engine import ModelEngine, OptimConfig
 
     rank, world = init_distributed()
     P = world
-    plan = ParallelPlan(P, 1, 1)
-    layout = layout_for(plan)
+    layout = layout_for(ParallelPlan(P, 1, 1))
     torch.manual_seed(0)
     rows = []
-
-    def gmax(x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
     for cname, (ha, hb) in CONFIGS.items():
         engines = [ModelEngine("critic", _arch(ha, P), layout, trainable=True,
                                optim=OptimConfig(lr=1e-4), seed=1),
                    ModelEngine("critic", _arch(hb, P), layout, trainable=True,
                                optim=OptimConfig(lr=1e-4), seed=2)]
-        names = {id(e.config): f"m{k}" for k, e in enumerate(engines)}
         for nb in args.nb:
-            data = [torch.randint(0, 256, (nb * MBS, SEQ), generator=torch.Generator().manual_seed(k))
-                    for k in range(2)]
-
-            def contexts():
-                return [StageContext(e, _value_step, iter(d.split(MBS)), nb, SEQ, MBS)
-                        for e, d in zip(engines, data)]
-
-            def run(mode, stats=None):
-                for e in engines:
-                    e.zero_grad()
-                ctxs = contexts()
-                dist.barrier()
-                t = time.perf_counter()
-                if mode == "sequential":
-                    run_stage(ctxs, forward_only=False, placement="sequential")
-                else:
-                    time_sharing_executor.run_time_shared(ctxs, forward_only=False, stats=stats)
-                dt = time.perf_counter() - t
-                return gmax(dt)
-
-            with _Probe(names) as probe:
-                run("sequential")  # warm-up
-                run("time-shared")
-                probe.mode = "time"
-                run("sequential")  # profiling run: per-microbatch T^f / T^b on this stage
-                probe.mode = None
-                med = {k: statistics.median(v) for k, v in probe.times.items()}
-                rss = {}
-                for mode in ("sequential", "time-shared"):
-                    probe.rss_peak = 0.0
-                    probe.mode = "rss"
-                    run(mode)
-                    probe.mode = None
-                    rss[mode] = gmax(probe.rss_peak)
-            # per-stage medians from every rank -> slowest stage for Eq. (1)
-            per_rank = [None] * world
-            dist.all_gather_object(per_rank, {f"{n}.{k}": v for (n, k), v in med.items()})
-            tf = [max(r[f"m{k}.f"] for r in per_rank) for k in range(2)]
-            tb = [max(r[f"m{k}.b"] for r in per_rank) for k in range(2)]
-            seq_t, ts_t = [], []
-            stats = time_sharing_executor.ExecStats()
-            for _ in range(args.repeats):
-                seq_t.append(run("sequential"))
-                ts_t.append(run("time-shared", stats))
-            peaks = [None] * world
-            dist.all_gather_object(peaks, (stats.peak_in_flight, stats.sequential_peak, stats.mode))
-            specs = [ContextSpec("m0", nb), ContextSpec("m1", nb)]
-            fw = [[r[f"m{k}.f"] for r in per_rank] for k in range(2)]
-            bw = [[r[f"m{k}.b"] for r in per_rank] for k in range(2)]
-            sim = (simulate(P, specs, fw, bw, time_shared=False).makespan
-                   / simulate(P, specs, fw, bw, time_shared=True).makespan)
-            measured = statistics.median(seq_t) / statistics.median(ts_t)
-            theo = theoretical_speedup(P, nb, tf, tb)
-            rows.append({
-                "config": f"{cname} (hidden {ha}/{hb})", "P": P, "N_B": nb,
-                "seq_s": round(statistics.median(seq_t), 4),
-                "time_shared_s": round(statistics.median(ts_t), 4),
-                "measured_speedup": round(measured, 4),
-                "theoretical_speedup": round(theo, 4),
-                "ratio": round(measured / theo, 4),
-                "simulated_speedup_per_stage_times": round(sim, 4),
-                "Tf_ms": [round(1e3 * x, 2) for x in tf], "Tb_ms": [round(1e3 * x, 2) for x in tb],
-                "peak_rss_mb_sequential": round(rss["sequential"], 1),
-                "peak_rss_mb_time_shared": round(rss["time-shared"], 1),
-                "peak_in_flight_per_stage": [p[0] for p in peaks],
-                "sequential_peak_in_flight_per_stage": [p[1] for p in peaks],
-                "mode": peaks[0][2], "repeats": args.repeats,
-                "loadavg_1min": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count(),
-            })
+            row = _measure_pair(args, engines, nb, world)
+            rows.append({"config": f"{cname} (hidden {ha}/{hb})", "P": P, "N_B": nb, **row})
             if rank == 0:
                 print("ROW " + json.dumps(rows[-1]), flush=True)
     if rank == 0 and args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _global_max(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _run_stream(engines, data, nb: int, mode: str, stats=None) -> float:
+    """One training stream of both models, sequential or time-shared: the slowest rank's seconds."""
+    import torch.distributed as dist
+
+    from puzzle.pipeline import time_sharing_executor
+    from puzzle.pipeline.stage import StageContext, run_stage
+
+    for e in engines:
+        e.zero_grad()
+    ctxs = [StageContext(e, _value_step, iter(d.split(MBS)), nb, SEQ, MBS) for e, d in zip(engines, data)]
+    dist.barrier()
+    t = time.perf_counter()
+    if mode == "sequential":
+        run_stage(ctxs, forward_only=False, placement="sequential")
+    else:
+        time_sharing_executor.run_time_shared(ctxs, forward_only=False, stats=stats)
+    return _global_max(time.perf_counter() - t)
+
+
+def _measure_pair(args, engines, nb: int, world: int) -> dict:
+    """Per-microbatch stage times (profiled), peak RSS, and the measured, Eq. (1) and simulated
+    speedups of time-sharing the two engines with ``nb`` micro-batches each."""
+    import torch
+    import torch.distributed as dist
+
+    from puzzle.pipeline import time_sharing_executor
+    from puzzle.pipeline.time_sharing_schedule import ContextSpec, simulate, theoretical_speedup
+
+    P = world
+    names = {id(e.config): f"m{k}" for k, e in enumerate(engines)}
+    data = [torch.randint(0, 256, (nb * MBS, SEQ), generator=torch.Generator().manual_seed(k))
+            for k in range(2)]
+    with _Probe(names) as probe:
+        _run_stream(engines, data, nb, "sequential")  # warm-up
+        _run_stream(engines, data, nb, "time-shared")
+        probe.mode = "time"
+        _run_stream(engines, data, nb, "sequential")  # profiling run: per-microbatch T^f / T^b on this stage
+        probe.mode = None
+        med = {k: statistics.median(v) for k, v in probe.times.items()}
+        rss = {}
+        for mode in ("sequential", "time-shared"):
+            probe.rss_peak = 0.0
+            probe.mode = "rss"
+            _run_stream(engines, data, nb, mode)
+            probe.mode = None
+            rss[mode] = _global_max(probe.rss_peak)
+    # per-stage medians from every rank -> slowest stage for Eq. (1)
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, {f"{n}.{k}": v for (n, k), v in med.items()})
+    tf = [max(r[f"m{k}.f"] for r in per_rank) for k in range(2)]
+    tb = [max(r[f"m{k}.b"] for r in per_rank) for k in range(2)]
+    seq_t, ts_t = [], []
+    stats = time_sharing_executor.ExecStats()
+    for _ in range(args.repeats):
+        seq_t.append(_run_stream(engines, data, nb, "sequential"))
+        ts_t.append(_run_stream(engines, data, nb, "time-shared", stats))
+    peaks = [None] * world
+    dist.all_gather_object(peaks, (stats.peak_in_flight, stats.sequential_peak, stats.mode))
+    specs = [ContextSpec("m0", nb), ContextSpec("m1", nb)]
+    fw = [[r[f"m{k}.f"] for r in per_rank] for k in range(2)]
+    bw = [[r[f"m{k}.b"] for r in per_rank] for k in range(2)]
+    sim = (simulate(P, specs, fw, bw, time_shared=False).makespan
+           / simulate(P, specs, fw, bw, time_shared=True).makespan)
+    measured = statistics.median(seq_t) / statistics.median(ts_t)
+    theo = theoretical_speedup(P, nb, tf, tb)
+    return {
+        "seq_s": round(statistics.median(seq_t), 4),
+        "time_shared_s": round(statistics.median(ts_t), 4),
+        "measured_speedup": round(measured, 4),
+        "theoretical_speedup": round(theo, 4),
+        "ratio": round(measured / theo, 4),
+        "simulated_speedup_per_stage_times": round(sim, 4),
+        "Tf_ms": [round(1e3 * x, 2) for x in tf], "Tb_ms": [round(1e3 * x, 2) for x in tb],
+        "peak_rss_mb_sequential": round(rss["sequential"], 1),
+        "peak_rss_mb_time_shared": round(rss["time-shared"], 1),
+        "peak_in_flight_per_stage": [p[0] for p in peaks],
+        "sequential_peak_in_flight_per_stage": [p[1] for p in peaks],
+        "mode": peaks[0][2], "repeats": args.repeats,
+        "loadavg_1min": round(os.getloadavg()[0], 2), "cpu_count": os.cpu_count(),
+    }
 
 
 def main(argv=None) -> int:
