@@ -172,7 +172,7 @@ def _worker(args):
     from puzzle.models.hf_checkpoint import gather_full_state
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.rollout import SamplingParams, generate
+    from puzzle.rollout import SamplingParams
     from puzzle.training.engine import ModelEngine
 
     from puzzle.parallel.device import runtime
@@ -203,52 +203,9 @@ def _worker(args):
         row = {"layout": str(plan), "kind": "generate", "model": args.model, "device": str(dev),
                "dtype": "bfloat16" if cuda else "float32", "batch": b, "new_tokens": n_new,
                "prompt_lengths": [lo, hi]}
-        toks = {}
-        variants = [(be, False, False) for be in backends]
-        if cuda:  # CUDA graphs; then through torch.compile (a second model: its own graphs)
-            variants += [("local", True, False), ("compiled", True, True)]
-        times = {}
-        for i in range(args.repeats + 1):  # in turn: warm-up pass first
-            for be, graphs, compiled in variants:
-                name = be + ("_graphs" if graphs else "")
-                t, out = _once(lambda: generate(engines[be], prompts, params, seed=0, cuda_graphs=graphs,
-                                                compile_graphs=compiled), dev)
-                toks[name] = torch.tensor([r for r in out.responses()])
-                if i:
-                    times.setdefault(name, []).append(t)
-            dist.barrier()
-            if rank == 0:
-                _sync(dev)
-                t0 = time.perf_counter()
-                toks["hf"] = _hf_generate(hf, prompts, n_new, dev)
-                _sync(dev)
-                if i:
-                    times.setdefault("hf", []).append(time.perf_counter() - t0)
-            dist.barrier()
+        times, toks = _time_variants(args, engines, backends, hf, prompts, params, dev, cuda)
         if rank == 0:
-            hf_tps = b * n_new / statistics.median(times["hf"])
-            row["hf_tokens_per_s"] = round(hf_tps, 1)
-            for name, ts in times.items():
-                if name == "hf":
-                    continue
-                tps = b * n_new / statistics.median(ts)
-                row[f"puzzle_{name}_tokens_per_s"] = round(tps, 1)
-                row[f"puzzle_{name}_over_hf"] = round(tps / hf_tps, 3)
-                row[f"tokens_equal_{name}"] = bool(torch.equal(toks[name], toks["hf"]))
-            if "local_graphs" in toks:  # CUDA graphs against the same loop run eagerly
-                row["tokens_equal_graphs_eager"] = bool(torch.equal(toks["local_graphs"], toks["local"]))
-                row["graph_captures"] = engines["local"].module._puzzle_decode_graphs.captures
-                same = (toks["compiled_graphs"] == toks["local"]).all(dim=1)
-                row["rows_equal_compiled_eager"] = round(float(same.float().mean()), 3)
-            if cuda:
-                elem = 2
-                need = _decode_bytes(engines["local"].module, arch, prompts, n_new, elem, world)
-                row["bandwidth_GBps"] = round(bw / 1e9, 1)
-                row["decode_bytes_per_rank"] = int(need)
-                for name in ("local", "local_graphs", "compiled_graphs"):
-                    row[f"decode_bound_ratio_{name}"] = round(need / bw / statistics.median(times[name]), 3)
-            elif not all(row[f"tokens_equal_{n}"] for n in times if n != "hf"):
-                raise AssertionError(f"greedy tokens differ from transformers at batch {b}: {row}")
+            _fill_row(row, times, toks, engines, arch, prompts, n_new, world, bw)
             rows.append(row)
     if world == 1 and args.stages:
         stages = _stage_ratios(args.repeats, dev)
@@ -258,6 +215,69 @@ def _worker(args):
         Path(args.worker_out).write_text(json.dumps(rows))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _time_variants(args, engines, backends, hf, prompts, params, dev, cuda):
+    """Each puzzle variant's and transformers' generation times over ``args.repeats`` rounds (in
+    turn, after a warm-up round) and their tokens (transformers' on rank 0 only)."""
+    import torch
+    import torch.distributed as dist
+
+    from puzzle.rollout import generate
+
+    toks, times = {}, {}
+    variants = [(be, False, False) for be in backends]
+    if cuda:  # CUDA graphs; then through torch.compile (a second model: its own graphs)
+        variants += [("local", True, False), ("compiled", True, True)]
+    rank = dist.get_rank()
+    for i in range(args.repeats + 1):  # in turn: warm-up pass first
+        for be, graphs, compiled in variants:
+            name = be + ("_graphs" if graphs else "")
+            t, out = _once(lambda: generate(engines[be], prompts, params, seed=0, cuda_graphs=graphs,
+                                            compile_graphs=compiled), dev)
+            toks[name] = torch.tensor([r for r in out.responses()])
+            if i:
+                times.setdefault(name, []).append(t)
+        dist.barrier()
+        if rank == 0:
+            _sync(dev)
+            t0 = time.perf_counter()
+            toks["hf"] = _hf_generate(hf, prompts, params.max_new_tokens, dev)
+            _sync(dev)
+            if i:
+                times.setdefault("hf", []).append(time.perf_counter() - t0)
+        dist.barrier()
+    return times, toks
+
+
+def _fill_row(row, times, toks, engines, arch, prompts, n_new, world, bw) -> None:
+    """Tokens per second against transformers', token equality and (CUDA) the decode-bound
+    fractions; on CPU, greedy tokens that differ from transformers' raise."""
+    import torch
+
+    b = len(prompts)
+    hf_tps = b * n_new / statistics.median(times["hf"])
+    row["hf_tokens_per_s"] = round(hf_tps, 1)
+    for name, ts in times.items():
+        if name == "hf":
+            continue
+        tps = b * n_new / statistics.median(ts)
+        row[f"puzzle_{name}_tokens_per_s"] = round(tps, 1)
+        row[f"puzzle_{name}_over_hf"] = round(tps / hf_tps, 3)
+        row[f"tokens_equal_{name}"] = bool(torch.equal(toks[name], toks["hf"]))
+    if "local_graphs" in toks:  # CUDA graphs against the same loop run eagerly
+        row["tokens_equal_graphs_eager"] = bool(torch.equal(toks["local_graphs"], toks["local"]))
+        row["graph_captures"] = engines["local"].module._puzzle_decode_graphs.captures
+        same = (toks["compiled_graphs"] == toks["local"]).all(dim=1)
+        row["rows_equal_compiled_eager"] = round(float(same.float().mean()), 3)
+    if bw is not None:
+        need = _decode_bytes(engines["local"].module, arch, prompts, n_new, 2, world)
+        row["bandwidth_GBps"] = round(bw / 1e9, 1)
+        row["decode_bytes_per_rank"] = int(need)
+        for name in ("local", "local_graphs", "compiled_graphs"):
+            row[f"decode_bound_ratio_{name}"] = round(need / bw / statistics.median(times[name]), 3)
+    elif not all(row[f"tokens_equal_{n}"] for n in times if n != "hf"):
+        raise AssertionError(f"greedy tokens differ from transformers at batch {b}: {row}")
 
 
 def _spawn(nproc: int, args) -> list:
