@@ -204,8 +204,6 @@ def _watch(trainer, cfg, tokenizer, eval_dataset):
 def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
     import time
 
-    import torch.distributed as dist
-
     from puzzle import checkpointing, run_control
     from puzzle.data.prompts import PromptLoader
     from puzzle.parallel.groups import DeviceSharingError, init_distributed
@@ -242,33 +240,7 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
             progress(0, "checkpoint loading")
             checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
                                           load_rng=cfg.load_rng, iteration=ckpt_step)
-        saved = trainer.iteration
-        evaluator, samples = _watch(trainer, cfg, tokenizer, eval_dataset)
-        if evaluator is not None and trainer.iteration == 0:  # before training (a resumed run has its own)
-            progress(0, "evaluation")
-            trainer.logger.log({"iteration": 0, **evaluator(trainer, 0)})
-
-        def next_prompts():  # token ids and the records' other fields (ground truth for rewards)
-            pb = next(loader)
-            return pb.prompts, [dataset.records[i] if dataset.records else {} for i in pb.indices]
-
-        while trainer.iteration < cfg.train_iters:
-            trainer.step(*next_prompts(), refill=next_prompts)
-            if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
-                _save(trainer, loader, cfg, progress)
-                saved = trainer.iteration
-            progress(trainer.iteration, "exit check")
-            reason = exit_control.reason_to_exit(trainer.iteration)
-            if reason:
-                if dist.get_rank() == 0:
-                    print(f"exiting after iteration {trainer.iteration}: {reason}"
-                          + ("" if cfg.save else " (no --save: nothing saved)"), flush=True)
-                break
-        if cfg.save and saved != trainer.iteration:  # the final state, as Megatron-LM does
-            _save(trainer, loader, cfg, progress)
-        for log in (evaluator, samples):
-            if log is not None:
-                log.close()
+        _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_dataset, tokenizer)
     except checkpointing.CheckpointError as e:
         _error_once(str(e))
         return _shutdown(trainer, 2)
@@ -285,6 +257,40 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
     finally:
         exit_control.close()
     return _shutdown(trainer, 0)
+
+
+def _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_dataset, tokenizer) -> None:
+    """The training loop: evaluation at iteration 0, the PPO steps, saves at --save-interval and
+    at the end, and the exit checks (--exit-interval, --exit-duration-in-mins, signals)."""
+    import torch.distributed as dist
+
+    saved = trainer.iteration
+    evaluator, samples = _watch(trainer, cfg, tokenizer, eval_dataset)
+    if evaluator is not None and trainer.iteration == 0:  # before training (a resumed run has its own)
+        progress(0, "evaluation")
+        trainer.logger.log({"iteration": 0, **evaluator(trainer, 0)})
+
+    def next_prompts():  # token ids and the records' other fields (ground truth for rewards)
+        pb = next(loader)
+        return pb.prompts, [dataset.records[i] if dataset.records else {} for i in pb.indices]
+
+    while trainer.iteration < cfg.train_iters:
+        trainer.step(*next_prompts(), refill=next_prompts)
+        if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
+            _save(trainer, loader, cfg, progress)
+            saved = trainer.iteration
+        progress(trainer.iteration, "exit check")
+        reason = exit_control.reason_to_exit(trainer.iteration)
+        if reason:
+            if dist.get_rank() == 0:
+                print(f"exiting after iteration {trainer.iteration}: {reason}"
+                      + ("" if cfg.save else " (no --save: nothing saved)"), flush=True)
+            break
+    if cfg.save and saved != trainer.iteration:  # the final state, as Megatron-LM does
+        _save(trainer, loader, cfg, progress)
+    for log in (evaluator, samples):
+        if log is not None:
+            log.close()
 
 
 def _save(trainer, loader, cfg, progress) -> None:
