@@ -365,8 +365,6 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     args = argparse.Namespace(**vars(args))
     layouts = layouts or PlanLayouts()
     from puzzle import flag_checks
-    from puzzle.models.builders import check_layout
-    from puzzle.parallel.plan import PlanError
 
     if args.seq_length is None:
         _fail("--seq-length", "is required")
@@ -379,6 +377,48 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     precision = field_value(RunConfig, args, "precision")  # --bf16/--fp16: one of them
     if check_paths:  # this machine: writable outputs, a GPU for --fp16, optional logging packages
         flag_checks.check_environment(args)
+    max_prompt = _check_lengths_and_rewards(args, check_paths)
+    flag_checks.check_algorithm_args(args)
+    N = args.n_samples_per_prompt
+    samples = args.rollout_batch_size * N
+    mini = args.global_batch_size or samples
+    ppo = from_args(PPOParams, args, mini_batch_size=mini, max_prompt_length=max_prompt)
+    for flag in ("save", "load"):
+        path = getattr(args, flag)
+        if path is not None and (not path or os.path.exists(path) and not os.path.isdir(path)):
+            _fail(f"--{flag}", f"{path!r} is not a directory")
+
+    roles = _role_specs(args, world_size, vocab_size, layouts)
+    _check_batch_division(args, roles, samples, mini)
+    gen_D = roles["actor"].gen_plan.D
+    ppo = _kv_budget_micro_batch(levers, ppo, roles["actor"], samples // gen_D, 4 if precision == "fp32" else 2)
+    if args.cuda_graph_generation and roles["actor"].gen_plan.P > 1:
+        _fail("--cuda-graph-generation", f"needs an actor generation layout with P=1 "
+                                         f"(got P={roles['actor'].gen_plan.P})")
+
+    args.score_placement = layouts.placements.get("scoring", args.score_placement)
+    args.train_placement = layouts.placements.get("training", args.train_placement)
+    for flag, placement, members in (("--score-placement", args.score_placement, list(roles)),
+                                     ("--train-placement", args.train_placement,
+                                      [r for r in roles if ROLES[r].trainable])):
+        _check_placement(flag, placement, {r: roles[r].plan for r in members})
+
+    impl, impl_note = _check_transformer_impl(args, roles)
+    _check_trainable_cover(roles, world_size)
+    _check_moe_paths(args, roles, impl)
+    ppo = _packing_for_experts(ppo, roles)
+    ppo = _check_token_budget(ppo, roles)
+    _check_recompute_layers(levers, roles)
+    optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
+    return from_args(
+        RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers,
+        evaluation=from_args(EvalConfig, args), reward_timeout=args.reward_timeout or None, precision=precision,
+        transformer_impl=impl, transformer_impl_note=impl_note)
+
+
+def _check_lengths_and_rewards(args, check_paths: bool) -> int:
+    """--max-new-tokens within --seq-length, one reward source (and its checkpoint directories).
+    Returns the prompt budget. Sets --hf-reward-path / --reward-model from each other."""
     if args.max_new_tokens < 1:
         _fail("--max-new-tokens", f"must be >= 1 (got {args.max_new_tokens})")
     max_prompt = args.max_prompt_length or args.seq_length - args.max_new_tokens
@@ -401,15 +441,14 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
                              f"({args.reward_model})")
     if "reward_timeout" in flags_given(RunConfig, args) and not args.reward_fn:
         _fail("--reward-timeout", "needs --reward-fn (it bounds the reward function's calls)")
-    flag_checks.check_algorithm_args(args)
-    N = args.n_samples_per_prompt
-    samples = args.rollout_batch_size * N
-    mini = args.global_batch_size or samples
-    ppo = from_args(PPOParams, args, mini_batch_size=mini, max_prompt_length=max_prompt)
-    for flag in ("save", "load"):
-        path = getattr(args, flag)
-        if path is not None and (not path or os.path.exists(path) and not os.path.isdir(path)):
-            _fail(f"--{flag}", f"{path!r} is not a directory")
+    return max_prompt
+
+
+def _role_specs(args, world_size: int, vocab_size: int, layouts: PlanLayouts) -> dict:
+    """Each present role's RoleSpec: its model, its (P, D, T, E) plan from the flags or the plan
+    file, checked against the model, and the actor's generation plan."""
+    from puzzle.models.builders import check_layout
+    from puzzle.parallel.plan import PlanError
 
     roles = {}
     present = role_set(args)
@@ -441,28 +480,45 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
             check_layout(arch, plan, role)
         except PlanError as e:
             _fail(flags, str(e))
-        gen_plan = None
-        if role == "actor":
-            gen = _role_config(LayoutFlags, args, GENERATION, fallback=LayoutFlags(
-                tensor_model_parallel_size=T, pipeline_model_parallel_size=P, expert_model_parallel_size=E,
-                expert_tensor_parallel_size=ETP))
-            gP, gT = gen.pipeline_model_parallel_size, gen.tensor_model_parallel_size
-            gE, gETP = gen.expert_model_parallel_size, gen.expert_tensor_parallel_size
-            if home is not None and layouts.actor_generation is not None:
-                ag = layouts.actor_generation
-                gP, gT, gE, gETP = ag.P, ag.T, ag.E, ag.ETP if ag.has_experts_split else None
-            gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
-            if gE > 1 or gETP is not None:
-                gflags += "/--actor-gen-expert-model-parallel-size/--actor-gen-expert-tensor-parallel-size"
-            gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags,
-                                 offset=plan.offset, size=plan.size, E=gE, ETP=gETP)
-            try:
-                check_layout(arch, gen_plan, "actor (generation layout)")
-            except PlanError as e:
-                _fail(gflags, str(e))
+        gen_plan = (_actor_generation_plan(args, world_size, arch, plan, layouts, home, (P, T, E, ETP))
+                    if role == "actor" else None)
         lr = _role_config(OptimConfig, args, role).lr  # --critic-lr, else --lr
         roles[role] = from_args(RoleSpec, args, for_role=ROLES[role].weights_from, role=role, arch=arch,
                                 plan=plan, gen_plan=gen_plan, lr=lr)
+    return roles
+
+
+def _actor_generation_plan(args, world_size: int, arch, plan, layouts: PlanLayouts, home, degrees):
+    """The actor's generation plan (--actor-gen-* flags, else the plan file's, else training's
+    degrees) on the training plan's ranks, checked against the model."""
+    from puzzle.models.builders import check_layout
+    from puzzle.parallel.plan import PlanError
+
+    P, T, E, ETP = degrees
+    gen = _role_config(LayoutFlags, args, GENERATION, fallback=LayoutFlags(
+        tensor_model_parallel_size=T, pipeline_model_parallel_size=P, expert_model_parallel_size=E,
+        expert_tensor_parallel_size=ETP))
+    gP, gT = gen.pipeline_model_parallel_size, gen.tensor_model_parallel_size
+    gE, gETP = gen.expert_model_parallel_size, gen.expert_tensor_parallel_size
+    if home is not None and layouts.actor_generation is not None:
+        ag = layouts.actor_generation
+        gP, gT, gE, gETP = ag.P, ag.T, ag.E, ag.ETP if ag.has_experts_split else None
+    gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
+    if gE > 1 or gETP is not None:
+        gflags += "/--actor-gen-expert-model-parallel-size/--actor-gen-expert-tensor-parallel-size"
+    gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags,
+                         offset=plan.offset, size=plan.size, E=gE, ETP=gETP)
+    try:
+        check_layout(arch, gen_plan, "actor (generation layout)")
+    except PlanError as e:
+        _fail(gflags, str(e))
+    return gen_plan
+
+
+def _check_batch_division(args, roles, samples: int, mini: int) -> None:
+    """The rollout batch splits into PPO mini-batches, micro-batches of every role's data-parallel
+    ranks and the actor generation's ranks (and --generation-micro-batch-size divides those)."""
+    N = args.n_samples_per_prompt
     what = (f"rollout batch {args.rollout_batch_size}" if N == 1 else
             f"rollout batch {args.rollout_batch_size} prompts x {N} samples = {samples}")
     if samples % mini:
@@ -485,18 +541,10 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--generation-micro-batch-size", f"{gmb} must divide the samples per generation DP rank "
                                                f"({samples // gen_D})")
 
-    ppo = _kv_budget_micro_batch(levers, ppo, roles["actor"], samples // gen_D, 4 if precision == "fp32" else 2)
-    if args.cuda_graph_generation and roles["actor"].gen_plan.P > 1:
-        _fail("--cuda-graph-generation", f"needs an actor generation layout with P=1 "
-                                         f"(got P={roles['actor'].gen_plan.P})")
 
-    args.score_placement = layouts.placements.get("scoring", args.score_placement)
-    args.train_placement = layouts.placements.get("training", args.train_placement)
-    for flag, placement, members in (("--score-placement", args.score_placement, list(roles)),
-                                     ("--train-placement", args.train_placement,
-                                      [r for r in roles if ROLES[r].trainable])):
-        _check_placement(flag, placement, {r: roles[r].plan for r in members})
-
+def _check_transformer_impl(args, roles):
+    """--transformer-impl resolved on this machine, with the generation device and sequence
+    parallelism checked against it. Returns (impl, note)."""
     from puzzle.models.builders import resolve_transformer_impl
 
     impl, impl_note = resolve_transformer_impl(args.transformer_impl)
@@ -505,16 +553,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _fail("--sequence-parallel", "needs --transformer-impl transformer_engine (TE on a CUDA machine): "
                                      "megatron-core's local layer spec normalises with torch norms, which "
                                      "refuse sequence parallelism" + (f" ({impl_note})" if impl_note else ""))
-    _check_trainable_cover(roles, world_size)
-    _check_moe_paths(args, roles, impl)
-    ppo = _packing_for_experts(ppo, roles)
-    ppo = _check_token_budget(ppo, roles)
-    _check_recompute_layers(levers, roles)
-    optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
-    return from_args(
-        RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers,
-        evaluation=from_args(EvalConfig, args), reward_timeout=args.reward_timeout or None, precision=precision,
-        transformer_impl=impl, transformer_impl_note=impl_note)
+    return impl, impl_note
 
 
 def _packing_for_experts(ppo, roles):
