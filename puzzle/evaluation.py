@@ -112,9 +112,9 @@ class Evaluator:
             ids = ids + [ids[0]] * (size - len(ids))  # rows to fill the layouts' shares, dropped after
             records = records + [records[0]] * (size - len(records))
             batch = self._generate(trainer, engine, ids, iteration, offset)
-            batch_scores, batch_bad = self._score(trainer, batch, records, iteration)
             keep = len(rows) * self.n
-            scores.append(batch_scores[:keep].cpu())
+            batch_scores, batch_bad = self._score(trainer, batch, records, iteration, keep)
+            scores.append(batch_scores.cpu())
             lengths.append(batch.response_lengths[:keep].cpu())
             bad += batch_bad
             self._write_samples(trainer, batch, records, list(rows), batch_scores, iteration)
@@ -157,16 +157,18 @@ class Evaluator:
         return rollout_from_generation(ids, responses, lengths, layout, R, tok.pad_id, trainer.runtime.device,
                                        seq_multiple=trainer.seq_multiple)
 
-    def _score(self, trainer, batch, records: List[dict], iteration: int):
-        """The run's reward for every row: its reward function, else its reward model (each
-        checked by the run's ``Rewards``, the eval rows' scores kept out of the rollout's state)."""
+    def _score(self, trainer, batch, records: List[dict], iteration: int, keep: int):
+        """The run's reward for the first ``keep`` rows (the fill rows after them are neither
+        scored by a function nor counted as bad): its reward function, else its reward model
+        (each checked by the run's ``Rewards``, the eval rows' scores kept out of the rollout's
+        state)."""
         rewards = trainer.rewards
         if rewards.function is not None:
             from puzzle.reward_functions.rewards import batch_samples
 
-            lo, hi = rewards.function.share(batch.size)
+            lo, hi = rewards.function.share(keep)
             samples = batch_samples(batch, self.tokenizer, records, lo, hi)
-            scores, bad = rewards.function.score(lambda b: samples[b - lo], batch.size, iteration, "eval sample")
+            scores, bad = rewards.function.score(lambda b: samples[b - lo], keep, iteration, "eval sample")
             return scores.float(), bad
         from puzzle.pipeline.stage import run_stage
         from puzzle.training import steps
@@ -174,7 +176,7 @@ class Evaluator:
 
         outs = run_stage(trainer.micro.contexts(batch, [("reward", steps.reward_score_step())]), forward_only=True,
                          placement="sequential")
-        scores = gather_outputs(outs[0], "scores", trainer.engines["reward"], batch)
+        scores = gather_outputs(outs[0], "scores", trainer.engines["reward"], batch)[:keep]
         return rewards.policy.check_scores(scores.float(), f"reward model {self.cfg.reward_model} (eval)",
                                            iteration)
 

@@ -90,3 +90,39 @@ def test_eval_iters_zero_turns_evaluation_off():
     assert not EvalConfig(prompts="p.jsonl", iters=0).enabled and not EvalConfig().enabled
     with pytest.raises(ValueError, match="--eval-iters"):
         EvalConfig(prompts="p.jsonl", iters=-1)
+
+
+def test_fill_rows_are_neither_scored_nor_counted_as_bad():
+    """3 eval prompts on a generation layout of D = 4: one fill row makes the batch divisible; a
+    reward function that finds every sample bad is asked for 3 rows and reports 3, not 4."""
+    from types import SimpleNamespace
+
+    from puzzle.evaluation import Evaluator
+    from puzzle.reward_functions.distributed import RolloutRewarder
+
+    asked = []
+
+    class AllBad:
+        share = staticmethod(RolloutRewarder.share)
+
+        def score(self, make_sample, size, iteration, what):
+            asked.append(size)
+            return torch.zeros(size), size
+
+    class Fake(Evaluator):
+        def _generate(self, trainer, engine, ids, iteration, offset):
+            rows = len(ids)
+            return SimpleNamespace(size=rows, tokens=torch.ones(rows, 3, dtype=torch.long),
+                                   prompt_lengths=torch.ones(rows, dtype=torch.long),
+                                   response_lengths=torch.full((rows,), 2))
+
+    cfg = SimpleNamespace(evaluation=EvalConfig(prompts="held-out.jsonl"), log_dir=None, train_iters=1,
+                          ppo=SimpleNamespace(rollout_batch_size=8, micro_batch_size=1))
+    dataset = SimpleNamespace(prompts=[[1], [2], [3]], records=[])
+    engine = SimpleNamespace(layout=SimpleNamespace(plan=SimpleNamespace(D=4)))
+    tok = SimpleNamespace(decode=lambda ids: "x", eos_id=0)
+    trainer = SimpleNamespace(generation=SimpleNamespace(engine=lambda: engine), engines={},
+                              rewards=SimpleNamespace(function=AllBad()),
+                              runtime=SimpleNamespace(synchronize=lambda: None))
+    metrics = Fake(cfg, tok, dataset, rank=0)(trainer, 0)
+    assert asked == [3] and metrics["eval/bad_rewards"] == 3
