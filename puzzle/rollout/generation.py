@@ -365,24 +365,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     """
     from puzzle.rollout.pipelined_generation import run_schedule
 
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be SamplingParams (got {type(params).__name__})")
-    if engine.module is None:
-        raise ValueError(f"rank {engine.layout.rank} is not in the {engine.role} layout "
-                         f"{engine.layout.plan}; only its ranks call generate")
-    arch = engine.arch
-    _check_prompts(prompts, arch.vocab_size)
-    if any(i >= arch.valid_vocab_size for i in params.stop_ids):
-        raise ValueError(f"eos_id/eos_ids {params.stop_ids} are outside the vocabulary ({arch.valid_vocab_size} "
-                         f"ids can be sampled)")
-    if not isinstance(sample_offset, int) or sample_offset < 0:
-        raise ValueError(f"sample_offset must be an int >= 0 (got {sample_offset!r})")
+    width = _check_inputs(engine, prompts, params, sample_offset)
     b = len(prompts)
-    lp = max(len(p) for p in prompts)
-    width = lp + params.max_new_tokens
-    if width > arch.max_position_embeddings:
-        raise ValueError(f"longest prompt ({lp}) + max_new_tokens ({params.max_new_tokens}) = "
-                         f"{width} exceeds max_position_embeddings={arch.max_position_embeddings}")
     P = engine.layout.plan.P
     mbs = micro_batch_size if micro_batch_size is not None else math.ceil(b / P)
     if not isinstance(mbs, int) or mbs < 1:
@@ -431,6 +415,29 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         if sequence_parallel:
             set_model_to_sequence_parallel(model, True)
     return _assemble(prompts, results, params, stepper.forward_passes)
+
+
+def _check_inputs(engine, prompts: List[List[int]], params: SamplingParams, sample_offset: int) -> int:
+    """generate's arguments checked (one ValueError naming the problem); returns the cache width,
+    the longest prompt plus max_new_tokens."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be SamplingParams (got {type(params).__name__})")
+    if engine.module is None:
+        raise ValueError(f"rank {engine.layout.rank} is not in the {engine.role} layout "
+                         f"{engine.layout.plan}; only its ranks call generate")
+    arch = engine.arch
+    _check_prompts(prompts, arch.vocab_size)
+    if any(i >= arch.valid_vocab_size for i in params.stop_ids):
+        raise ValueError(f"eos_id/eos_ids {params.stop_ids} are outside the vocabulary ({arch.valid_vocab_size} "
+                         f"ids can be sampled)")
+    if not isinstance(sample_offset, int) or sample_offset < 0:
+        raise ValueError(f"sample_offset must be an int >= 0 (got {sample_offset!r})")
+    lp = max(len(p) for p in prompts)
+    width = lp + params.max_new_tokens
+    if width > arch.max_position_embeddings:
+        raise ValueError(f"longest prompt ({lp}) + max_new_tokens ({params.max_new_tokens}) = "
+                         f"{width} exceeds max_position_embeddings={arch.max_position_embeddings}")
+    return width
 
 
 def _progress_report(progress, batches: List[SlotBatch], rows: int):
