@@ -73,6 +73,7 @@ def _worker(args) -> None:
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.training import steps
     from puzzle.training.engine import ModelEngine
+    from puzzle.training.scoring_stage import schedule_shape
 
     rank, world = init_distributed()
     torch.manual_seed(0)
@@ -94,8 +95,8 @@ def _worker(args) -> None:
     def run(batch, stage: str, mode: str) -> float:
         packed = mode != "padded"
         mbs = batch.micro_batches(MBS, packed=packed, token_budget=budget if mode == "budget" else None)
-        seq, rows = (max(m["tokens"].shape[1] for m in mbs), 1) if packed else (batch.tokens.shape[1], MBS)
-        engine.config.variable_seq_lengths = packed and P > 1 and len({m["tokens"].shape[1] for m in mbs}) > 1
+        seq, rows, variable = schedule_shape(mbs, packed, batch.tokens.shape[1], MBS)
+        engine.config.variable_seq_lengths = variable and P > 1
         if stage == "scoring":
             fn, fwd_only = steps.logprob_score_step(vocab, 1.0, MAX_NEW, with_entropy=True), True
         else:

@@ -90,3 +90,23 @@ def test_thd_rope_with_cached_cos_sin_equals_megatrons_bit_for_bit():
             (b * b.detach()).sum().backward()
             assert torch.equal(ours.grad, theirs.grad)
     assert rope_thd_cached._cache["key"][0]() is cu  # cached for the last micro-batch's tensors
+
+
+def test_schedule_shape_runs_equal_packed_sequences_as_a_dense_batch():
+    from puzzle.training.batch import RolloutBatch
+    from puzzle.training.scoring_stage import schedule_shape
+
+    tokens = torch.arange(4 * 8).reshape(4, 8)
+    equal = RolloutBatch(tokens, torch.full((4,), 3), torch.full((4,), 5), 5)
+    mbs = equal.micro_batches(2, packed=True)
+    assert schedule_shape(mbs, True, 8, 2) == (8, 2, False)  # each micro-batch: 2 sequences of 8
+    assert all(mb["dense_shape"] == (2, 8) for mb in mbs)
+    assert mbs[1]["tokens"].view(2, 8).tolist() == tokens[2:].tolist()  # rows in packed order
+    mbs = equal.micro_batches(2, packed=True)
+    assert schedule_shape(mbs, True, 8, 2, seq_multiple=3) == (16, 1, False)  # 8 % 3: THD
+    assert all("dense_shape" not in mb for mb in mbs)
+    mixed = RolloutBatch(tokens, torch.full((4,), 3), torch.tensor([5, 5, 2, 5]), 5)
+    mbs = mixed.micro_batches(2, packed=True)
+    assert schedule_shape(mbs, True, 8, 2) == (16, 1, True)  # packed [1, T] of 16 and 13 tokens
+    assert all("dense_shape" not in mb for mb in mbs)
+    assert schedule_shape(mixed.micro_batches(2), False, 8, 2) == (8, 2, False)  # right-padded
