@@ -24,6 +24,8 @@ Patches:
 - ``gloo_cuda_tensors``: sends and receives of CUDA tensors over gloo groups go through host memory,
   and DDP's coalesced bucket collectives run one by one on gloo groups, so several ranks can share
   one GPU (``--distributed-backend gloo``; GPU only).
+- ``rope_thd_cached``: megatron's unfused RoPE on packed (THD) sequences builds its cos/sin once per
+  micro-batch, not in every attention call; CPU and GPU.
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ def apply(force_cpu: bool | None = None) -> dict:
     result["moe_router_without_te"] = True
     moe_tensor_parallel_without_sp.apply()
     result["moe_tensor_parallel_without_sp"] = True
+    from megatron_patches import rope_thd_cached
+
+    rope_thd_cached.apply()
+    result["rope_thd_cached"] = True
     _applied = True
     return result
 

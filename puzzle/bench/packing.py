@@ -9,8 +9,10 @@ right-padded to the longest sequence) and on (packed, THD), and packed with toke
 micro-batches (--use-dynamic-bsz, the budget the tokens of one padded micro-batch, rows * (prompt +
 cap)). Two response-length distributions:
 ``long_tailed`` (exponential, mean/max ~0.2, one row at the cap) and ``all_equal`` (every
-response at the cap). Wall times: max over ranks, median of ``--repeats``; each row gives the
-ratios padded / packed and padded / token-budget measured in the same run.
+response at the cap). Wall times: max over ranks, median of ``--repeats``. Each repeat runs the
+three paths back to back, each repeat starting with a different one; each row's ratios padded /
+packed and padded / token-budget are the medians of the repeats' own ratios, so load from other
+processes that comes and goes moves both sides of a ratio alike.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def _worker(args) -> None:
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.training import steps
     from puzzle.training.engine import ModelEngine
+    from puzzle.training.scoring_stage import schedule_shape
 
     rank, world = init_distributed()
     torch.manual_seed(0)
@@ -92,8 +95,8 @@ def _worker(args) -> None:
     def run(batch, stage: str, mode: str) -> float:
         packed = mode != "padded"
         mbs = batch.micro_batches(MBS, packed=packed, token_budget=budget if mode == "budget" else None)
-        seq, rows = (max(m["tokens"].shape[1] for m in mbs), 1) if packed else (batch.tokens.shape[1], MBS)
-        engine.config.variable_seq_lengths = packed and P > 1 and len({m["tokens"].shape[1] for m in mbs}) > 1
+        seq, rows, variable = schedule_shape(mbs, packed, batch.tokens.shape[1], MBS)
+        engine.config.variable_seq_lengths = variable and P > 1
         if stage == "scoring":
             fn, fwd_only = steps.logprob_score_step(vocab, 1.0, MAX_NEW, with_entropy=True), True
         else:
@@ -111,19 +114,23 @@ def _worker(args) -> None:
             times = {mode: [] for mode in MODES}
             for mode in MODES:  # warm-up
                 run(batch, stage, mode)
-            for _ in range(args.repeats):
-                for mode in MODES:
+            for r in range(args.repeats):  # each repeat runs every mode, starting at a different one
+                for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
                     times[mode].append(run(batch, stage, mode))
             padded, packed, budgeted = (statistics.median(times[mode]) for mode in MODES)
+            # the ratios: medians of each repeat's own ratio (its runs are back to back, so the
+            # machine's load moves both sides of it alike)
+            over_packed, over_budget = (statistics.median(p / x for p, x in zip(times["padded"], times[m]))
+                                        for m in ("packed", "budget"))
             n_budget = len(batch.micro_batch_rows(MBS, budget))
             row = {"layout": args.layout, "P": P, "T": T, "distribution": kind, "stage": stage,
                    "rows": ROWS, "micro_batch_size": MBS, "max_new_tokens": MAX_NEW, "prompt": PROMPT,
                    "response_mean_over_max": round(float(batch.response_lengths.float().mean()) / MAX_NEW, 3),
                    "tokens_padded": ROWS * batch.tokens.shape[1], "tokens_packed": int(lengths.sum()),
                    "padded_s": round(padded, 4), "packed_s": round(packed, 4),
-                   "speedup_packed_over_padded": round(padded / packed, 3),
+                   "speedup_packed_over_padded": round(over_packed, 3),
                    "token_budget": budget, "budget_micro_batches": n_budget, "budget_s": round(budgeted, 4),
-                   "speedup_budget_over_padded": round(padded / budgeted, 3), "repeats": args.repeats,
+                   "speedup_budget_over_padded": round(over_budget, 3), "repeats": args.repeats,
                    "hidden": HIDDEN, "layers": LAYERS, "loadavg_1min": round(os.getloadavg()[0], 2)}
             if rank == 0:
                 print("ROW " + json.dumps(row), flush=True)

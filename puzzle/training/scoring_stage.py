@@ -25,6 +25,36 @@ SCORED_FIELDS = {"actor": (("logprobs", "old_logprobs"), ("entropy", "entropy"))
                  "reward": (("scores", "scores"),)}
 
 
+def schedule_shape(mbatches: List[dict], packed: bool, padded_seq: int, mbs: int,
+                   seq_multiple: int = 1) -> Tuple[int, int, bool]:
+    """(sequence length, rows, whether the shapes vary) of a stage's micro-batches, as the
+    schedule and the pipeline stages' exchanges see them: right-padded [mbs, S]; packed [1, T] of
+    their own lengths (the stages exchange the shapes when the lengths differ). When every packed
+    micro-batch holds k sequences of the same n tokens (n a multiple of ``seq_multiple``, e.g.
+    every response at the cap) there is no padding to remove: each micro-batch is marked
+    ``dense_shape`` (k, n) and runs as a [k, n] batch, the padded path's work and layout without
+    the packed path's per-sequence RoPE and attention gathers (steps._run)."""
+    if not packed:
+        return padded_seq, mbs, False
+    dense = {_uniform_shape(mb, seq_multiple) for mb in mbatches}
+    if len(dense) == 1 and None not in dense:
+        (k, n), = dense
+        for mb in mbatches:
+            mb["dense_shape"] = (k, n)
+        return n, k, False
+    lengths = {mb["tokens"].shape[1] for mb in mbatches}
+    return max(lengths), 1, len(lengths) > 1
+
+
+def _uniform_shape(mb: dict, seq_multiple: int) -> Optional[Tuple[int, int]]:
+    """(k, n) when the packed micro-batch is k sequences of n tokens each, else None."""
+    lengths = mb["packed_seq_params"].lengths
+    n = lengths[0]
+    if n % seq_multiple or any(x != n for x in lengths):
+        return None
+    return len(lengths), n
+
+
 class MicroBatching:
     """Each model's micro-batches of a batch: ``micro_batch_size`` rows of its DP share, packed
     without padding (``packed``, --use-remove-padding) or right-padded; with ``dynamic_bsz``
@@ -50,12 +80,9 @@ class MicroBatching:
                                                        pad_id=self.pad_id, token_budget=token_budget)
             if token_budget is not None:
                 order = order[torch.cat([mb["rows"] for mb in mbatches])]
-            seq, rows = batch.tokens.shape[1], mbs
-            if packed:  # [1, T] micro-batches of their own lengths: stages exchange the shapes
-                seq, rows = max(mb["tokens"].shape[1] for mb in mbatches), 1
-            if eng.member:  # equal packed lengths (e.g. every response at the cap): no shape exchange
-                eng.config.variable_seq_lengths = (packed and eng.layout.plan.P > 1
-                                                   and len({mb["tokens"].shape[1] for mb in mbatches}) > 1)
+            seq, rows, variable = schedule_shape(mbatches, packed, batch.tokens.shape[1], mbs, self.seq_multiple)
+            if eng.member:
+                eng.config.variable_seq_lengths = variable and eng.layout.plan.P > 1
             contexts.append(StageContext(eng, fn, iter(mbatches), len(mbatches), seq, rows,
                                          rows=order if token_budget is not None else None))
         return contexts

@@ -27,6 +27,11 @@ def _unwrap(model):
 def _run(model, mb):
     tokens = mb["tokens"]
     check_on_device("forward_step", _unwrap(model).puzzle_device, mb)
+    dense = mb.get("dense_shape")
+    if dense is not None:  # k packed sequences of n tokens each: run as a [k, n] batch (no padding)
+        k, n = dense
+        out = model(tokens.view(k, n), mb["position_ids"].view(k, n), None)
+        return out.reshape(1, k * n, *out.shape[2:]) if _unwrap(model).post_process else out
     packed = mb.get("packed_seq_params")
     if packed is not None:  # one packed sequence [1, T], positions restarting per sequence
         return model(tokens, mb["position_ids"], None, packed_seq_params=packed)

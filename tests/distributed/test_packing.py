@@ -1,7 +1,8 @@
 """Packed scoring and training (--use-remove-padding) give the padded path's per-token numbers
 within fp32 rounding: log-probs, entropy, values, reward-model scores, advantages, returns and the
 gradients of a training mini-batch, for PPO and GRPO at (1,4,1), (2,1,2) time-shared with the
-switch, and (1,2,2) (tests/distributed/worlds/packing.py, one 4-rank world)."""
+switch, and (1,2,2) (tests/distributed/worlds/packing.py, one 4-rank world); with every row as
+long as the padded width, the padded path's numbers exactly (PPO)."""
 
 import math
 
@@ -27,8 +28,13 @@ def test_packed_equals_padded_per_token(world, case):
         assert {"old_logprobs", "ref_logprobs", "entropy", "advantages", "returns", "actor_grad"} <= set(fields)
         if case.startswith("ppo"):
             assert {"values", "scores", "critic_grad"} <= set(fields)
+        if case.startswith("ppo"):  # equal lengths: the padded path's computation, bit for bit
+            assert {"equal_old_logprobs", "equal_values", "equal_scores", "equal_actor_grad",
+                    "equal_critic_grad"} <= set(fields)
         for k in fields:
             diff, scale = out[k]["diff"], out[k]["scale"]
             assert math.isfinite(diff) and scale > 0, (rank, case, k, out[k])
+            if k.startswith("equal_"):
+                assert diff == 0.0, (rank, case, k, diff, scale)
             tol = 1e-4 * scale if k.endswith("_grad") else 2e-6 * max(1.0, scale)
             assert diff <= tol, (rank, case, k, diff, scale)

@@ -60,3 +60,53 @@ def test_pack_rows_drops_padding_and_restarts_positions():
 def test_empty_sequence_is_refused():
     with pytest.raises(ValueError, match="at least one token"):
         PackedSequences.of([3, 0])
+
+
+def test_thd_rope_with_cached_cos_sin_equals_megatrons_bit_for_bit():
+    """megatron_patches.rope_thd_cached: query and key of packed sequences rotated exactly as
+    megatron's THD RoPE rotates them (values and gradients), the cos/sin built once per pair of
+    (cu_seqlens, frequencies) tensors and rebuilt for new ones."""
+    from types import SimpleNamespace
+
+    import megatron_patches
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron_patches import rope_thd_cached
+
+    megatron_patches.apply()
+    cfg = SimpleNamespace(apply_rope_fusion=False, multi_latent_attention=False, rotary_interleaved=False)
+    cp = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    g = torch.Generator().manual_seed(0)
+    for lengths, rot in (([5, 3, 5, 1], 8), ([4, 4, 4], 8), ([6, 2], 4)):
+        cu = PackedSequences.of(lengths).cu_seqlens_q
+        freqs = torch.randn(max(lengths), 1, 1, rot, generator=g)
+        ours, theirs = (torch.randn(sum(lengths), 3, 8, generator=g).requires_grad_() for _ in range(2))
+        with torch.no_grad():
+            theirs.copy_(ours)
+        for _ in range(2):  # the second call reads the cache (the key's call in an attention)
+            a = rope_thd_cached.apply_rotary_pos_emb(ours, freqs, cfg, cu_seqlens=cu, mscale=1.5, cp_group=cp)
+            b = rope_utils.apply_rotary_pos_emb(theirs, freqs, cfg, cu_seqlens=cu, mscale=1.5, cp_group=cp)
+            assert a.shape == b.shape and torch.equal(a, b)
+            (a * b.detach()).sum().backward()
+            (b * b.detach()).sum().backward()
+            assert torch.equal(ours.grad, theirs.grad)
+    assert rope_thd_cached._cache["key"][0]() is cu  # cached for the last micro-batch's tensors
+
+
+def test_schedule_shape_runs_equal_packed_sequences_as_a_dense_batch():
+    from puzzle.training.batch import RolloutBatch
+    from puzzle.training.scoring_stage import schedule_shape
+
+    tokens = torch.arange(4 * 8).reshape(4, 8)
+    equal = RolloutBatch(tokens, torch.full((4,), 3), torch.full((4,), 5), 5)
+    mbs = equal.micro_batches(2, packed=True)
+    assert schedule_shape(mbs, True, 8, 2) == (8, 2, False)  # each micro-batch: 2 sequences of 8
+    assert all(mb["dense_shape"] == (2, 8) for mb in mbs)
+    assert mbs[1]["tokens"].view(2, 8).tolist() == tokens[2:].tolist()  # rows in packed order
+    mbs = equal.micro_batches(2, packed=True)
+    assert schedule_shape(mbs, True, 8, 2, seq_multiple=3) == (16, 1, False)  # 8 % 3: THD
+    assert all("dense_shape" not in mb for mb in mbs)
+    mixed = RolloutBatch(tokens, torch.full((4,), 3), torch.tensor([5, 5, 2, 5]), 5)
+    mbs = mixed.micro_batches(2, packed=True)
+    assert schedule_shape(mbs, True, 8, 2) == (16, 1, True)  # packed [1, T] of 16 and 13 tokens
+    assert all("dense_shape" not in mb for mb in mbs)
+    assert schedule_shape(mixed.micro_batches(2), False, 8, 2) == (8, 2, False)  # right-padded

@@ -5,7 +5,8 @@ and GRPO (actor, reference, KL loss) at (1,4,1) (each rank runs the whole model 
 gathers over the whole world), (2,1,2) time-shared with the actor generating at
 (1,2,2) through the switch, and (1,2,2). Every rank reports the largest per-token difference of
 each scored field, of the advantages and returns, and of the gradients of one training
-mini-batch, with the scale of each quantity.
+mini-batch, with the scale of each quantity; and for PPO the same with the rows made all equally
+long (packed micro-batches of equal sequences run as dense [k, n] batches: the padded path's numbers).
 """
 
 import torch
@@ -16,6 +17,7 @@ from puzzle.data.tokenizers import build_tokenizer
 from puzzle.pipeline.stage import run_stage
 from puzzle.trainer import PPOTrainer
 from puzzle.training import steps
+from puzzle.training.batch import RolloutBatch
 from tests.harness import world_main
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
@@ -105,9 +107,29 @@ def _compare(name: str, layout: str) -> dict:
         g_padded, g_packed = _gradients(trainer, mini, False), _gradients(trainer, mini, True)
         for role in g_padded:
             out[f"{role}_grad"] = _largest(g_padded[role], g_packed[role])
+        if name == "ppo":  # every role's head (log-probs, values, scores); GRPO's actor is the same path
+            out.update(_compare_equal_lengths(trainer, batch, cfg.ppo.mini_batch_size))
         return out
     finally:
         trainer.close()
+
+
+def _compare_equal_lengths(trainer, batch, mini_batch_size: int) -> dict:
+    """The same rows with every sequence as long as the padded width (nothing to remove: packed
+    micro-batches run as [k, n] batches, scoring_stage.schedule_shape): ``equal_``-prefixed
+    differences of the scored fields and of one mini-batch's gradients."""
+    B, S = batch.tokens.shape
+    R = int(batch.response_lengths.max())
+    eq = RolloutBatch(batch.tokens.clone(), torch.full((B,), S - R, dtype=torch.long),
+                      torch.full((B,), R, dtype=torch.long), batch.max_new_tokens,
+                      {k: v.clone() for k, v in batch.fields.items()})
+    padded, packed = _score(trainer, eq, False), _score(trainer, eq, True)
+    out = {f"equal_{k}": _largest(padded[k], packed[k]) for k in padded}
+    _advantages(trainer, eq, padded)
+    mini = eq.rows(torch.arange(mini_batch_size))
+    g_padded, g_packed = _gradients(trainer, mini, False), _gradients(trainer, mini, True)
+    out.update({f"equal_{role}_grad": _largest(g_padded[role], g_packed[role]) for role in g_padded})
+    return out
 
 
 def check_packed_equals_padded():
