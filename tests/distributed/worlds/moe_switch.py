@@ -3,6 +3,9 @@
 * the switch: a MoE actor moved between (P, D, T, E) layouts equals the model built at the
   destination (bitwise), each rank receiving exactly the bytes it lacks, also overlapped with
   the optimizer step;
+* packed micro-batches holding different token counts per rank through an actor at E = 2 (T = 1
+  and 2, both token dispatchers) and at E = 1; token-budget micro-batches at E = 2 against fixed-count
+  ones; the load-balancing loss metric when DP ranks ran different numbers of micro-batches;
 * the tiny MoE PPO run saved at E = 2 and resumed with the actor and critic at E = 1, optimizer
   state included (experts keep an optimizer of their own at every E), repeats iteration 2 exactly;
 * the tiny MoE PPO run trained at T = 2 without sequence parallelism (the actor's experts split over
