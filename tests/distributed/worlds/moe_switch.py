@@ -236,9 +236,10 @@ def check_aux_loss_metric_with_unequal_micro_batch_counts():
 
 
 #: the tiny PPO model with 4 experts (top-2, load-balancing loss), every model at (1,4,1) with its
-#: experts split over 2 ranks, 2 iterations, checkpointed after each
+#: experts split over 2 ranks, 2 iterations, checkpointed after each; packed micro-batches (the
+#: default) holding different token counts on the ranks of an expert group
 MOE_RUN = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
-           "--moe-aux-loss-coeff", "0.01", "--no-use-remove-padding", "--train-iters", "2", "--greedy",
+           "--moe-aux-loss-coeff", "0.01", "--train-iters", "2", "--greedy",
            "--rollout-batch-size", "4", "--global-batch-size", "4", "--micro-batch-size", "1",
            "--max-new-tokens", "8", "--ppo-epochs", "1",
            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
