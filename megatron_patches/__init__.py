@@ -14,6 +14,10 @@ Patches:
   model's own DP group in sharded state dicts (P > 1 with tied embeddings); CPU and GPU.
 - ``moe_router_without_te``: megatron's MoE router gating runs without transformer-engine (it
   named an undefined ``te_general_gemm``); CPU and GPU.
+- ``moe_allgather_token_counts``: the all-gather MoE token dispatcher runs ranks holding different
+  numbers of tokens (packed micro-batches at E > 1 or T > 1); CPU and GPU.
+- ``moe_gloo_split_gather``: megatron's all-gathers with split sizes (the all-to-all MoE token
+  dispatcher at ETP > 1) run on gloo groups; CPU and GPU.
 - ``moe_alltoall_cpu``: the all-to-all MoE token dispatcher's split sizes reach gloo as host
   arrays (CPU only).
 - ``cpu_backward_devices``: megatron's tensor-parallel gathers, reduce-scatters and all-to-all
@@ -71,7 +75,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     global _applied
     check_version()
     from megatron_patches import (cpu_backend, cpu_backward_devices, distrib_optimizer_step, gloo_cuda_tensors,
-                                  moe_alltoall_cpu, moe_router_without_te, moe_tensor_parallel_without_sp,
+                                  moe_allgather_token_counts, moe_alltoall_cpu, moe_gloo_split_gather,
+                                  moe_router_without_te, moe_tensor_parallel_without_sp, rope_thd_cached,
                                   tied_embedding_checkpoint)
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
@@ -95,10 +100,12 @@ def apply(force_cpu: bool | None = None) -> dict:
     result["moe_router_without_te"] = True
     moe_tensor_parallel_without_sp.apply()
     result["moe_tensor_parallel_without_sp"] = True
-    from megatron_patches import rope_thd_cached
-
     rope_thd_cached.apply()
     result["rope_thd_cached"] = True
+    moe_allgather_token_counts.apply()
+    result["moe_allgather_token_counts"] = True
+    moe_gloo_split_gather.apply()
+    result["moe_gloo_split_gather"] = True
     _applied = True
     return result
 

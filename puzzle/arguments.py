@@ -406,8 +406,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     impl, impl_note = _check_transformer_impl(args, roles)
     _check_trainable_cover(roles, world_size)
     _check_moe_paths(args, roles, impl)
-    ppo = _packing_for_experts(ppo, roles)
-    ppo = _check_token_budget(ppo, roles)
+    ppo = _check_token_budget(ppo)
     _check_recompute_layers(levers, roles)
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
@@ -556,18 +555,9 @@ def _check_transformer_impl(args, roles):
     return impl, impl_note
 
 
-def _packing_for_experts(ppo, roles):
-    """MoE models split over E > 1 ranks score and train right-padded micro-batches: megatron's
-    token dispatchers exchange equal token counts within an expert group on gloo, and packed
-    micro-batches of different ranks hold different counts (--use-remove-padding is ignored)."""
-    if ppo.use_remove_padding and any(s.arch.is_moe and s.plan.E > 1 for s in roles.values()):
-        return replace(ppo, use_remove_padding=False)
-    return ppo
-
-
-def _check_token_budget(ppo, roles):
+def _check_token_budget(ppo):
     """--use-dynamic-bsz and its budgets (puzzle/training/token_budget.py): packed micro-batches
-    only, no MoE model, each budget at least the longest sequence; the scoring budget defaults to the
+    only, each budget at least the longest sequence; the scoring budget defaults to the
     training one. Returns ``ppo`` with it filled in."""
     budgets = {"--ppo-max-token-len-per-gpu": ppo.ppo_max_token_len_per_gpu,
                "--log-prob-max-token-len-per-gpu": ppo.log_prob_max_token_len_per_gpu}
@@ -579,13 +569,7 @@ def _check_token_budget(ppo, roles):
     if ppo.ppo_max_token_len_per_gpu is None:
         _fail("--use-dynamic-bsz", "needs --ppo-max-token-len-per-gpu (tokens per micro-batch)")
     if not ppo.use_remove_padding:
-        moe = [r for r, s in roles.items() if s.arch.is_moe and s.plan.E > 1]
-        why = (f" (MoE models split over E > 1 ranks run padded: {', '.join(moe)})" if moe
-               else " (--no-use-remove-padding was given)")
-        _fail("--use-dynamic-bsz", "needs packed micro-batches" + why)
-    moe = [r for r, s in roles.items() if s.arch.is_moe]
-    if moe:
-        _fail("--use-dynamic-bsz", f"is not built for MoE models yet ({', '.join(moe)})")
+        _fail("--use-dynamic-bsz", "needs packed micro-batches (--no-use-remove-padding was given)")
     longest = ppo.max_prompt_length + ppo.max_new_tokens
     for name, value in budgets.items():
         if value is not None and value < longest:

@@ -314,8 +314,7 @@ class PPOParams:
     use_remove_padding: bool = flag(
         True, "training", "Scoring and training micro-batches as packed sequences (THD, cu_seqlens): each "
         "micro-batch's sequences concatenated without padding, attention causal within each sequence "
-        "(--no-use-remove-padding: right-padded [micro-batch, seq] rows, for comparison). MoE models split "
-        "over E > 1 ranks always run padded.",
+        "(--no-use-remove-padding: right-padded [micro-batch, seq] rows, for comparison).",
         kind="boolean_optional")
     use_dynamic_bsz: bool = flag(
         False, "training", "Token-budget micro-batches (verl's use_dynamic_bsz): each scoring and training "

@@ -76,27 +76,42 @@ class RolloutBatch:
 
         return torch.tensor(balance_rows(self.sequence_lengths, D)[d], dtype=torch.long, device=self.device)
 
-    def micro_batch_rows(self, mbs: int, token_budget: Optional[int] = None) -> List[List[int]]:
+    def micro_batch_rows(self, mbs: int, token_budget: Optional[int] = None,
+                         count: Optional[int] = None) -> List[List[int]]:
         """Row indices of each micro-batch: ``mbs`` consecutive rows, or with ``token_budget`` as many
-        rows as fit that many tokens (token_budget.budget_micro_batches)."""
+        rows as fit that many tokens (token_budget.budget_micro_batches), split further into ``count``
+        micro-batches when given (token_budget.split_to_count)."""
         if token_budget is None:
             return [list(range(s, min(s + mbs, self.size))) for s in range(0, self.size, mbs)]
-        from puzzle.training.token_budget import budget_micro_batches
+        from puzzle.training.token_budget import budget_micro_batches, split_to_count
 
-        return budget_micro_batches(self.sequence_lengths, token_budget)
+        groups = budget_micro_batches(self.sequence_lengths, token_budget)
+        return groups if count is None else split_to_count(self.sequence_lengths, groups, count)
+
+    def most_budget_micro_batches(self, D: int, token_budget: int) -> int:
+        """The most token-budget micro-batches any of ``D`` data-parallel ranks needs for its
+        balanced share (``share_rows(..., balance=True)``): MoE models with experts split over E > 1
+        ranks run that many on every DP rank (token_budget.split_to_count)."""
+        from puzzle.training.token_budget import balance_rows, budget_micro_batches
+
+        lengths = self.sequence_lengths
+        return max(len(budget_micro_batches([lengths[i] for i in share], token_budget))
+                   for share in balance_rows(lengths, D))
 
     def micro_batches(self, mbs: int, packed: bool = False, seq_multiple: int = 1,
-                      pad_id: int = 0, token_budget: Optional[int] = None) -> List[dict]:
+                      pad_id: int = 0, token_budget: Optional[int] = None,
+                      count: Optional[int] = None) -> List[dict]:
         """Micro-batches as dicts (what forward_step functions read): ``mbs`` rows each, their
         tokens right-padded [mbs, S], or with ``packed`` concatenated without padding (see
         ``pack_rows``; the packed length a multiple of ``seq_multiple``). ``token_budget`` (packed
         only): micro-batches of as many rows as fit the budget (``micro_batch_rows``); each dict's
-        ``rows`` are then its rows of this batch, in the order of its outputs."""
+        ``rows`` are then its rows of this batch, in the order of its outputs; ``count``: exactly that
+        many token-budget micro-batches (``micro_batch_rows``)."""
         if token_budget is not None and not packed:
             raise ValueError("token-budget micro-batches need packed sequences")
         out = []
         mask = self.response_mask
-        for group in self.micro_batch_rows(mbs, token_budget):
+        for group in self.micro_batch_rows(mbs, token_budget, count):
             sl = (slice(group[0], group[-1] + 1) if token_budget is None
                   else torch.tensor(group, dtype=torch.long, device=self.device))
             mb = {"tokens": self.tokens[sl], "prompt_lengths": self.prompt_lengths[sl],

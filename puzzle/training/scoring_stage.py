@@ -76,8 +76,11 @@ class MicroBatching:
         for role, fn in jobs:
             eng = self.engines[role]
             order = batch.share_rows(eng.layout, balance=token_budget is not None)
+            count = None  # experts split over E > 1 ranks: every DP rank runs as many micro-batches
+            if token_budget is not None and eng.arch.is_moe and eng.layout.plan.E > 1:
+                count = batch.most_budget_micro_batches(eng.layout.plan.D, token_budget)
             mbatches = batch.rows(order).micro_batches(mbs, packed=packed, seq_multiple=self.seq_multiple,
-                                                       pad_id=self.pad_id, token_budget=token_budget)
+                                                       pad_id=self.pad_id, token_budget=token_budget, count=count)
             if token_budget is not None:
                 order = order[torch.cat([mb["rows"] for mb in mbatches])]
             seq, rows, variable = schedule_shape(mbatches, packed, batch.tokens.shape[1], mbs, self.seq_multiple)

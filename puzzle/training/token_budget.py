@@ -98,3 +98,21 @@ def _first_fit(lengths: Sequence[int], order: List[int], budget: int) -> List[Li
         bins[b].append(i)
         room[b] -= lengths[i]
     return bins
+
+
+def split_to_count(lengths: Sequence[int], bins: List[List[int]], count: int) -> List[List[int]]:
+    """``bins`` (row indices, e.g. ``budget_micro_batches``'s) split until there are ``count``: each time
+    the bin of the most tokens among those of two rows or more, into two of balanced token sums
+    (longest-first), so no bin grows. Ordered like ``budget_micro_batches``'s. MoE models with their
+    experts split over E > 1 ranks run their token dispatchers' collectives once per micro-batch in
+    every rank of an expert group: their data-parallel ranks must run the same number of them."""
+    if not len(bins) <= count <= len(lengths):
+        raise ValueError(f"cannot split {len(bins)} micro-batches of {len(lengths)} rows into {count}")
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        splittable = [b for b in bins if len(b) > 1]
+        heaviest = max(splittable, key=lambda b: (sum(lengths[i] for i in b), -b[0]))
+        bins.remove(heaviest)
+        halves = _assign(lengths, _longest_first(lengths, heaviest), 2, sum(lengths[i] for i in heaviest))
+        bins.extend(halves)
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])

@@ -74,6 +74,7 @@ class TrainingStage:
         grad_norms: Dict[str, List[float]] = {role: [] for role, _ in jobs}
         gen = torch.Generator().manual_seed(self.cfg.seed * 7919 + iteration)
         per_epoch = batch.size // ppo.mini_batch_size
+        micro_batches_run = [0] * len(trained)
         for epoch in range(ppo.ppo_epochs):
             perm = torch.randperm(batch.size, generator=gen)
             for k, s in enumerate(range(0, batch.size, ppo.mini_batch_size)):
@@ -83,6 +84,7 @@ class TrainingStage:
                 contexts = self.micro.contexts(batch.rows(perm[s:s + ppo.mini_batch_size]), jobs,
                                                ppo.ppo_max_token_len_per_gpu)
                 outs = run_stage(contexts, forward_only=False, placement=self.cfg.train_placement)
+                micro_batches_run = [n + ctx.num_microbatches for n, ctx in zip(micro_batches_run, contexts)]
                 outs = [out if self._owner(eng) else [] for eng, out in zip(trained, outs)]
                 where = f"training stage, PPO epoch {epoch + 1}, mini-batch {k + 1} of {per_epoch}"
                 skip = self.nonfinite.roles_to_skip(
@@ -92,7 +94,7 @@ class TrainingStage:
                 self._optimizer_steps(skip, last, grad_norms)
                 for (role, _), out in zip(jobs, outs):
                     sums.add(out, ACTOR_SUMS if role == "actor" else CRITIC_SUMS)
-        moe = moe_aux_loss_metrics(trained, batch.size, ppo.ppo_epochs, ppo.micro_batch_size, runtime().device)
+        moe = moe_aux_loss_metrics(trained, micro_batches_run, runtime().device)
         return {**moe, **self._metrics(sums.all_reduce(), grad_norms)}
 
     @staticmethod

@@ -205,9 +205,9 @@ def test_unsupported_moe_runs_are_refused(extra, needle):
         _run_cfg(*extra)
 
 
-def test_experts_split_over_ranks_score_and_train_padded():
-    """E > 1: the token dispatchers need equal token counts within an expert group on gloo, so the
-    run's micro-batches stay right-padded; E = 1 MoE and dense runs pack by default."""
+def test_experts_split_over_ranks_score_and_train_packed():
+    """E > 1 packs by default like E = 1 (the dispatchers take different token counts per rank:
+    megatron_patches.moe_allgather_token_counts), and takes token-budget micro-batches."""
     from puzzle.arguments import parse_args, validate_args
 
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -217,4 +217,8 @@ def test_experts_split_over_ranks_score_and_train_padded():
              "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
              "--num-experts", "4", "--moe-ffn-hidden-size", "32"]
     packed = lambda *extra: validate_args(parse_args(flags + list(extra)), 2, 259).ppo.use_remove_padding  # noqa: E731
-    assert packed() and not packed("--expert-model-parallel-size", "2")
+    assert packed() and packed("--expert-model-parallel-size", "2")
+    assert packed("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall")
+    ppo = validate_args(parse_args(flags + ["--expert-model-parallel-size", "2", "--use-dynamic-bsz",
+                                            "--ppo-max-token-len-per-gpu", "128"]), 2, 259).ppo
+    assert ppo.use_dynamic_bsz and ppo.use_remove_padding and ppo.log_prob_max_token_len_per_gpu == 128

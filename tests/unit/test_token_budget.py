@@ -9,7 +9,7 @@ import torch
 from puzzle.arguments import parse_args, validate_args
 from puzzle.flag_checks import ArgumentError
 from puzzle.training.batch import RolloutBatch, world_assemble
-from puzzle.training.token_budget import balance_rows, budget_micro_batches
+from puzzle.training.token_budget import balance_rows, budget_micro_batches, split_to_count
 
 
 def _random_lengths(seed: int, n: int):
@@ -74,6 +74,23 @@ def test_budget_micro_batches_refuse_a_sequence_over_the_budget():
         budget_micro_batches([5, 101], 100)
     with pytest.raises(ValueError, match=">= 1"):
         budget_micro_batches([5], 0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_to_count_gives_exactly_count_micro_batches_within_the_budget(seed):
+    lengths = _random_lengths(seed, random.Random(seed).randint(2, 30))
+    budget = max(lengths) + random.Random(seed + 3).randint(0, 300)
+    groups = budget_micro_batches(lengths, budget)
+    for count in range(len(groups), len(lengths) + 1):
+        split = split_to_count(lengths, groups, count)
+        assert len(split) == count and all(split)
+        assert sorted(i for g in split for i in g) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in g) <= budget for g in split)
+        assert [g[0] for g in split] == sorted(g[0] for g in split)
+    assert split_to_count(lengths, groups, len(groups)) == groups
+    for bad in (len(groups) - 1, len(lengths) + 1):
+        with pytest.raises(ValueError, match=f"into {bad}"):
+            split_to_count(lengths, groups, bad)
 
 
 def _batch(lengths, prompt=3):
@@ -202,3 +219,17 @@ def test_cost_and_memory_models_read_the_token_pricing():
     mem = [dict(MemoryModel(load_profile(), w).train_items(actor, plan, 1)) for w in (cap, budget, big)]
     assert mem[1]["actor activations"] == mem[0]["actor activations"]  # priced at the largest micro-batch
     assert mem[2]["actor activations"] > mem[0]["actor activations"]
+
+
+def test_most_budget_micro_batches_is_the_largest_dp_share_count():
+    """MoE models with experts split over E > 1 ranks: every DP rank runs the count of the share
+    that needs the most token-budget micro-batches (their dispatchers' collectives pair up)."""
+    batch = _batch([9, 1, 1, 1, 9, 9, 1, 1])
+    counts = []
+    for d in range(2):
+        share = balance_rows(batch.sequence_lengths, 2)[d]
+        counts.append(len(batch.rows(torch.tensor(share)).micro_batch_rows(1, 14)))
+    assert batch.most_budget_micro_batches(2, 14) == max(counts) and len(set(counts)) == 2
+    for d in range(2):
+        share = batch.rows(torch.tensor(balance_rows(batch.sequence_lengths, 2)[d]))
+        assert len(share.micro_batches(1, packed=True, token_budget=14, count=max(counts))) == max(counts)

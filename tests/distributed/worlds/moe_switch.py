@@ -3,6 +3,9 @@
 * the switch: a MoE actor moved between (P, D, T, E) layouts equals the model built at the
   destination (bitwise), each rank receiving exactly the bytes it lacks, also overlapped with
   the optimizer step;
+* packed micro-batches holding different token counts per rank through an actor at E = 2 (T = 1
+  and 2, both token dispatchers) and at E = 1; token-budget micro-batches at E = 2 against fixed-count
+  ones; the load-balancing loss metric when DP ranks ran different numbers of micro-batches;
 * the tiny MoE PPO run saved at E = 2 and resumed with the actor and critic at E = 1, optimizer
   state included (experts keep an optimizer of their own at every E), repeats iteration 2 exactly;
 * the tiny MoE PPO run trained at T = 2 without sequence parallelism (the actor's experts split over
@@ -85,10 +88,158 @@ def check_overlap():
     return res
 
 
+#: packed micro-batches: rows of these lengths (tokens), 2 rows a micro-batch, each DP rank its share
+#: (so the ranks of an expert group hold different token counts)
+PACKED_LENGTHS = [5, 17, 9, 12, 6, 20, 8, 14]
+#: name -> (layout, --moe-token-dispatcher-type): E = 1 (the reference), E = 2 with each dispatcher,
+#: and T = 2 (ETP = 2: the all-to-all dispatcher gathers split sizes over T) with each
+PACKED_LAYOUTS = {"E1": (P(1, 4, 1), "allgather"), "E2/allgather": (P(1, 4, 1, E=2), "allgather"),
+                  "E2/alltoall": (P(1, 4, 1, E=2), "alltoall"), "T2E2/allgather": (P(1, 2, 2, E=2), "allgather"),
+                  "T2E2/alltoall": (P(1, 2, 2, E=2), "alltoall")}
+
+
+def _packed_nll_step(store: dict):
+    """Negative log-likelihood of packed micro-batches (pack_rows), summed over the next-token
+    predictions within each row; ``store`` gets each row's log-probs (batch row -> list)."""
+    from functools import partial
+
+    from puzzle.training.steps import _run, _unwrap
+    from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+
+    def loss_func(mb, tp_group, output):
+        lp = vocab_parallel_logprobs(output[:, :-1], mb["tokens"][:, 1:], tp_group, ARCH.vocab_size)[0]
+        rows = [lp[s:s + n - 1] for s, n in zip(mb["seq_starts"].tolist(), mb["lengths"])]
+        store.update({r: x.detach().tolist() for r, x in zip(mb["rows"], rows)})
+        total = torch.cat(rows)
+        return -total.sum(), torch.tensor(total.numel(), dtype=torch.int), {}
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        return _run(model, mb), partial(loss_func, mb, _unwrap(model).pg_collection.tp)
+
+    return forward_step
+
+
+def check_packed_experts():
+    """The same packed micro-batches (each DP rank its own token count) through an actor at E = 1
+    and at E = 2 (T = 1 and 2) with each token dispatcher, the load-balancing loss on: every row's
+    log-probs, the gradient norm (experts' and routers' gradients included) and the load-balancing
+    loss summed over the world, to compare within fp32 rounding."""
+    from dataclasses import replace
+
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from puzzle.training.batch import pack_rows
+
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, ARCH.vocab_size, (len(PACKED_LENGTHS), max(PACKED_LENGTHS)), generator=g)
+    out = {}
+    for name, (plan, dispatcher) in PACKED_LAYOUTS.items():
+        arch = replace(ARCH, moe_aux_loss_coeff=0.01, moe_token_dispatcher_type=dispatcher)
+        eng = ModelEngine("actor", arch, layout_for(plan), trainable=True, seed=SEED, optim=OptimConfig(lr=1e-2))
+        share = len(PACKED_LENGTHS) // plan.D
+        micro = []
+        for first in range(eng.layout.d * share, (eng.layout.d + 1) * share, 2):
+            rows = [first, first + 1]
+            lengths = [PACKED_LENGTHS[r] for r in rows]
+            mb = pack_rows(tokens[rows], torch.tensor(lengths), torch.zeros(2, dtype=torch.long))
+            micro.append(dict(mb, rows=rows, lengths=lengths))
+        store = {}
+        clear_aux_losses_tracker()
+        norm = eng.train_step(_packed_nll_step(store), iter(micro), len(micro), max(PACKED_LENGTHS) * 2, 1)["grad_norm"]
+        aux = sum(float(e["values"].sum()) for e in get_moe_layer_wise_logging_tracker().values())
+        clear_aux_losses_tracker()
+        sums = torch.tensor([aux], dtype=torch.float64)  # at T > 1 each TP rank holds its tokens' part
+        dist.all_reduce(sums)
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, store if eng.layout.t == 0 else {})
+        logprobs = {r: lp for part in rows for r, lp in part.items()}
+        counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+        dist.all_gather(counts, torch.tensor([micro[0]["tokens"].shape[1]]))
+        out[name] = {"grad_norm": norm, "aux_loss_sum": float(sums[0]), "logprobs": [logprobs[r] for r in
+                     sorted(logprobs)], "first_micro_batch_tokens": [int(c) for c in counts],
+                     "packed_shape": list(micro[0]["tokens"].shape)}
+    return out
+
+
+def _rollout(seed: int = 5):
+    """12 rows of prompts (4 tokens) and responses of different lengths, with PPO's fields: under a
+    20-token budget two of four balanced DP shares fit one micro-batch, two need two."""
+    from puzzle.training.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    R, responses = 12, torch.tensor([1, 2, 1, 12, 3, 3, 1, 1, 1, 1, 3, 12])
+    tokens = torch.randint(0, ARCH.vocab_size, (12, 4 + R), generator=g)
+    batch = RolloutBatch(tokens, torch.full((12,), 4), responses, R)
+    batch.fields.update(old_logprobs=-5 - torch.rand(12, R, generator=g), advantages=torch.randn(12, R, generator=g))
+    return batch
+
+
+def check_token_budget_experts():
+    """Token-budget micro-batches (--use-dynamic-bsz, the stages' MicroBatching) against one row a
+    micro-batch, for an actor with its experts split over E = 2 ranks (all-gather dispatcher): the
+    gradients of one PPO mini-batch, the micro-batches each DP rank ran and the count its balanced
+    share alone would need (ranks differ: an expert group's dispatcher collectives pair up only
+    because MicroBatching gives every DP rank the same count)."""
+    from dataclasses import replace
+
+    from puzzle.pipeline.stage import run_stage
+    from puzzle.training import steps
+    from puzzle.training.scoring_stage import MicroBatching
+
+    arch = replace(ARCH, moe_token_dispatcher_type="allgather")  # no load-balancing loss: it is per micro-batch
+    eng = ModelEngine("actor", arch, layout_for(P(1, 4, 1, E=2)), trainable=True, seed=SEED,
+                      optim=OptimConfig(lr=1e-2))
+    batch, budget = _rollout(), 20
+    jobs = [("actor", steps.actor_train_step(ARCH.vocab_size, 1.0, batch.max_new_tokens, 0.2, 0.0))]
+    out = {}
+    for name, dynamic in (("fixed", False), ("budget", True)):
+        micro = MicroBatching({"actor": eng}, 1, packed=True, seq_multiple=1, pad_id=0, dynamic_bsz=dynamic)
+        eng.zero_grad()
+        contexts = micro.contexts(batch, jobs, budget)
+        run_stage(contexts, forward_only=False)
+        out[name] = {"grads": torch.cat([b.grad_data.float().flatten() for b in
+                                         eng.model.buffers + eng.model.expert_parallel_buffers]).clone(),
+                     "micro_batches": contexts[0].num_microbatches}
+    share = batch.rows(batch.share_rows(eng.layout, balance=True))
+    diff = (out["fixed"]["grads"] - out["budget"]["grads"]).abs().max()
+    return {"grad_diff": float(diff), "grad_scale": float(out["fixed"]["grads"].abs().max()),
+            "micro_batches": [out["fixed"]["micro_batches"], out["budget"]["micro_batches"]],
+            "share_alone_needs": len(share.micro_batch_rows(1, budget))}
+
+
+def check_aux_loss_metric_with_unequal_micro_batch_counts():
+    """moe_aux_loss_metrics when DP rank r ran r + 1 micro-batches (--use-dynamic-bsz): megatron's
+    tracker filled with known losses per micro-batch and MoE layer (3 of ARCH's 4 layers); the
+    metric and the mean it must equal."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, save_to_aux_losses_tracker
+
+    from puzzle.training.moe_metrics import moe_aux_loss_metrics
+
+    me = dist.get_rank()
+    arch = ModelArch(**{**vars(ARCH), "moe_aux_loss_coeff": 0.01})
+    layout = SimpleNamespace(t=0, p=0, plan=P(1, 4, 1))
+    engine = SimpleNamespace(arch=arch, member=True, layout=layout)
+    clear_aux_losses_tracker()
+    values = []
+    for k in range(me + 1):
+        for layer in (0, 2, 3):
+            values.append(1.0 + 0.1 * me + 0.01 * k + 0.001 * layer)
+            save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(values[-1]), layer + 1, 4)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, values)
+    every = [v for part in every for v in part]
+    return {"metric": moe_aux_loss_metrics([engine], [me + 1], torch.device("cpu"))["moe_aux_loss"],
+            "mean": sum(every) / len(every)}
+
+
 #: the tiny PPO model with 4 experts (top-2, load-balancing loss), every model at (1,4,1) with its
-#: experts split over 2 ranks, 2 iterations, checkpointed after each
+#: experts split over 2 ranks, 2 iterations, checkpointed after each; packed micro-batches (the
+#: default) holding different token counts on the ranks of an expert group
 MOE_RUN = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
-           "--moe-aux-loss-coeff", "0.01", "--no-use-remove-padding", "--train-iters", "2", "--greedy",
+           "--moe-aux-loss-coeff", "0.01", "--train-iters", "2", "--greedy",
            "--rollout-batch-size", "4", "--global-batch-size", "4", "--micro-batch-size", "1",
            "--max-new-tokens", "8", "--ppo-epochs", "1",
            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
@@ -148,4 +299,7 @@ def _plans(argv) -> dict:
 
 
 if __name__ == "__main__":
-    world_main([("pairs", check_pairs), ("overlap", check_overlap), ("tiny_run", check_tiny_run)])
+    world_main([("pairs", check_pairs), ("overlap", check_overlap), ("packed_experts", check_packed_experts),
+                ("token_budget_experts", check_token_budget_experts),
+                ("aux_loss_metric", check_aux_loss_metric_with_unequal_micro_batch_counts),
+                ("tiny_run", check_tiny_run)])
