@@ -83,11 +83,18 @@ def test_moe_activations_hold_the_routed_tokens():
     assert moe == 6.0 * k * f + 4.0 * k * h + 8.0 * MOE.num_experts
     assert mem.act_per_token_layer(_role(MOE), 1) - mem.act_per_token_layer(_role(DENSE), 1) == pytest.approx(
         moe - dense_mlp)
-    # T splits the routed pairs as it splits a dense MLP; with ETP = T every rank of an expert's
-    # ETP group holds the whole hidden vector of the group's pairs
-    assert experts.moe_activation_bytes_per_token(MOE, 2, 1, 1) - 8.0 * 16 == pytest.approx((moe - 8.0 * 16) / 2)
-    split_etp = experts.moe_activation_bytes_per_token(MOE, 2, 1, 2) - 8.0 * 16
-    assert split_etp == pytest.approx(6.0 * k * f / 2 + 4.0 * k * h)
+    # training at T = 2 splits the layer's tokens over T: a rank routes half of them (router
+    # included); with ETP = T the pairs of the ETP group are gathered, each rank holding its share
+    # of the expert's width for all of them
+    assert experts.moe_activation_bytes_per_token(MOE, 2, 1, 1) == pytest.approx(moe / 2)
+    split_etp = experts.moe_activation_bytes_per_token(MOE, 2, 1, 2)
+    assert split_etp == pytest.approx(6.0 * k * f / 2 + 4.0 * k * h + 8.0 * 16 / 2)
+    # forward-only passes do not split: every TP rank routes all of its tokens (ETP = 2 gathers
+    # the two ranks' copies)
+    assert experts.moe_activation_bytes_per_token(MOE, 2, 1, 1, split=False) == moe
+    assert experts.moe_activation_bytes_per_token(MOE, 2, 1, 2, split=False) == pytest.approx(
+        moe + 4.0 * k * h)
+    assert mem.act_per_token_layer(_role(MOE), 2, split=False) > mem.act_per_token_layer(_role(MOE), 2)
     # the KV cache is the attention's
     kv = mem.kv_bytes_per_sequence
     assert kv(_role(MOE), PP(1, 4, 1, E=4)) == kv(_role(DENSE), PP(1, 4, 1))
