@@ -262,7 +262,8 @@ def test_training_at_T_splits_the_moe_layers_tokens():
     assert experts.dispatch_bytes(MOE, tokens, 4, 1, 2) == a2a  # forward-only: every TP rank routes all
     assert experts.dispatch_bytes(MOE, tokens, 4, 1, 2, split=True) == a2a / 2
     # ETP = 2 all-gathers the received pairs over the expert's two ranks
-    assert experts.dispatch_bytes(MOE, tokens, 4, 2, 2, split=True) == pytest.approx(tokens / 2 * h * k * 2 * (3 / 4 + 1))
+    etp2 = experts.dispatch_bytes(MOE, tokens, 4, 2, 2, split=True)
+    assert etp2 == pytest.approx(tokens / 2 * h * k * 2 * (3 / 4 + 1))
     gather = dataclasses.replace(MOE, moe_dispatcher="allgather")
     assert experts.dispatch_bytes(gather, tokens, 2, 2, 2, split=True) == tokens / 2 * h * 2 * 3
     cm, role = CostModel(PROFILE, W), _role(MOE)
