@@ -51,8 +51,9 @@ VARS = ("A", "G", "C", "R", "W")
 VAR_INFO = {"A": ("actor", "training", "a"), "G": ("actor", "generation", "a"),
             "C": ("critic", "training", "c"), "R": ("ref", "scoring", "a"), "W": ("reward", "scoring", "c")}
 _EXCHANGES = [(i, j) for i in range(3) for j in range(3) if i != j]  # multiply dim i by 2, divide dim j by 2
-#: then the expert moves: E x 2, E / 2 (MoE models only)
-_MOVES = len(_EXCHANGES) + 2
+#: then the expert moves (MoE models only): E x 2, E / 2; ETP from T to 1 or back, at the same E and
+#: keeping E * ETP (the experts' split per rank)
+_MOVES = len(_EXCHANGES) + 4
 
 
 class InfeasibleError(RuntimeError):
@@ -148,6 +149,28 @@ def _plan_key(q: ParallelPlan) -> tuple:
     return q.P, q.D, q.T, q.E, 0 if q.ETP == q.T else q.ETP
 
 
+def _exchanged(key: List[int], where: Dict[tuple, int]) -> int:
+    """Index of the plan with key ``key`` after a (P, D, T) exchange, -1 if none. ETP follows T
+    where that plan exists, else a MoE plan keeps ETP = 1 (at T = 1 both are the same plan)."""
+    if key[2] == 1:
+        key[4] = 0
+    idx = where.get(tuple(key), -1)
+    if idx < 0 and key[4] == 0 and key[2] > 1:
+        idx = where.get(tuple(key[:4]) + (1,), -1)
+    return idx
+
+
+def _etp_moves(q: ParallelPlan, where: Dict[tuple, int]) -> List[int]:
+    """Indices of ``q`` with ETP switched between T and 1 (T > 1): at the same E, and with E scaled
+    to keep E * ETP; -1 where no such plan exists."""
+    if q.T == 1:
+        return [-1, -1]
+    etp = 1 if q.ETP == q.T else q.T
+    key = lambda E: (q.P, q.D, q.T, E, 0 if etp == q.T else etp)
+    scaled = q.E * q.ETP // etp if (q.E * q.ETP) % etp == 0 else 0
+    return [where.get(key(q.E), -1), where.get(key(scaled), -1) if scaled else -1]
+
+
 class _Layout:
     """One layout's candidate plans per variable, with per-plan costs and memory vectors.
     Configurations are tuples of plan indices ``(li, a, g, c, r, w)``."""
@@ -215,10 +238,11 @@ class _Layout:
                         continue
                     d[i] *= 2
                     d[j] //= 2
-                    row.append(where.get(tuple(d), -1))
+                    row.append(_exchanged(d, where))
                 key = _plan_key(q)
                 row.append(where.get(key[:3] + (q.E * 2,) + key[4:], -1))
                 row.append(where.get(key[:3] + (q.E // 2,) + key[4:], -1) if q.E % 2 == 0 else -1)
+                row += _etp_moves(q, where)
                 rows.append(row)
             self.exch[v] = rows
 

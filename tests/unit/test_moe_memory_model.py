@@ -148,8 +148,8 @@ def test_candidate_plans_search_E():
 
 def test_search_splits_experts_that_do_not_fit_whole():
     """Qwen3-30B-A3B GRPO on 16 x 80 GB: E = 1 holds 30B parameters' state per rank; the search
-    splits the experts. On 8 ranks only training at T = 2 fits (ETP = 2 splits each expert too, and
-    T the attention's state); 4 ranks hold no plan."""
+    splits the experts. On 8 ranks only training at T > 1 fits (T splits the attention's and the
+    embeddings' state; ETP = 1 keeps the experts over E = 8); 4 ranks hold no plan."""
     w = PPOWorkload(rollout_batch_size=64, prompt_len=256, gen_len=512, micro_batch_size=1)
     job = PPOJob(world_size=16, actor=QWEN3_30B, critic=QWEN3_30B, workload=w, roles=("actor", "ref"))
     res = similarity_search(job)
@@ -157,11 +157,14 @@ def test_search_splits_experts_that_do_not_fit_whole():
     assert actor["training"].E > 1 and actor["generation"].E > 1
     assert res.layout == "colocated"  # no critic: a disjoint layout would leave ranks without a trainable model
     assert res.peak_memory_bytes <= PROFILE.device_memory_bytes
+    eight = dataclasses.replace(job, world_size=8)
+    sim, ex = similarity_search(eight), exhaustive_search(eight)
+    assert sim.plans["actor"]["training"].T > 1 and ex.plans["actor"]["training"].T > 1
+    assert sim.peak_memory_bytes <= PROFILE.device_memory_bytes
+    assert ex.total_time <= sim.total_time <= 1.02 * ex.total_time  # 0.5 % apart
     # the exhaustive search counts the offload round trip as the objective does: never above
-    offload = dataclasses.replace(job, workload=dataclasses.replace(w, offload_during_inference=True))
+    offload = dataclasses.replace(eight, workload=dataclasses.replace(w, offload_during_inference=True))
     assert exhaustive_search(offload).total_time <= similarity_search(offload).total_time * (1 + 1e-12)
-    eight = similarity_search(dataclasses.replace(job, world_size=8))
-    assert eight.plans["actor"]["training"].T == 2 and eight.peak_memory_bytes <= PROFILE.device_memory_bytes
     with pytest.raises(InfeasibleError, match="actor expert optimizer"):
         similarity_search(dataclasses.replace(job, world_size=4))
 
@@ -336,3 +339,21 @@ def test_no_disjoint_layout_without_a_critic():
     assert [L.name for L in _Evaluator(grpo).layouts] == ["colocated"]
     ppo = dataclasses.replace(grpo, roles=("actor", "critic", "ref", "reward"))
     assert [L.name for L in _Evaluator(ppo).layouts] == ["colocated", "disjoint@2", "disjoint@4", "disjoint@6"]
+
+
+def test_descent_moves_between_etp_layouts():
+    """The descent's moves reach ETP = 1 plans: an exchange into T > 1 keeps ETP = 1 where ETP = T
+    has no plan (E * T > D * T), back to T = 1 lands on the one plan there, and ETP switches between
+    T and 1 at the same E or at the same E * ETP."""
+    from puzzle.plan_search.search import _etp_moves, _exchanged, _plan_key
+
+    plans = candidate_plans(MOE, 8, 0, W, "training", 8)[0]
+    where = {_plan_key(q): i for i, q in enumerate(plans)}
+    at = lambda q: where[_plan_key(q)]
+    # (1,8,1,E=8) with D -> T: (1,4,2,E=8,ETP=2) needs 16 ranks per stage, so ETP = 1
+    assert _exchanged([1, 4, 2, 8, 0], where) == at(PP(1, 4, 2, E=8, ETP=1))
+    assert _exchanged([1, 8, 1, 8, 1], where) == at(PP(1, 8, 1, E=8))
+    assert _exchanged([1, 4, 2, 2, 0], where) == at(PP(1, 4, 2, E=2, ETP=2))  # ETP follows T where it can
+    assert _etp_moves(PP(1, 4, 2, E=2, ETP=2), where) == [at(PP(1, 4, 2, E=2, ETP=1)), at(PP(1, 4, 2, E=4, ETP=1))]
+    assert _etp_moves(PP(1, 4, 2, E=4, ETP=1), where) == [at(PP(1, 4, 2, E=4, ETP=2)), at(PP(1, 4, 2, E=2, ETP=2))]
+    assert _etp_moves(PP(1, 8, 1, E=4), where) == [-1, -1]
