@@ -1,6 +1,7 @@
 """Plan-search benchmark: similarity search vs exhaustive search on the PUZZLE configurations.
 
     python -m puzzle.bench.search [--only 7B/350M@8 ...] [--profile a100_80gb] [--no-exhaustive]
+    python -m puzzle.bench.search --moe [--only "Mixtral-8x7B GRPO@32" ...]
     python -m puzzle.bench.search --calibrate [--cpu-profile FILE] [--train-iters 6]
 
 Prints one JSON object per line: ``config, world_size, batch, searched_cost, exhaustive_cost,
@@ -9,7 +10,8 @@ exhaustive_cpu_seconds`` (this process's CPU time: robust when the machine is sh
 ``plans_evaluated, exhaustive_plans_evaluated, space_size`` and the searched layout, placements
 and plans. Costs are estimated seconds per PPO
 iteration with the given profile. Configurations: PUZZLE Table 2 (LLaMA shapes of Table 1,
-prompt 256 + generation 256 tokens, 1 PPO epoch, micro-batch 4) and two 64-GPU cases.
+prompt 256 + generation 256 tokens, 1 PPO epoch, micro-batch 4) and two 64-GPU cases. ``--moe``:
+the mixture-of-experts jobs of :data:`MOE_JOBS` instead (offload during inference on).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import sys
 import time
 from typing import List, Optional, Tuple
 
-from puzzle.plan_search import LLAMA_SHAPES, PPOJob, PPOWorkload, exhaustive_search, load_profile, similarity_search
+from puzzle.plan_search import (LLAMA_SHAPES, ModelShape, PPOJob, PPOWorkload, exhaustive_search, load_profile,
+                                similarity_search)
 
 #: (actor, critic, GPUs, rollout batch): PUZZLE Table 2, plus 64-GPU configurations.
 CONFIGS: List[Tuple[str, str, int, int]] = [
@@ -32,6 +35,27 @@ CONFIGS: List[Tuple[str, str, int, int]] = [
     ("33B", "7B", 64, 256),
     ("70B", "7B", 64, 512),
 ]
+
+
+#: Qwen3-30B-A3B (48 layers, 128 experts of 768, top-8) and Mixtral-8x7B (32 layers, 8 experts of 14336, top-2)
+QWEN3_30B_A3B = ModelShape(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                           num_query_groups=4, vocab_size=151936, kv_channels=128, num_experts=128,
+                           moe_router_topk=8, moe_ffn_hidden_size=768)
+MIXTRAL_8X7B = ModelShape(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                          num_query_groups=8, vocab_size=32000, num_experts=8, moe_router_topk=2,
+                          moe_ffn_hidden_size=14336)
+_GRPO = ("actor", "ref")
+#: name -> (GPUs, actor, critic, roles, workload): GRPO runs have no critic (a stand-in shape, never placed)
+MOE_JOBS = {
+    "Qwen3-30B-A3B GRPO@16": (16, QWEN3_30B_A3B, QWEN3_30B_A3B, _GRPO, PPOWorkload(
+        128, prompt_len=512, gen_len=1024, micro_batch_size=1, offload_during_inference=True)),
+    "Qwen3-30B-A3B GRPO@32": (32, QWEN3_30B_A3B, QWEN3_30B_A3B, _GRPO, PPOWorkload(
+        256, prompt_len=512, gen_len=1024, micro_batch_size=1, offload_during_inference=True)),
+    "Mixtral-8x7B GRPO@32": (32, MIXTRAL_8X7B, MIXTRAL_8X7B, _GRPO, PPOWorkload(
+        128, micro_batch_size=4, offload_during_inference=True)),
+    "Mixtral-8x7B PPO@32": (32, MIXTRAL_8X7B, LLAMA_SHAPES["7B"], ("actor", "critic", "ref", "reward"), PPOWorkload(
+        128, micro_batch_size=2, offload_during_inference=True)),
+}
 
 
 def config_name(actor: str, critic: str, gpus: int) -> str:
@@ -48,33 +72,49 @@ def run(only: Optional[List[str]] = None, profile_name: str = "a100_80gb", exhau
             continue
         job = PPOJob(gpus, LLAMA_SHAPES[actor], LLAMA_SHAPES[critic],
                      PPOWorkload(batch, prompt_len=256, gen_len=256, micro_batch_size=micro_batch_size), profile)
-        t0, c0 = time.perf_counter(), time.process_time()
-        res = similarity_search(job)
-        t_sim, c_sim = time.perf_counter() - t0, time.process_time() - c0
-        row = {"config": name, "world_size": gpus, "batch": batch, "searched_cost": round(res.total_time, 4)}
-        if exhaustive:
-            t0, c0 = time.perf_counter(), time.process_time()
-            ex = exhaustive_search(job)
-            t_ex, c_ex = time.perf_counter() - t0, time.process_time() - c0
-            row.update(exhaustive_cost=round(ex.total_time, 4),
-                       gap=round((res.total_time - ex.total_time) / ex.total_time, 5))
-        row["search_seconds"] = round(t_sim, 3)
-        if exhaustive:
-            row["exhaustive_seconds"] = round(t_ex, 3)
-        row["search_cpu_seconds"] = round(c_sim, 3)
-        if exhaustive:
-            row["exhaustive_cpu_seconds"] = round(c_ex, 3)
-        row["plans_evaluated"] = res.plans_evaluated
-        if exhaustive:
-            row["exhaustive_plans_evaluated"] = ex.plans_evaluated
-        d = res.to_dict()
-        row.update(space_size=res.space_size, layout=d["layout"], placements=d["placements"],
-                   stage_times=d["stage_times"], switch_bytes=d["switch_bytes"], peak_memory_gib=d["peak_memory_gib"],
-                   plans={m: st.get("training", st.get("scoring")) if m != "actor" else
-                          {"train": st["training"], "gen": st["generation"]} for m, st in d["plans"].items()})
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.append(_row(name, job, exhaustive))
     return rows
+
+
+def run_moe(only: Optional[List[str]] = None, profile_name: str = "a100_80gb", exhaustive: bool = True) -> List[dict]:
+    """The rows of :data:`MOE_JOBS`."""
+    profile = load_profile(profile_name)
+    rows = []
+    for name, (gpus, actor, critic, roles, workload) in MOE_JOBS.items():
+        if not only or name in only:
+            rows.append(_row(name, PPOJob(gpus, actor, critic, workload, profile, roles=roles), exhaustive))
+    return rows
+
+
+def _row(name: str, job: PPOJob, exhaustive: bool) -> dict:
+    """Search ``job`` (and exhaustively); print and return its JSON row."""
+    gpus, batch = job.world_size, job.workload.rollout_batch_size
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = similarity_search(job)
+    t_sim, c_sim = time.perf_counter() - t0, time.process_time() - c0
+    row = {"config": name, "world_size": gpus, "batch": batch, "searched_cost": round(res.total_time, 4)}
+    if exhaustive:
+        t0, c0 = time.perf_counter(), time.process_time()
+        ex = exhaustive_search(job)
+        t_ex, c_ex = time.perf_counter() - t0, time.process_time() - c0
+        row.update(exhaustive_cost=round(ex.total_time, 4),
+                   gap=round((res.total_time - ex.total_time) / ex.total_time, 5))
+    row["search_seconds"] = round(t_sim, 3)
+    if exhaustive:
+        row["exhaustive_seconds"] = round(t_ex, 3)
+    row["search_cpu_seconds"] = round(c_sim, 3)
+    if exhaustive:
+        row["exhaustive_cpu_seconds"] = round(c_ex, 3)
+    row["plans_evaluated"] = res.plans_evaluated
+    if exhaustive:
+        row["exhaustive_plans_evaluated"] = ex.plans_evaluated
+    d = res.to_dict()
+    row.update(space_size=res.space_size, layout=d["layout"], placements=d["placements"],
+               stage_times=d["stage_times"], switch_bytes=d["switch_bytes"], peak_memory_gib=d["peak_memory_gib"],
+               plans={m: st.get("training", st.get("scoring")) if m != "actor" else
+                      {"train": st["training"], "gen": st["generation"]} for m, st in d["plans"].items()})
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def calibrate(cpu_profile: Optional[str] = None, train_iters: int = 6, log_root: str = "tmp/calibrate",
@@ -152,6 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="a100_80gb", help="bundled profile name or JSON path")
     ap.add_argument("--no-exhaustive", action="store_true", help="skip the exhaustive verification")
     ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--moe", action="store_true", help="the mixture-of-experts jobs (MOE_JOBS) instead")
     ap.add_argument("--calibrate", action="store_true",
                     help="only the calibration rows: cost model vs the CPU tiny PPO run (profiles this machine)")
     ap.add_argument("--cpu-profile", default=None, help="with --calibrate: a saved CPU profile instead of profiling")
@@ -161,11 +202,14 @@ def main(argv=None) -> int:
     if args.calibrate:
         calibrate(args.cpu_profile, args.train_iters, args.log_dir)
         return 0
-    known = {config_name(a, c, g) for a, c, g, _ in CONFIGS}
+    known = set(MOE_JOBS) if args.moe else {config_name(a, c, g) for a, c, g, _ in CONFIGS}
     bad = [o for o in args.only or [] if o not in known]
     if bad:
         ap.error(f"unknown configuration(s) {bad}; known: {sorted(known)}")
-    run(args.only, args.profile, not args.no_exhaustive, args.micro_batch_size)
+    if args.moe:
+        run_moe(args.only, args.profile, not args.no_exhaustive)
+    else:
+        run(args.only, args.profile, not args.no_exhaustive, args.micro_batch_size)
     return 0
 
 

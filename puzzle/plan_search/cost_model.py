@@ -26,7 +26,11 @@ Stages of one PPO iteration (PUZZLE §4.3, Fig. 6): *generation* (actor, autoreg
 * Mixture-of-experts models (puzzle.plan_search.experts): layer times of the active width (topk
   experts), plus per MoE layer the dispatcher's dispatch + combine forward and again backward over
   the expert group's link, the expert-data-parallel gradient sync and Adam step of the rank's
-  expert shard, and per decode step the bytes of the experts the batch touches.
+  expert shard, and per decode step the bytes of the experts the batch touches. Training at
+  T > 1 splits each MoE layer's tokens over T (its dispatchers move the rank's share; an
+  all-gather over T replaces the MLP's all-reduce; the routers' gradients are summed over T);
+  forward-only passes at T > 1 compute every token's experts on every TP rank (the experts'
+  FLOPs beyond the T-split share are added, the MLP's all-reduce is dropped).
 * Switching the actor from its training to its generation plan: :func:`switch_bytes_per_rank`
   (the exact lower bound: destination-layout bytes a rank does not already hold) over the
   intra-/inter-node bandwidth.
@@ -272,10 +276,6 @@ def plan_problems(shape: ModelShape, plan: ParallelPlan, workload: PPOWorkload, 
         out.append(f"T={plan.T} > {ranks_per_node} ranks per node")
     if plan.D > workload.max_dp(stage):
         out.append(f"D={plan.D} > {workload.max_dp(stage)} samples per {stage} batch")
-    if shape.is_moe and stage == "training" and (plan.T > 1 or plan.ETP > 1):
-        # runs train MoE at T > 1 too (megatron_patches.moe_tensor_parallel_without_sp); the
-        # search does not price that yet
-        out.append(f"the search trains MoE layers at T = ETP = 1 only (got T={plan.T}, ETP={plan.ETP})")
     if shape.is_moe and stage == "generation" and plan.D % experts.token_sets(plan.E, plan.ETP, plan.T):
         out.append(f"E*ETP/T={plan.E * plan.ETP // plan.T} must divide D={plan.D} for generation")
     return out
@@ -503,14 +503,34 @@ class CostModel:
             self._cache[key] = any(g[0] // rpn != g[-1] // rpn for g in plan.ep_groups()) if plan.E > 1 else False
         return self._cache[key]
 
-    def _moe_comm(self, role: ModelRole, tokens: float, plan: ParallelPlan) -> float:
+    def _moe_comm(self, role: ModelRole, tokens: float, plan: ParallelPlan, split: bool = False) -> float:
         """Dispatcher seconds of an average layer's forward (dispatch + combine of a MoE layer,
-        weighted by the share of MoE layers); the backward moves as much again. 0 when dense."""
+        weighted by the share of MoE layers); the backward moves as much again. 0 when dense.
+        ``split``: the MoE layers split the micro-batch's ``tokens`` over T (training)."""
         s = role.shape
         if not s.is_moe:
             return 0.0
-        one = experts.dispatch_seconds(self.profile, s, tokens, plan.E, plan.ETP, plan.T, self._expert_link(plan))
+        one = experts.dispatch_seconds(self.profile, s, tokens, plan.E, plan.ETP, plan.T, self._expert_link(plan),
+                                       split and plan.T > 1)
         return 2.0 * experts.moe_fraction(s) * one
+
+    def _tp_comm(self, role: ModelRole, tokens: float, plan: ParallelPlan, inter: bool, split: bool = False) -> float:
+        """Tensor-parallel collectives of an average layer in one direction: the attention's and a
+        dense MLP's all-reduces of the micro-batch's bf16 hidden states. A MoE layer's MLP has no
+        all-reduce: it all-gathers its output over T when it splits the tokens (``split``,
+        training), and needs nothing when every TP rank computes all of them (forward-only)."""
+        s, prof = role.shape, self.profile
+        ar = prof.allreduce_time(tokens * s.hidden_size * BF16, plan.T, inter)
+        if not s.is_moe:
+            return 2 * ar
+        m = experts.moe_fraction(s)
+        gather = experts.split_gather_seconds(prof, s, tokens, plan.T, inter) if split else 0.0
+        return ar + (1.0 - m) * ar + m * gather
+
+    def _unsplit_experts(self, role: ModelRole, tokens: float, plan: ParallelPlan) -> float:
+        """Forward seconds an average MoE layer adds to the layer table's T-split active width when
+        every TP rank computes all of its tokens' experts (forward-only passes at T > 1)."""
+        return self.profile.gemm_time(experts.unsplit_expert_flops(role.shape, tokens, plan.T))
 
     def _expert_sync(self, role: ModelRole, plan: ParallelPlan, inter: bool) -> float:
         """Expert-data-parallel gradient sync of the rank's expert shard (reduce-scatter fp32 grads
@@ -523,6 +543,15 @@ class CostModel:
         if self.workload.distributed_optimizer:
             return (n - 1) / n * 6.0 * phe / prof.bandwidth(inter) + 2 * prof.latency(inter)
         return prof.allreduce_time(4.0 * phe, n, inter)
+
+    def _router_grad_sum(self, role: ModelRole, plan: ParallelPlan, inter: bool) -> float:
+        """All-reduce over T of the routers' fp32 partial gradients of a stage (MoE layers that
+        split their tokens over T: each TP rank's router saw its share)."""
+        s = role.shape
+        if not s.is_moe or plan.T <= 1:
+            return 0.0
+        router = s.n_moe_layers / plan.P * s.num_experts * s.hidden_size
+        return self.profile.allreduce_time(4.0 * router, plan.T, inter)
 
     def _p2p(self, nbytes: float, P: int, inter: bool) -> float:
         return 0.0 if P == 1 else nbytes / self.profile.bandwidth(inter) + self.profile.latency(inter)
@@ -545,8 +574,8 @@ class CostModel:
         samples = math.ceil(w.rollout_batch_size / w.ppo_minibatches / D)
         n_micro, tokens, _ = w.micro_batches(samples, "training")
         tab = prof.layer_table(s.compute_shape)
-        ar = 2 * prof.allreduce_time(tokens * s.hidden_size * BF16, T, tp_x)
-        ar_moe = ar + self._moe_comm(role, tokens, plan)  # MoE layers add the dispatcher's all-to-alls
+        # MoE layers split their tokens over T in training; their dispatchers' all-to-alls
+        ar_moe = self._tp_comm(role, tokens, plan, tp_x, split=True) + self._moe_comm(role, tokens, plan, split=True)
         layers = s.num_layers // P
         p2p = self._p2p(tokens * s.hidden_size * BF16, P, pp_x)
         head_f = self._head_fwd(role, tokens, T)
@@ -564,7 +593,7 @@ class CostModel:
                 dp = prof.allreduce_time(4.0 * phi, D, dp_x)
         else:
             dp = 0.0
-        dp += self._expert_sync(role, plan, dp_x)
+        dp += self._expert_sync(role, plan, dp_x) + self._router_grad_sum(role, plan, tp_x)
         opt = prof.hbm_time(36.0 * phi / (D if w.distributed_optimizer else 1)  # Adam: ~36 B/param moved
                             + 36.0 * phe / (plan.EDP if w.distributed_optimizer else 1))
         reps = w.optimizer_steps
@@ -585,8 +614,9 @@ class CostModel:
         samples = math.ceil(w.rollout_batch_size / D)
         n_micro, tokens, _ = w.micro_batches(samples, "scoring")
         tab = prof.layer_table(s.compute_shape)
-        ar = 2 * prof.allreduce_time(tokens * s.hidden_size * BF16, T, tp_x) + self._moe_comm(role, tokens, plan)
-        t = (s.num_layers // P * (tab.fwd(tokens, T) + ar) + self._head_fwd(role, tokens, T)
+        ar = self._tp_comm(role, tokens, plan, tp_x) + self._moe_comm(role, tokens, plan)
+        t = (s.num_layers // P * (tab.fwd(tokens, T) + self._unsplit_experts(role, tokens, plan) + ar)
+             + self._head_fwd(role, tokens, T)
              + self._p2p(tokens * s.hidden_size * BF16, P, pp_x))
         cost = TaskCost(role.name, "forward", plan, n_micro, t, 0.0, 1, pipeline_time(n_micro, P, t))
         self._cache[key] = cost
@@ -626,8 +656,8 @@ class CostModel:
             waves = math.ceil(b / rows)
             m, bm = 1, rows
             tok = rows * w.prompt_len
-            prefill = waves * (layers * (tab.fwd(tok, T) + 2 * prof.allreduce_time(tok * h * BF16, T, tp_x)
-                                         + self._moe_comm(role, tok, plan))
+            prefill = waves * (layers * (tab.fwd(tok, T) + self._unsplit_experts(role, tok, plan)
+                                         + self._tp_comm(role, tok, plan, tp_x) + self._moe_comm(role, tok, plan))
                                + self._head_fwd(role, rows, T))
         else:
             waves = 1
@@ -653,7 +683,7 @@ class CostModel:
                 if role.lm_head else 0.0)
         # vocab-parallel sampling exchanges (value, id) pairs across the TP group every step
         sample = prof.allreduce_time(bm * 16, T, tp_x) if role.lm_head else 0.0
-        t_dec = (layers * (t_layer + kv_read + 2 * prof.allreduce_time(bm * h * BF16, T, tp_x))
+        t_dec = (layers * (t_layer + kv_read + self._tp_comm(role, bm, plan, tp_x))
                  + head + sample + self._p2p(bm * h * BF16, P, pp_x))
         # P > 1: each step's sampled tokens go back from the last stage to the first before that
         # micro-batch's next step can start (puzzle.rollout.pipelined_generation): one more hop per step cycle
@@ -678,8 +708,8 @@ class CostModel:
         while True:
             bp = math.ceil(b / m_pre)
             tok = bp * w.prompt_len
-            t_pre = (layers * (tab.fwd(tok, T) + 2 * prof.allreduce_time(tok * h * BF16, T, tp_x)
-                               + self._moe_comm(role, tok, plan))
+            t_pre = (layers * (tab.fwd(tok, T) + self._unsplit_experts(role, tok, plan)
+                               + self._tp_comm(role, tok, plan, tp_x) + self._moe_comm(role, tok, plan))
                      + self._head_fwd(role, bp, T) + self._p2p(tok * h * BF16, P, pp_x))
             prefill = min(prefill, pipeline_time(math.ceil(b / bp), P, t_pre))
             if m_pre >= b:

@@ -9,12 +9,20 @@ replicated over EDP = D*T / (E*ETP) expert-data-parallel ranks (megatron-core's 
 * Parameters: the experts' weights, gradients and (distributed) optimizer states are split over
   E*ETP and sharded over EDP; the router (num_experts x hidden) is replicated.
 * Work: with balanced routing every rank of a stage computes an equal share of the routed
-  (token, expert) pairs, so the per-rank FLOPs equal a dense layer's whose MLP is ``topk`` experts
-  wide (active parameters) at the same T.
+  (token, expert) pairs. In training at T > 1 each MoE layer splits its tokens over the T ranks
+  as sequence parallelism would (megatron_patches.moe_tensor_parallel_without_sp): the per-rank
+  FLOPs equal a dense layer's whose MLP is ``topk`` experts wide (active parameters) at T, the
+  layer's output is all-gathered over T (forward and backward) instead of all-reduced, and the
+  routers' gradients are summed over T. Forward-only passes (scoring, generation) run megatron's
+  MoE layer unchanged: every tensor-parallel rank routes and computes all of its tokens (the
+  experts' work is not split by T; ETP > 1 gathers the T copies) and needs no all-reduce.
 * Dispatcher: the all-to-all dispatcher sends each token's ``topk`` copies to the experts' ranks
   and brings them back -- 2 all-to-alls per MoE layer forward, 2 more backward, each moving
-  ``tokens x hidden x topk x bf16 x (E-1)/E`` bytes per rank. The all-gather dispatcher gathers
-  the hidden states of the expert group's W = E*ETP/T token sets and reduce-scatters the result.
+  ``tokens x hidden x topk x bf16 x (E-1)/E`` bytes per rank; with ETP > 1 the received pairs
+  are all-gathered over the ETP ranks (reduce-scattered back), ``(ETP-1) x`` as many bytes. The
+  all-gather dispatcher gathers the hidden states of the expert group's E*ETP ranks and
+  reduce-scatters the result. ``tokens`` are the rank's own: a micro-batch's over T when the
+  layer splits them.
 * Decode: a step reads only the experts its tokens touch: of N experts, a batch of n tokens
   routed top-k touches N * (1 - (1 - k/N)^n) in expectation (uniform routing).
 Routing is assumed balanced (dropless, no capacity factor); an unbalanced step is slower and
@@ -62,37 +70,68 @@ def expected_experts_touched(num_experts: int, topk: int, tokens: float) -> floa
 
 
 def token_sets(E: int, ETP: int, T: int) -> int:
-    """Distinct token sets an expert group of E*ETP ranks serves (TP ranks share their tokens)."""
+    """Distinct token sets an expert group of E*ETP ranks serves when the tensor-parallel ranks
+    share their tokens (forward-only passes)."""
     return max(1, E * ETP // T)
 
 
-def dispatch_bytes(shape, tokens: float, E: int, ETP: int, T: int) -> float:
-    """Bytes one rank sends (and receives) in ONE dispatch or combine of ``tokens`` tokens."""
+def rank_tokens(tokens: float, T: int, split: bool) -> float:
+    """Tokens a MoE layer routes on one rank: the micro-batch's, over T when the layer splits them
+    (training at T > 1)."""
+    return tokens / T if split else tokens
+
+
+def dispatch_bytes(shape, tokens: float, E: int, ETP: int, T: int, split: bool = False) -> float:
+    """Bytes one rank sends (and receives) in ONE dispatch or combine of a micro-batch of
+    ``tokens`` tokens (``split``: the layer splits them over T)."""
     if not shape.num_experts:
         return 0.0
-    if shape.moe_dispatcher == "alltoall":
-        return tokens * shape.hidden_size * shape.moe_router_topk * BF16 * (E - 1) / E
-    return tokens * shape.hidden_size * BF16 * (token_sets(E, ETP, T) - 1)  # all-gather / reduce-scatter
+    n = rank_tokens(tokens, T, split)
+    if shape.moe_dispatcher == "alltoall":  # all-to-all over E, then the ETP all-gather of the pairs
+        return n * shape.hidden_size * shape.moe_router_topk * BF16 * ((E - 1) / E + (ETP - 1))
+    return n * shape.hidden_size * BF16 * (E * ETP - 1)  # all-gather / reduce-scatter over E*ETP
 
 
-def dispatch_seconds(profile, shape, tokens: float, E: int, ETP: int, T: int, inter_node: bool) -> float:
+def dispatch_seconds(profile, shape, tokens: float, E: int, ETP: int, T: int, inter_node: bool,
+                     split: bool = False) -> float:
     """Time of one dispatch (or combine) over the expert group's link."""
-    nbytes = dispatch_bytes(shape, tokens, E, ETP, T)
+    nbytes = dispatch_bytes(shape, tokens, E, ETP, T, split)
     if nbytes <= 0:
         return 0.0
     return nbytes / profile.bandwidth(inter_node) + profile.latency(inter_node)
 
 
-def moe_activation_bytes_per_token(shape, T: int, E: int, ETP: int) -> float:
-    """Training activations of one MoE layer's MLP part per token on one rank: the routed pairs'
-    gate/up/product (6 * topk * moe_ffn bf16 bytes over T), the permuted tokens in and out of the
-    experts (2 * topk * hidden bf16 over T/ETP), the router's fp32 logits and probabilities, and
-    with the all-gather dispatcher the gathered hidden states of the group."""
+def split_gather_seconds(profile, shape, tokens: float, T: int, inter_node: bool) -> float:
+    """The all-gather over T of a token-splitting MoE layer's output (forward), or of its input's
+    gradient (backward): (T-1)/T of the micro-batch's bf16 hidden states per rank."""
+    if T <= 1 or tokens <= 0:
+        return 0.0
+    return (T - 1) / T * tokens * shape.hidden_size * BF16 / profile.bandwidth(inter_node) + profile.latency(
+        inter_node)
+
+
+def unsplit_expert_flops(shape, tokens: float, T: int) -> float:
+    """Forward FLOPs of an average layer's experts that a forward-only pass at T > 1 adds to the
+    active width's T-split share: every tensor-parallel rank computes its tokens' routed pairs."""
+    if not shape.num_experts or T <= 1:
+        return 0.0
+    per_token = 2.0 * shape.moe_router_topk * expert_params(shape)
+    return moe_fraction(shape) * tokens * per_token * (1.0 - 1.0 / T)
+
+
+def moe_activation_bytes_per_token(shape, T: int, E: int, ETP: int, split: bool = True) -> float:
+    """Activations of one MoE layer's MLP part per micro-batch token on one rank: the routed
+    pairs' gate/up/product (6 * topk * moe_ffn bf16 bytes), the permuted tokens in and out of the
+    experts (2 * topk * hidden bf16, ETP copies gathered), the router's fp32 logits and
+    probabilities, and with the all-gather dispatcher the gathered hidden states of the E*ETP
+    group. ``split`` (training at T > 1): a rank holds those of its 1/T of the tokens; else
+    (forward-only passes) those of all of them."""
     k, h = shape.moe_router_topk, shape.hidden_size
-    act = 6.0 * k * shape.moe_ffn_hidden_size / T + 2.0 * BF16 * k * h * ETP / T
-    act += ROUTER_BYTES_PER_EXPERT * shape.num_experts
+    share = 1.0 / T if split else 1.0
+    act = 6.0 * k * shape.moe_ffn_hidden_size * share + 2.0 * BF16 * k * h * ETP * share
+    act += ROUTER_BYTES_PER_EXPERT * shape.num_experts * share
     if shape.moe_dispatcher != "alltoall":
-        act += BF16 * h * token_sets(E, ETP, T)
+        act += BF16 * h * E * ETP * share
     return act
 
 

@@ -26,8 +26,9 @@ host during generation and scoring, the frozen roles' weights during generation.
 Mixture-of-experts models (puzzle.plan_search.experts): the experts' weights, gradients and
 optimizer states are split over E*ETP ranks, the optimizer states sharded over the EDP expert-
 data-parallel ranks; a MoE layer's activations hold its routed (token, expert) pairs (topk per
-token), the dispatcher's permuted tokens and the router's probabilities; the KV cache is the
-attention's, unchanged.
+token), the dispatcher's permuted tokens and the router's probabilities, in training those of the
+rank's 1/T of the tokens (the layer splits them over T), in forward-only passes those of all of
+them; the KV cache is the attention's, unchanged.
 Models placed on the same devices in one stage run one after another or time-shared; PUZZLE
 §4.2 shows time-sharing keeps the sequential peak, so a stage's active memory is the largest
 of its models', not the sum.
@@ -107,14 +108,16 @@ class MemoryModel:
         self._cache: Dict[tuple, object] = {}
 
     # ---- per stage-index items -------------------------------------------------------
-    def act_per_token_layer(self, role: ModelRole, T: int, E: int = 1, ETP: Optional[int] = None) -> float:
-        """Activation bytes per token of an average layer (MoE layers' MLPs under (E, ETP))."""
+    def act_per_token_layer(self, role: ModelRole, T: int, E: int = 1, ETP: Optional[int] = None,
+                            split: bool = True) -> float:
+        """Activation bytes per token of an average layer (MoE layers' MLPs under (E, ETP); ``split``:
+        they split their tokens over T, as in training, else every TP rank holds all of them)."""
         s = role.shape
         if not s.is_moe:
             return 8.0 * s.hidden_size + (4.0 * s.hidden_size + 4.0 * s.kv_dim + 6.0 * s.ffn_hidden_size) / T
         m = experts.moe_fraction(s)
         mlp = (1.0 - m) * 6.0 * s.ffn_hidden_size / T + m * experts.moe_activation_bytes_per_token(
-            s, T, E, T if ETP is None else ETP)
+            s, T, E, T if ETP is None else ETP, split)
         return 8.0 * s.hidden_size + (4.0 * s.hidden_size + 4.0 * s.kv_dim) / T + mlp
 
     def _logits(self, role: ModelRole, tokens: float, T: int, factor: float) -> float:
@@ -183,7 +186,8 @@ class MemoryModel:
     def forward_items(self, role: ModelRole, plan: ParallelPlan, p: int) -> List[Tuple[str, float]]:
         w = self.workload
         _, _, tokens = w.micro_batches(math.ceil(w.rollout_batch_size / plan.D), "scoring")
-        items = [(f"{role.name} activations", 2 * tokens * self.act_per_token_layer(role, plan.T, plan.E, plan.ETP))]
+        per_token = self.act_per_token_layer(role, plan.T, plan.E, plan.ETP, split=False)  # forward-only
+        items = [(f"{role.name} activations", 2 * tokens * per_token)]
         if p == plan.P - 1 and role.lm_head:
             items.append((f"{role.name} logits", self._logits(role, tokens, plan.T, 2.0)))
         return items
@@ -207,7 +211,7 @@ class MemoryModel:
             items.append((f"{role.name} shadow weights", BF16 * (params_on_stage(role, plan.P, plan.T, p)
                                                                  + expert_params_on_rank(role, plan))))
         items.append((f"{role.name} KV cache", rows * self.kv_bytes_per_sequence(role, plan)))
-        prefill = 2 * bm * w.prompt_len * self.act_per_token_layer(role, plan.T, plan.E, plan.ETP)
+        prefill = 2 * bm * w.prompt_len * self.act_per_token_layer(role, plan.T, plan.E, plan.ETP, split=False)
         items.append((f"{role.name} prefill activations", prefill))
         if p == plan.P - 1:
             items.append((f"{role.name} logits", self._logits(role, bm, plan.T, 4.0)))

@@ -17,7 +17,10 @@ Objective (Eq. (2) extended to all models and stages)::
 
 subject to every rank's peak memory fitting the device (memory_model). Degrees P and T are
 powers of two, T <= ranks_per_node, D = group size / (P*T). A MoE model's plans also choose E and
-ETP (:func:`expert_degrees`); a MoE actor generates at its training layout (G = A).
+ETP (:func:`expert_degrees`); a MoE actor, like a dense one, may generate at another (P, D, T, E)
+than it trains at (the switch moves its experts between E layouts, priced by its bytes). Every
+rank holds part of a trainable model (runs build the optimizers over the whole world), so a
+disjoint layout needs a critic on its second group.
 
 * :func:`similarity_search`: from each stage's individually best plans (and variants where the
   generation plan starts at the training plan, or the other models align their P with the
@@ -48,8 +51,9 @@ VARS = ("A", "G", "C", "R", "W")
 VAR_INFO = {"A": ("actor", "training", "a"), "G": ("actor", "generation", "a"),
             "C": ("critic", "training", "c"), "R": ("ref", "scoring", "a"), "W": ("reward", "scoring", "c")}
 _EXCHANGES = [(i, j) for i in range(3) for j in range(3) if i != j]  # multiply dim i by 2, divide dim j by 2
-#: then the expert moves: E x 2, E / 2 (MoE models only)
-_MOVES = len(_EXCHANGES) + 2
+#: then the expert moves (MoE models only): E x 2, E / 2; ETP from T to 1 or back, at the same E and
+#: keeping E * ETP (the experts' split per rank)
+_MOVES = len(_EXCHANGES) + 4
 
 
 class InfeasibleError(RuntimeError):
@@ -145,6 +149,28 @@ def _plan_key(q: ParallelPlan) -> tuple:
     return q.P, q.D, q.T, q.E, 0 if q.ETP == q.T else q.ETP
 
 
+def _exchanged(key: List[int], where: Dict[tuple, int]) -> int:
+    """Index of the plan with key ``key`` after a (P, D, T) exchange, -1 if none. ETP follows T
+    where that plan exists, else a MoE plan keeps ETP = 1 (at T = 1 both are the same plan)."""
+    if key[2] == 1:
+        key[4] = 0
+    idx = where.get(tuple(key), -1)
+    if idx < 0 and key[4] == 0 and key[2] > 1:
+        idx = where.get(tuple(key[:4]) + (1,), -1)
+    return idx
+
+
+def _etp_moves(q: ParallelPlan, where: Dict[tuple, int]) -> List[int]:
+    """Indices of ``q`` with ETP switched between T and 1 (T > 1): at the same E, and with E scaled
+    to keep E * ETP; -1 where no such plan exists."""
+    if q.T == 1:
+        return [-1, -1]
+    etp = 1 if q.ETP == q.T else q.T
+    key = lambda E: (q.P, q.D, q.T, E, 0 if etp == q.T else etp)
+    scaled = q.E * q.ETP // etp if (q.E * q.ETP) % etp == 0 else 0
+    return [where.get(key(q.E), -1), where.get(key(scaled), -1) if scaled else -1]
+
+
 class _Layout:
     """One layout's candidate plans per variable, with per-plan costs and memory vectors.
     Configurations are tuples of plan indices ``(li, a, g, c, r, w)``."""
@@ -162,12 +188,6 @@ class _Layout:
                 self.plans[v] = [ParallelPlan(1, n, 1, off)]
                 continue
             plans, bad = candidate_plans(ev.roles[model].shape, n, off, ev.w, stage, rpn)
-            if v == "A" and ev.tied:  # the MoE actor generates at its training layout
-                gen_ok = set(candidate_plans(ev.roles[model].shape, n, off, ev.w, "generation", rpn)[0])
-                bad += [f"{fmt_plan(q)}: cannot generate" for q in plans if q not in gen_ok]
-                plans = [q for q in plans if q in gen_ok]
-            if v == "G" and ev.tied:
-                plans = self.plans["A"]
             if not plans:
                 self.missing.append(f"layout {self.name}: {model} {stage} on {n} ranks has no valid (P,D,T): "
                                     + "; ".join(bad))
@@ -218,10 +238,11 @@ class _Layout:
                         continue
                     d[i] *= 2
                     d[j] //= 2
-                    row.append(where.get(tuple(d), -1))
+                    row.append(_exchanged(d, where))
                 key = _plan_key(q)
                 row.append(where.get(key[:3] + (q.E * 2,) + key[4:], -1))
                 row.append(where.get(key[:3] + (q.E // 2,) + key[4:], -1) if q.E % 2 == 0 else -1)
+                row += _etp_moves(q, where)
                 rows.append(row)
             self.exch[v] = rows
 
@@ -241,14 +262,13 @@ class _Evaluator:
         self.w = job.workload
         self.roles = ppo_roles(job.actor, job.critic, job.ref, job.reward)
         self.absent = {v for v, (model, _, _) in VAR_INFO.items() if model not in job.roles}
-        #: the search keeps a MoE actor's generation at its training layout (G = A). Runs may
-        #: generate at another (P, D, T, E) since the switch moves experts, and the cost model
-        #: prices that switch; searching it is not done yet
-        self.tied = job.actor.is_moe
         self.cost = CostModel(self.profile, self.w)
         self.mem = MemoryModel(self.profile, self.w)
         self.usable = self.profile.device_memory_bytes - self.profile.memory_reserved_bytes
-        splits = sorted({int(round(self.N * f)) for f in job.disjoint_fractions} - {0, self.N})
+        # a disjoint layout's second group holds the critic and the reward model: without a critic
+        # its ranks would hold no trainable model (refused at run start), so no disjoint layouts
+        fractions = job.disjoint_fractions if "critic" in job.roles else ()
+        splits = sorted({int(round(self.N * f)) for f in fractions} - {0, self.N})
         self.layouts = [_Layout(self, li, k) for li, k in enumerate([None] + splits)]
         self.n_evals = 0
         self._memo: Dict[tuple, Tuple[float, float]] = {}
@@ -383,10 +403,6 @@ class _Evaluator:
         elif -self.rejected[0][0] > ov:
             heapq.heapreplace(self.rejected, (-ov, self._seq, cfg))
 
-    def fix(self, cfg) -> tuple:
-        """``cfg`` with the generation plan tied to the training plan where it must be."""
-        return cfg[:2] + (cfg[1],) + cfg[3:] if self.tied else cfg
-
     def penalised(self, cfg) -> float:
         t, ov = self.evaluate(cfg)
         return t if ov <= 0 else 1e9 + ov / GiB * 1e3 + t  # walk towards feasibility first
@@ -462,6 +478,7 @@ def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
     lean = {v: _individual_best(ev, L, v, lean=True) for v in ("R", "W")}
     gen_by_pt = {(q.P, q.T): i for i, q in enumerate(L.plans["G"])}
     ref_idx = {q: i for i, q in enumerate(L.plans["R"])}
+    gen_idx = {q: i for i, q in enumerate(L.plans["G"])}
     starts = []
     for p in [None] + sorted({q.P for q in L.plans["A"]}):
         if p is None:
@@ -473,11 +490,11 @@ def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
         qa = L.plans["A"][a]
         variants = [(pick["C"], pick["R"], pick["W"]), (pick["C"], ind["R"], ind["W"]), (ind["C"], pick["R"], ind["W"]),
                     (pick["C"], lean["R"], lean["W"]), (ind["C"], lean["R"], lean["W"])]
-        if ev.tied and qa in ref_idx:  # MoE: the reference also at the actor's layout (its expert split)
+        if qa.has_experts_split and qa in ref_idx:  # MoE: the reference also at the actor's layout
             variants += [(c, ref_idx[qa], w) for c, _, w in variants[:2]]
-        for g in (ind["G"], gen_by_pt.get((qa.P, qa.T))):
+        for g in (ind["G"], gen_by_pt.get((qa.P, qa.T)), gen_idx.get(qa)):
             if g is not None:
-                starts += [ev.fix((L.li, a, g, c, r, w)) for c, r, w in variants]
+                starts += [(L.li, a, g, c, r, w) for c, r, w in variants]
     return list(dict.fromkeys(starts))
 
 
@@ -493,7 +510,7 @@ def _descend(ev: _Evaluator, cfg: tuple, pairs: bool = False) -> tuple:
         for vi in range(5):
             for q in tables[vi][cur[vi + 1]]:
                 if q >= 0:
-                    cand = ev.fix(cur[:vi + 1] + (q,) + cur[vi + 2:])
+                    cand = cur[:vi + 1] + (q,) + cur[vi + 2:]
                     c = ev.penalised(cand)
                     if c < best_c:
                         best, best_c = cand, c
@@ -501,7 +518,7 @@ def _descend(ev: _Evaluator, cfg: tuple, pairs: bool = False) -> tuple:
             a, c_, r, w = (L.exch["A"][cur[1]][e], L.exch["C"][cur[3]][e], L.exch["R"][cur[4]][e],
                            L.exch["W"][cur[5]][e])
             if min(a, c_, r, w) >= 0:
-                cand = ev.fix((cur[0], a, cur[2], c_, r, w))
+                cand = (cur[0], a, cur[2], c_, r, w)
                 c = ev.penalised(cand)
                 if c < best_c:
                     best, best_c = cand, c
@@ -513,7 +530,7 @@ def _descend(ev: _Evaluator, cfg: tuple, pairs: bool = False) -> tuple:
                             if q >= 0 and r >= 0:
                                 cand = list(cur)
                                 cand[vi + 1], cand[vj + 1] = q, r
-                                cand = ev.fix(tuple(cand))
+                                cand = tuple(cand)
                                 c = ev.penalised(cand)
                                 if c < best_c:
                                     best, best_c = cand, c
@@ -559,8 +576,7 @@ def exhaustive_search(job: PPOJob) -> SearchResult:
             continue
         li, disjoint = L.li, L.k is not None
         nA, nG, nC, nR, nW = (len(L.plans[v]) for v in VARS)
-        gen_sorted = [sorted((ev.gen_switch(li, a, g), g) for g in (range(nG) if not ev.tied else (a,)))
-                      for a in range(nA)]
+        gen_sorted = [sorted((ev.gen_switch(li, a, g), g) for g in range(nG)) for a in range(nA)]
         min_r = min(t.work for t in L.task["R"])
         min_w = min(t.work for t in L.task["W"])
         for a in range(nA):
