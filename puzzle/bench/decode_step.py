@@ -42,6 +42,27 @@ def _ms(fn, repeats, dev):
     return (time.perf_counter() - t0) / repeats * 1e3
 
 
+def _write_trace(run, directory: str, dev) -> None:
+    """torch.profiler of one ``run()``: its kernel tables (profile.txt) and a Chrome trace."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    os.makedirs(directory, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize(dev)
+    ka = prof.key_averages()
+    with open(os.path.join(directory, "profile.txt"), "w") as f:
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=45))
+        if cuda:
+            f.write("\n\n")
+            f.write(ka.table(sort_by="self_device_time_total", row_limit=45))
+    prof.export_chrome_trace(os.path.join(directory, "trace.json"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -116,21 +137,7 @@ def main(argv=None):
         # the device profile's hardware.graph_decode_efficiency (the cost model's graphed decode step)
         row["graph_decode_efficiency"] = round(min(row["weight_read_ms"] / row["replay_ms"], 1.0), 3)
     if args.trace:
-        from torch.profiler import ProfilerActivity, profile
-
-        os.makedirs(args.trace, exist_ok=True)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=acts) as prof:
-            gen(sampled)
-            if cuda:
-                torch.cuda.synchronize(dev)
-        ka = prof.key_averages()
-        with open(os.path.join(args.trace, "profile.txt"), "w") as f:
-            f.write(ka.table(sort_by="self_cpu_time_total", row_limit=45))
-            if cuda:
-                f.write("\n\n")
-                f.write(ka.table(sort_by="self_device_time_total", row_limit=45))
-        prof.export_chrome_trace(os.path.join(args.trace, "trace.json"))
+        _write_trace(lambda: gen(sampled), args.trace, dev)
     print(json.dumps(row))
 
 

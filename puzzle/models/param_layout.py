@@ -163,17 +163,8 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
     head: 'lm' (output_layer.weight, or tied to the embedding), 'value' / 'score' (a
     ``value_head.weight`` [1, hidden], replicated, instead of the output layer).
     """
-    if head not in ("lm", "value", "score"):
-        raise ValueError(f"head must be 'lm', 'value' or 'score', got {head!r}")
-    if normalization not in ("RMSNorm", "LayerNorm"):
-        raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {normalization!r}")
     ng = num_query_groups or num_attention_heads
-    if num_attention_heads % ng:
-        raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by num_query_groups={ng}")
-    if kv_channels is None:
-        if hidden_size % num_attention_heads:
-            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_attention_heads}")
-        kv_channels = hidden_size // num_attention_heads
+    kv_channels = _checked_head_dim(head, normalization, hidden_size, num_attention_heads, ng, kv_channels)
     h, hd, nq, ffn = hidden_size, kv_channels, num_attention_heads, ffn_hidden_size
     ln_bias = normalization == "LayerNorm"
     specs: List[ParamSpec] = []
@@ -230,6 +221,24 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
     else:
         specs.append(ParamSpec("value_head.weight", (1, h), "replicated", stage_hint="last"))
     return specs
+
+
+def _checked_head_dim(head: str, normalization: str, hidden_size: int, num_attention_heads: int,
+                      num_query_groups: int, kv_channels: Optional[int]) -> int:
+    """gpt_param_specs' arguments checked (ValueError naming the one that is wrong); returns the
+    head dimension (``kv_channels``, default hidden / heads)."""
+    if head not in ("lm", "value", "score"):
+        raise ValueError(f"head must be 'lm', 'value' or 'score', got {head!r}")
+    if normalization not in ("RMSNorm", "LayerNorm"):
+        raise ValueError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {normalization!r}")
+    if num_attention_heads % num_query_groups:
+        raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by "
+                         f"num_query_groups={num_query_groups}")
+    if kv_channels is None:
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_attention_heads}")
+        kv_channels = hidden_size // num_attention_heads
+    return kv_channels
 
 
 def _moe_specs(pre: str, i: int, h: int, num_experts: int, ffn: int, swiglu: bool, bias: bool) -> List[ParamSpec]:
