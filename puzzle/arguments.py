@@ -594,6 +594,12 @@ def _check_moe_paths(args, roles, transformer_impl: str) -> None:
     if transformer_impl == "transformer_engine":
         _fail("--transformer-impl", "MoE models run megatron-core's local layer spec (SequentialMLP experts); "
                                     "the transformer-engine MoE spec is not supported yet: use --transformer-impl local")
+    seq_aux = [r for r in moe if ROLES[r].trainable and roles[r].arch.moe_aux_loss_coeff > 0
+               and roles[r].arch.moe_router_load_balancing_type == "seq_aux_loss"]
+    if seq_aux and args.use_remove_padding:
+        _fail("--moe-router-load-balancing-type", f"seq_aux_loss of the {seq_aux[0]}: megatron's router balances "
+                                                  "per row of a micro-batch, and a packed micro-batch is one row of "
+                                                  "many sequences; use aux_loss, or --no-use-remove-padding")
 
 
 def kv_bytes_per_sequence(arch, plan, seq_len: int, bytes_per_value: int) -> int:

@@ -197,6 +197,8 @@ def test_expert_layout_flags_per_role():
 @pytest.mark.parametrize("extra, needle", [
     (["--expert-model-parallel-size", "3"], "num_experts=4 is not divisible by E=3|E=3 x expert tensor"),
     (["--moe-router-topk", "5"], "--moe-router-topk: 5 exceeds --num-experts 4"),
+    (["--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss"],
+     "--moe-router-load-balancing-type: seq_aux_loss of the actor.*--no-use-remove-padding"),
 ])
 def test_unsupported_moe_runs_are_refused(extra, needle):
     from puzzle.config_flags import ArgumentError
@@ -219,6 +221,8 @@ def test_experts_split_over_ranks_score_and_train_packed():
     packed = lambda *extra: validate_args(parse_args(flags + list(extra)), 2, 259).ppo.use_remove_padding  # noqa: E731
     assert packed() and packed("--expert-model-parallel-size", "2")
     assert packed("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall")
+    assert not packed("--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss",
+                      "--no-use-remove-padding")  # per-row balancing runs on padded rows
     ppo = validate_args(parse_args(flags + ["--expert-model-parallel-size", "2", "--use-dynamic-bsz",
                                             "--ppo-max-token-len-per-gpu", "128"]), 2, 259).ppo
     assert ppo.use_dynamic_bsz and ppo.use_remove_padding and ppo.log_prob_max_token_len_per_gpu == 128
