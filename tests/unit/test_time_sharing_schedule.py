@@ -382,3 +382,21 @@ def test_value_errors():
         theoretical_speedup(4, [4, 0], [1, 1], [1, 1])
     with pytest.raises(ValueError):
         simulate(2, ctxs(2, 2), [1], [1, 1])  # one duration per context
+
+
+def test_stream_needs_one_plan_for_every_model():
+    """Equal P on the same ranks with another (D, T) is refused before any P2P: the models' TP/EP
+    collectives would couple pipelines whose programs may differ (time_sharing_executor.validate_stream)."""
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.pipeline.time_sharing_executor import validate_stream
+
+    def ctx(role, plan):
+        eng = types.SimpleNamespace(role=role, layout=types.SimpleNamespace(plan=plan))
+        return types.SimpleNamespace(engine=eng, num_microbatches=2)
+
+    validate_stream([ctx("actor", ParallelPlan(2, 1, 2)), ctx("critic", ParallelPlan(2, 1, 2))])
+    with pytest.raises(ValueError, match=r"same plan \(P, D, T, E, ETP\).*actor: \(P=2, D=1, T=2\), "
+                                         r"critic: \(P=2, D=2, T=1\)"):
+        validate_stream([ctx("actor", ParallelPlan(2, 1, 2)), ctx("critic", ParallelPlan(2, 2, 1))])
+    with pytest.raises(ValueError, match="same plan"):
+        validate_stream([ctx("actor", ParallelPlan(1, 4, 1, E=4)), ctx("ref", ParallelPlan(1, 4, 1, E=2))])
