@@ -70,7 +70,8 @@ def validate_stream(contexts: Sequence[Any]) -> None:
     another model's micro-batch counts (token budgets) or memory-guard decision differ per DP rank,
     and a blocking-P2P simulation of such coupled pipelines deadlocks (e.g. P=3 on 6 ranks: a T=2
     model, then a T=1 model whose two DP ranks run 7 and 1 micro-batches, then another T=2 model;
-    or two T=2 models with one pipeline falling back to the sequential program)."""
+    or two T=2 models with one pipeline falling back to the sequential program; see
+    tests/unit/test_time_sharing_schedule.py, test_coupled_pipelines_need_the_same_program)."""
     if not contexts:
         raise ValueError("time-sharing needs at least one context")
     plans = [c.engine.layout.plan for c in contexts]
