@@ -503,7 +503,7 @@ def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
 
 def _descend(ev: _Evaluator, cfg: tuple, pairs: bool = False) -> tuple:
     """Steepest descent over similar plans: one factor-2 exchange between two of (P, D, T) of one
-    model, or the same exchange on A, C, R, W together (keeps their P aligned for time-sharing);
+    model, or the same exchange on A, C, R, W together (keeps equal plans equal for time-sharing);
     with ``pairs``, moves of two models at once when no single move helps."""
     L = ev.layouts[cfg[0]]
     tables = [L.exch[v] for v in VARS]
