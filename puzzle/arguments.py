@@ -264,8 +264,8 @@ def _check_placement(flag: str, placement: str, plans) -> None:
                 _fail(flag, f"{placement} placement needs the models of a stage on the same or on "
                             f"disjoint ranks; {a} and {b} partly overlap ({_describe_plans(plans)})")
             if placement == "time-sharing" and shared and plans[a] != plans[b]:
-                _fail(flag, "time-sharing requires equal P (and the same D, T) for the models that share "
-                            f"devices in a stage; got {_describe_plans(plans)} (use sequential, or give "
+                _fail(flag, "time-sharing requires equal P (and the same D, T, E, ETP) for the models that "
+                            f"share devices in a stage; got {_describe_plans(plans)} (use sequential, or give "
                             "them the same layout)")
     if placement == "disjoint" and len({frozenset(v) for v in ranges.values()}) < 2:
         _fail(flag, "disjoint placement needs models on disjoint rank ranges (e.g. --critic-rank-offset "

@@ -1,9 +1,10 @@
 """A plan document (search_plan.py --save-plan, ``SearchResult.to_dict``, ``--plan auto``) read into
 layouts that ``validate_args`` applies to the run configuration directly.
 
-The trainer time-shares only models with identical layouts on the same ranks (the search's
-Eq. (1) needs equal P only): a 'time-sharing' stage whose co-located plans differ becomes
-'sequential' (``strict``: an ArgumentError instead).
+The trainer time-shares only models with identical layouts on the same ranks, and the search
+prices Eq. (1) only for those, so a searched plan keeps its placements; a hand-written document's
+'time-sharing' stage whose co-located plans differ becomes 'sequential' (``strict``: an
+ArgumentError instead).
 """
 
 from __future__ import annotations

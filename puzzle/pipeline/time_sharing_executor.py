@@ -63,7 +63,15 @@ def _describe(contexts) -> str:
 
 def validate_stream(contexts: Sequence[Any]) -> None:
     """Raise ValueError unless the contexts can run as one stream (same devices, equal P, the same
-    pipeline groups).  Pure check of the plans, so every rank raises alike."""
+    plan).  Pure check of the plans, so every rank raises alike.
+
+    Equal P on the same ranks would give the same pipeline groups whatever D and T are, but not a
+    safe stream: a model's TP/EP collectives then span pipelines whose programs differ wherever
+    another model's micro-batch counts (token budgets) or memory-guard decision differ per DP rank,
+    and a blocking-P2P simulation of such coupled pipelines deadlocks (e.g. P=3 on 6 ranks: a T=2
+    model, then a T=1 model whose two DP ranks run 7 and 1 micro-batches, then another T=2 model;
+    or two T=2 models with one pipeline falling back to the sequential program; see
+    tests/unit/test_time_sharing_schedule.py, test_coupled_pipelines_need_the_same_program)."""
     if not contexts:
         raise ValueError("time-sharing needs at least one context")
     plans = [c.engine.layout.plan for c in contexts]
@@ -74,9 +82,9 @@ def validate_stream(contexts: Sequence[Any]) -> None:
         raise ValueError("time-sharing requires the contexts in a stream to share the same devices; "
                          "got " + ", ".join(f"{c.engine.role}: {p} on ranks {p.ranks[0]}..{p.ranks[-1]}"
                                             for c, p in zip(contexts, plans)))
-    if len({frozenset(tuple(g) for g in p.pp_groups()) for p in plans}) != 1:
-        raise ValueError("time-sharing requires the contexts in a stream to have the same pipeline "
-                         "groups (same P, D and T on the same ranks); got " + _describe(contexts))
+    if len(set(plans)) != 1:
+        raise ValueError("time-sharing requires the contexts in a stream to have the same plan (P, D, T, "
+                         "E, ETP) on the same ranks; got " + _describe(contexts))
     for c in contexts:
         if c.num_microbatches < 1:
             raise ValueError(f"{c.engine.role}: num_microbatches must be >= 1")

@@ -372,14 +372,26 @@ def grouped_time(tasks: Sequence[TaskCost]) -> Tuple[float, bool]:
     return total, shared
 
 
+def colocated_time(tasks: Sequence[TaskCost]) -> Tuple[float, bool]:
+    """Tasks of one stage on the same ranks under 'time-sharing', as the trainer runs them: one
+    interleaved stream (Eq. (1), :func:`grouped_time`) only when every task has the same plan --
+    validate_args refuses time-sharing of models with different (P, D, T, E, ETP) on shared ranks
+    (their pipelines' programs would differ while those models' collectives span pipelines) --
+    else one after another. Returns (time, whether time-sharing saved time)."""
+    if len({t.plan for t in tasks}) > 1:
+        return sequential_time(tasks), False
+    return grouped_time(tasks)
+
+
 def stage_time(tasks: Sequence[TaskCost], placement: str) -> float:
     """Seconds of one stage's models as puzzle.pipeline.run_stage runs them: models on the same
-    ranks one after another (Eq. (1) within equal P when ``placement`` is 'time-sharing'); groups
-    on disjoint ranks concurrently (any placement); partly overlapping groups add up."""
+    ranks one after another (one Eq. (1) stream when ``placement`` is 'time-sharing' and their
+    plans are identical, :func:`colocated_time`); groups on disjoint ranks concurrently (any
+    placement); partly overlapping groups add up."""
     groups: Dict[Tuple[int, int], List[TaskCost]] = {}
     for t in tasks:
         groups.setdefault((t.plan.offset, t.plan.size), []).append(t)
-    times = [grouped_time(g)[0] if placement == "time-sharing" else sequential_time(g)
+    times = [colocated_time(g)[0] if placement == "time-sharing" else sequential_time(g)
              for g in groups.values()]
     spans = [set(range(o, o + n)) for o, n in groups]
     disjoint = all(not (a & b) for i, a in enumerate(spans) for b in spans[i + 1:])

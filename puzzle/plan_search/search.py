@@ -7,10 +7,11 @@ A configuration chooses, for a world of N ranks:
 * plans: A = actor training plan (also its home for scoring), G = actor generation plan (the actor's
   ranks), C = critic plan (training and scoring), R = ref plan, W = reward plan (scoring).
 
-Stage placement follows: colocated stages run their models on the same devices, time-shared by
-Eq. (1) wherever two or more share P ('time-sharing'; Eq. (1) never exceeds the sequential sum,
-so the search needs no separate branch), otherwise one after another ('sequential'); a disjoint
-layout runs its two device groups concurrently ('disjoint', the stage takes the slower group).
+Stage placement follows what the trainer runs: colocated stages run their models on the same
+devices, time-shared by Eq. (1) when every model of the stage has the same plan ('time-sharing';
+Eq. (1) never exceeds the sequential sum, so the search needs no separate branch), otherwise one
+after another ('sequential'); a disjoint layout runs its two device groups concurrently
+('disjoint', the stage takes the slower group; each group's models one after another).
 Objective (Eq. (2) extended to all models and stages)::
 
     T_gen(G) + T_switch(A -> G) + T_scoring(A, C, R, W) + T_training(A, C)
@@ -39,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.plan_search.cost_model import (CostModel, ModelShape, PPOWorkload, TaskCost, grouped_time, plan_problems,
-                                    ppo_roles)
+from puzzle.plan_search.cost_model import (CostModel, ModelShape, PPOWorkload, TaskCost, colocated_time, plan_problems,
+                                    ppo_roles, sequential_time)
 from puzzle.plan_search.memory_model import GiB, MemoryModel, fmt_plan
 from puzzle.plan_search.profile_data import Profile, load_profile
 
@@ -315,7 +316,7 @@ class _Evaluator:
             if "C" in self.absent:
                 r = (ta.total, False)
             else:
-                r = (max(ta.total, tc.total), False) if L.k is not None else grouped_time([ta, tc])
+                r = (max(ta.total, tc.total), False) if L.k is not None else colocated_time([ta, tc])
             self._train[key] = r
         return r
 
@@ -328,10 +329,10 @@ class _Evaluator:
             side_c = [L.fwd["C"][c], L.task["W"][w]]
             side_a = [t for t, v in zip(side_a, ("R", "A")) if v not in self.absent]
             side_c = [t for t, v in zip(side_c, ("C", "W")) if v not in self.absent]
-            if L.k is not None:
-                res = (max(grouped_time(side_a)[0], grouped_time(side_c)[0]), False)
+            if L.k is not None:  # 'disjoint': each group's models one after another
+                res = (max(sequential_time(side_a), sequential_time(side_c)), False)
             else:
-                res = grouped_time(side_a + side_c)
+                res = colocated_time(side_a + side_c)
             self._score[key] = res
         return res
 
@@ -470,14 +471,15 @@ def _individual_best(ev: _Evaluator, L: _Layout, var: str, pred=None, lean: bool
 
 def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
     """Each stage's individually best plans; then, for every pipeline degree p, the best plans
-    with P = p for A, C, R, W (time-sharing affinity), also mixed with the individually best or
-    the least-memory (lean) frozen models. The generation plan starts at its own best and at the
-    training plan's (P, T) over all ranks -- the paper's starting point, from which the descent
-    "reduces P and raises T"."""
+    with P = p for A, C, R, W, also mixed with the individually best or the least-memory (lean)
+    frozen models, and with C, R, W at the actor's plan where they have it (time-sharing needs the
+    same plan). The generation plan starts at its own best and at the training plan's (P, T) over
+    all ranks -- the paper's starting point, from which the descent "reduces P and raises T"."""
     ind = {v: _individual_best(ev, L, v) for v in VARS}
     lean = {v: _individual_best(ev, L, v, lean=True) for v in ("R", "W")}
     gen_by_pt = {(q.P, q.T): i for i, q in enumerate(L.plans["G"])}
-    ref_idx = {q: i for i, q in enumerate(L.plans["R"])}
+    idx = {v: {q: i for i, q in enumerate(L.plans[v])} for v in ("C", "R", "W")}
+    ref_idx = idx["R"]
     gen_idx = {q: i for i, q in enumerate(L.plans["G"])}
     starts = []
     for p in [None] + sorted({q.P for q in L.plans["A"]}):
@@ -492,6 +494,7 @@ def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
                     (pick["C"], lean["R"], lean["W"]), (ind["C"], lean["R"], lean["W"])]
         if qa.has_experts_split and qa in ref_idx:  # MoE: the reference also at the actor's layout
             variants += [(c, ref_idx[qa], w) for c, _, w in variants[:2]]
+        variants.append(tuple(idx[v].get(qa, pick[v]) for v in ("C", "R", "W")))  # all at the actor's plan
         for g in (ind["G"], gen_by_pt.get((qa.P, qa.T)), gen_idx.get(qa)):
             if g is not None:
                 starts += [(L.li, a, g, c, r, w) for c, r, w in variants]
@@ -500,7 +503,7 @@ def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
 
 def _descend(ev: _Evaluator, cfg: tuple, pairs: bool = False) -> tuple:
     """Steepest descent over similar plans: one factor-2 exchange between two of (P, D, T) of one
-    model, or the same exchange on A, C, R, W together (keeps their P aligned for time-sharing);
+    model, or the same exchange on A, C, R, W together (keeps equal plans equal for time-sharing);
     with ``pairs``, moves of two models at once when no single move helps."""
     L = ev.layouts[cfg[0]]
     tables = [L.exch[v] for v in VARS]

@@ -50,6 +50,22 @@ def test_search_plan_json_and_plan_file(tmp_path, capsys):
     assert direct == cfg
 
 
+def test_searched_time_sharing_runs_as_searched():
+    """A plan the search prices with time-sharing is one the trainer time-shares: validate_args takes
+    it (strict: no downgrade to sequential) with the search's placements (PUZZLE's 7B/7B on 16 ranks)."""
+    from puzzle.plan_search import LLAMA_SHAPES, PPOJob, PPOWorkload, similarity_search
+
+    job = PPOJob(16, LLAMA_SHAPES["7B"], LLAMA_SHAPES["7B"],
+                 PPOWorkload(256, prompt_len=256, gen_len=256, micro_batch_size=4))
+    doc = similarity_search(job).to_dict()
+    assert doc["placements"]["training"] == doc["placements"]["scoring"] == "time-sharing"
+    assert read_plan_document(doc, strict=True).placements == {"scoring": "time-sharing", "training": "time-sharing"}
+    cfg = validate_args(parse_args(SEVEN_B + BATCH + ["--reward-model", "random"] + plan_flags(doc, strict=True)),
+                        16, 32000, check_paths=False)
+    assert cfg.score_placement == cfg.train_placement == "time-sharing"
+    assert len({cfg.roles[r].plan for r in ("actor", "critic", "ref", "reward")}) == 1
+
+
 def test_infeasible_request_explains(capsys):
     seventy_b = ["--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672",
                  "--num-attention-heads", "64", "--group-query-attention", "--num-query-groups", "8",

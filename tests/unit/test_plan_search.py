@@ -130,6 +130,33 @@ def test_time_sharing_is_eq1():
     assert ev.train_time(0, ia, ic) == (pytest.approx(ts), True)
 
 
+def test_search_time_shares_only_identical_plans():
+    """The trainer time-shares models of one stage only at the same plan (validate_args); equal P
+    with another (D, T) runs one model after the other, and so does each group of a disjoint layout."""
+    from puzzle.plan_search.cost_model import colocated_time, stage_time
+
+    w = PPOWorkload(64, micro_batch_size=2)
+    cm, roles = CostModel(PROFILE, w), ppo_roles(S["7B"], S["350M"])
+    a, c = cm.train_cost(roles["actor"], PP(4, 2, 1)), cm.train_cost(roles["critic"], PP(4, 2, 1))
+    c_dt = cm.train_cost(roles["critic"], PP(4, 1, 2))
+    assert colocated_time([a, c]) == (pytest.approx(time_sharing_time([a, c])), True)
+    assert colocated_time([a, c_dt]) == (pytest.approx(a.total + c_dt.total), False)
+    assert time_sharing_time([a, c_dt]) < a.total + c_dt.total  # what the search used to price
+    assert stage_time([a, c_dt], "time-sharing") == pytest.approx(a.total + c_dt.total)
+    ev = _Evaluator(PPOJob(8, S["7B"], S["350M"], w, PROFILE))
+    L = ev.layouts[0]
+    ia, ic = L.plans["A"].index(PP(4, 2, 1)), L.plans["C"].index(PP(4, 1, 2))
+    assert ev.train_time(0, ia, ic) == (pytest.approx(a.total + c_dt.total), False)
+    # disjoint@4: actor and ref on ranks 0-3 run one after the other ('disjoint' runs each group so)
+    D = next(x for x in ev.layouts if x.k == 4)
+    ia, ir = D.plans["A"].index(PP(2, 2, 1)), D.plans["R"].index(PP(2, 2, 1))
+    ic, iw = 0, 0
+    fa, tr = D.fwd["A"][ia], D.task["R"][ir]
+    assert ev.w.actor_logprobs_in_scoring
+    side_c = D.fwd["C"][ic].total + D.task["W"][iw].total
+    assert ev.score_time(D.li, ia, ic, ir, iw) == (pytest.approx(max(fa.total + tr.total, side_c)), False)
+
+
 # ---- switch bytes -------------------------------------------------------------------------------
 def test_switch_bytes_identical_plans_is_zero():
     for plan in (PP(1, 1, 1), PP(2, 1, 1), PP(1, 2, 1), PP(1, 1, 2)):

@@ -382,3 +382,74 @@ def test_value_errors():
         theoretical_speedup(4, [4, 0], [1, 1], [1, 1])
     with pytest.raises(ValueError):
         simulate(2, ctxs(2, 2), [1], [1, 1])  # one duration per context
+
+
+def test_stream_needs_one_plan_for_every_model():
+    """Equal P on the same ranks with another (D, T) is refused before any P2P: the models' TP/EP
+    collectives would couple pipelines whose programs may differ (time_sharing_executor.validate_stream)."""
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.pipeline.time_sharing_executor import validate_stream
+
+    def ctx(role, plan):
+        eng = types.SimpleNamespace(role=role, layout=types.SimpleNamespace(plan=plan))
+        return types.SimpleNamespace(engine=eng, num_microbatches=2)
+
+    validate_stream([ctx("actor", ParallelPlan(2, 1, 2)), ctx("critic", ParallelPlan(2, 1, 2))])
+    with pytest.raises(ValueError, match=r"same plan \(P, D, T, E, ETP\).*actor: \(P=2, D=1, T=2\), "
+                                         r"critic: \(P=2, D=2, T=1\)"):
+        validate_stream([ctx("actor", ParallelPlan(2, 1, 2)), ctx("critic", ParallelPlan(2, 2, 1))])
+    with pytest.raises(ValueError, match="same plan"):
+        validate_stream([ctx("actor", ParallelPlan(1, 4, 1, E=4)), ctx("ref", ParallelPlan(1, 4, 1, E=2))])
+
+
+def _coupled_pipelines_stuck(P, counts, tp, time_shared):
+    """Run the executor programs of several pipelines (one per index j of a stage's ranks) with
+    blocking P2P inside each pipeline and, per context k, a collective joining the pipelines
+    j // tp[k] alike (that model's tensor-parallel group) at each of its actions. ``counts[j][k]``:
+    micro-batches of context k on pipeline j; ``time_shared[j]``: its program. Returns the blocked
+    steps (empty: every program ran to its end)."""
+    J = len(counts)
+    progs = {(j, s): executor_program(P, s, [ContextSpec(str(k), n) for k, n in enumerate(counts[j])],
+                                      time_shared[j]) for j in range(J) for s in range(P)}
+    pc, posted, board, seqs = dict.fromkeys(progs, 0), dict.fromkeys(progs), {}, {}
+    progress = True
+    while progress:
+        progress = False
+        for (j, s), prog in progs.items():
+            while pc[j, s] < len(prog):
+                step = prog[pc[j, s]]
+                if isinstance(step, Action):
+                    group = [i for i in range(J) if i // tp[step.context] == j // tp[step.context]]
+                    if any(pc[i, s] >= len(progs[i, s]) or progs[i, s][pc[i, s]] != step for i in group):
+                        break  # the collective waits for every member to reach the same action
+                    for i in group:
+                        pc[i, s] += 1
+                elif posted[j, s] is None:  # post the call's sends/recvs (FIFO per link and side)
+                    posted[j, s] = []
+                    for o in step.ops:
+                        key = (j, o.payload, s if o.peer == "next" else s - 1, o.op)
+                        seqs[key] = seqs.get(key, -1) + 1
+                        board[key + (seqs[key],)] = True
+                        posted[j, s].append(key[:3] + ("recv" if o.op == "send" else "send", seqs[key]))
+                    continue
+                elif all(k in board for k in posted[j, s]):
+                    posted[j, s] = None
+                    pc[j, s] += 1
+                else:
+                    break
+                progress = True
+    return {key: progs[key][pc[key]] for key in progs if pc[key] < len(progs[key])}
+
+
+def test_coupled_pipelines_need_the_same_program():
+    """Why a stream holds one plan (time_sharing_executor.validate_stream): at equal P but another
+    (D, T), a model's TP collectives span pipelines; they deadlock as soon as those pipelines'
+    programs differ, and run when the programs are the same."""
+    # P=3, two pipelines: T=2 model, a T=1 model with 7 and 1 micro-batches on its DP ranks, T=2 model
+    assert _coupled_pipelines_stuck(3, [[2, 7, 5], [2, 1, 5]], [2, 1, 2], [True, True])
+    assert not _coupled_pipelines_stuck(3, [[2, 7, 5], [2, 7, 5]], [2, 1, 2], [True, True])
+    # two T=2 models, equal counts, one pipeline on the sequential program (another memory-guard choice)
+    assert _coupled_pipelines_stuck(2, [[5, 3], [5, 3]], [2, 2], [False, True])
+    assert not _coupled_pipelines_stuck(2, [[5, 3], [5, 3]], [2, 2], [True, True])
+    # without coupling (every model T=1, i.e. one plan per pipeline group) differing programs are fine
+    assert not _coupled_pipelines_stuck(3, [[2, 7, 5], [2, 1, 5]], [1, 1, 1], [True, True])
