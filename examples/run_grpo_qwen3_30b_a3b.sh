@@ -4,8 +4,8 @@
 # The experts are split over E=8 ranks of a node (--expert-model-parallel-size); attention and the
 # embeddings are data-parallel; the actor generates at its training layout. The plan search
 # (--plan auto, or search_plan.py with these flags) trains the actor at (P,D,T) = (2,8,1) with E=2
-# and generates at this layout, the reference at (2,8,1) with E=8: 0.3 % faster by its estimate
-# (69.12 s against 69.34 s per iteration), at 77.4 GiB of 80 on the worst rank against 66.6 GiB
+# and generates at this layout, the reference at (2,8,1) with E=8: 0.17 % faster by its estimate
+# (69.22 s against 69.34 s per iteration), at 77.4 GiB of 80 on the worst rank against 66.6 GiB
 # here (docs/benchmarks.md, "Mixture of experts").
 #
 # One torchrun per node. Under Slurm (2 nodes, 1 task per node):
