@@ -2,6 +2,8 @@
 # What to run first on a GPU box. Exits non-zero on any failure.
 #   1. the tiny PPO run on one GPU in fp32; its metrics must match the same run on the CPU
 #      (relative 1e-4);
+#   1b. packed attention: one flash-attention varlen call per micro-batch against one SDPA call per
+#      distinct length, bf16, outputs and gradients (python -m puzzle.bench.packed_attention);
 #   2. a ~1.1B LLaMA-shaped actor, critic, reference and reward model (random init, no downloads)
 #      for a few iterations in bf16 on one GPU, then its figures: per-stage seconds, generation
 #      tokens/s against the decode bound, training MFU, peak memory per stage against the dry run;
@@ -46,6 +48,16 @@ CUDA_VISIBLE_DEVICES= NPROC=1 bash examples/run_ppo_tiny.sh "${ONE_RANK[@]}" --l
     > "$OUT/tiny_cpu.log" 2>&1 || { tail -40 "$OUT/tiny_cpu.log"; exit 1; }
 python3 -m puzzle.tools.compare_metrics "$OUT/tiny_cpu/metrics.jsonl" "$OUT/tiny_gpu/metrics.jsonl" \
     --rtol 1e-4 --atol 1e-6 $CLIP_COUNTS
+
+# 1b. packed attention on the GPU: the one-call varlen path against the per-length calls
+step "packed attention, bf16: flash varlen (one call) against SDPA per length"
+python3 -m puzzle.bench.packed_attention | tee "$OUT/packed_attention.json"
+python3 - "$OUT/packed_attention.json" <<'PY'
+import json, sys
+row = json.load(open(sys.argv[1]))
+worst = max(row["max_abs_diff"].values())
+assert worst < 0.05, f"flash varlen differs from the per-length SDPA calls by {worst} (bf16)"
+PY
 
 # 2. ~1.1B LLaMA (TinyLlama shape: 22 layers, hidden 2048, GQA 32/4), bf16, one GPU
 LLAMA=(

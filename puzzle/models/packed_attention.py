@@ -8,6 +8,13 @@ once per micro-batch on the host: the sequences grouped by length. ``packed_atte
 attention call per distinct length (the sequences of that length gathered into one batch), never
 a dense block-diagonal mask over the whole micro-batch: with all lengths equal it is one batched
 call, as in the padded path; with long-tailed lengths each call is as long as its sequences.
+
+On a GPU, ``varlen_flash_attention`` runs the whole micro-batch as ONE call of torch's flash-
+attention varlen kernel (``aten::_flash_attention_forward`` with ``cu_seqlens``, differentiable;
+its positional arguments and ``scale`` are the same from torch 2.2 on), causal within each
+sequence, where that kernel applies (``varlen_flash_usable``: CUDA, fp16/bf16, head dim a multiple
+of 8 up to 256, no attention dropout, compute capability 8.0 or newer); the per-length calls stay
+the path everywhere else.
 """
 
 from __future__ import annotations
@@ -106,3 +113,32 @@ def packed_attention(attend: Callable, query: torch.Tensor, key: torch.Tensor, v
         pieces.append(out.transpose(0, 1).reshape(k * n, -1))
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
     return out if plan.inverse is None else out.index_select(0, plan.inverse)
+
+
+def varlen_flash_usable(query: torch.Tensor, key: torch.Tensor, dropout_p: float) -> bool:
+    """Whether torch's flash-attention varlen kernel takes this packed call: CUDA tensors in
+    fp16/bf16, head dim a multiple of 8 up to 256, query heads a multiple of the key/value heads,
+    no attention dropout (megatron's RNG tracker forks it), a GPU of compute capability >= 8.0."""
+    d = query.shape[-1]
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and key.dtype == query.dtype
+            and dropout_p == 0.0 and d % 8 == 0 and d <= 256 and query.shape[-2] % key.shape[-2] == 0
+            and torch.cuda.get_device_capability(query.device)[0] >= 8)
+
+
+def varlen_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           packed: PackedSequences, scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence in one kernel call: query [T, h, d],
+    key/value [T, g, d] (g dividing h: grouped-query attention as the kernel does it) -> [T, h * d]."""
+    if query.shape[0] != packed.total:
+        raise ValueError(f"packed attention: {query.shape[0]} tokens but the sequences hold {packed.total}")
+    cu = packed.cu_seqlens_q.to(device=query.device, dtype=torch.int32)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    out = flash_varlen_kernel(q, k, v, cu, packed.max_seqlen_q, scale)
+    return out.reshape(out.shape[0], -1)
+
+
+def flash_varlen_kernel(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """torch's flash-attention forward over sequences ``cu_seqlens`` (int32 [n + 1]), causal, no
+    dropout: [T, h, d] -> [T, h, d]. Its autograd runs the kernel's own backward."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0,
+                                                   True, False, scale=scale)[0]

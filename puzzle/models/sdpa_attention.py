@@ -8,7 +8,8 @@ attention never materialises repeated keys and values: SDPA's ``enable_gqa`` (to
 the h / g query heads of a group folded into the query-length dimension.
 Both CPU core attentions (``SDPACoreAttention`` and ``UnfusedCoreAttention``) take packed
 sequences (megatron's THD ``packed_seq_params``): causal attention within each sequence, one call
-per distinct length (puzzle/models/packed_attention.py).
+per distinct length (puzzle/models/packed_attention.py); on a GPU, ``SDPACoreAttention`` runs a
+packed micro-batch as one call of torch's flash-attention varlen kernel where it applies.
 
 Generation (puzzle/rollout/generation.py) binds a ``StaticKVCache`` to the modules for one model
 call (``module.kv_cache = cache``): megatron's Attention then runs with ``inference_context=None``
@@ -32,7 +33,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from puzzle.models.packed_attention import packed_attention
+from puzzle.models.packed_attention import packed_attention, varlen_flash_attention, varlen_flash_usable
 
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -289,6 +290,8 @@ class SDPACoreAttention(KVCacheMixin, MegatronModule):
         if packed_seq_params is not None:  # THD: causal within each sequence
             if kind != AttnMaskType.causal:
                 raise ValueError("packed sequences need causal attention")
+            if varlen_flash_usable(query, key, self.dropout_p if self.training else 0.0):
+                return varlen_flash_attention(query, key, value, packed_seq_params, self.scale)
             return self._dropout_scope(lambda: packed_attention(
                 lambda q, k, v: self._attend(q, k, v, None, q.shape[0] > 1), query, key, value,
                 packed_seq_params))

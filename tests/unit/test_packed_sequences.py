@@ -110,3 +110,70 @@ def test_schedule_shape_runs_equal_packed_sequences_as_a_dense_batch():
     assert schedule_shape(mbs, True, 8, 2) == (16, 1, True)  # packed [1, T] of 16 and 13 tokens
     assert all("dense_shape" not in mb for mb in mbs)
     assert schedule_shape(mixed.micro_batches(2), False, 8, 2) == (8, 2, False)  # right-padded
+
+
+# ---- the GPU's one-call path (torch's flash-attention varlen kernel), its plumbing on the CPU ----
+def _reference_varlen_kernel(calls):
+    """Stands in for the flash kernel on the CPU: causal attention within each sequence of
+    ``cu_seqlens``, written out with an explicit mask, query heads grouped over key heads."""
+    def kernel(q, k, v, cu, max_len, scale):
+        calls.append((cu.clone(), cu.dtype, max_len, scale))
+        r = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        out = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            s = torch.einsum("qhd,khd->hqk", q[a:b], k[a:b]) * scale
+            s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+            out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v[a:b]))
+        return torch.cat(out)
+    return kernel
+
+
+def test_varlen_flash_attention_hands_the_kernel_the_packed_sequences(monkeypatch):
+    """One kernel call per micro-batch: the sequences' int32 offsets and longest length, the
+    core attention's scale, non-contiguous heads made contiguous; [T, h * d] back, gradients too."""
+    import puzzle.models.packed_attention as pa
+
+    calls = []
+    monkeypatch.setattr(pa, "flash_varlen_kernel", _reference_varlen_kernel(calls))
+    lengths, h, kv, d = [5, 3, 7, 1], 4, 2, 8
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(d, sum(lengths), h, generator=g).permute(1, 2, 0).requires_grad_()  # stride(-1) != 1
+    k, v = (torch.randn(sum(lengths), kv, d, generator=g, requires_grad=True) for _ in range(2))
+    packed = PackedSequences.of(lengths)
+    out = pa.varlen_flash_attention(q, k, v, packed, 1.0 / math.sqrt(d))
+    (cu, dtype, max_len, scale), = calls
+    assert cu.tolist() == [0, 5, 8, 15, 16] and dtype == torch.int32 and max_len == 7
+    assert scale == pytest.approx(1.0 / math.sqrt(d))
+    torch.testing.assert_close(out, packed_attention(_causal, q, k, v, packed), rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = torch.autograd.grad(packed_attention(_causal, q, k, v, packed).square().sum(), (q, k, v))
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="16 tokens but the sequences hold 15"):
+        pa.varlen_flash_attention(q, k, v, PackedSequences.of([5, 3, 7]), 1.0)
+
+
+def test_sdpa_core_attention_takes_the_one_call_path_where_the_kernel_applies(monkeypatch):
+    """SDPACoreAttention's packed forward goes to the varlen kernel when it applies and to the
+    per-length calls otherwise (the CPU: CUDA tensors only)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import puzzle.models.packed_attention as pa
+    import puzzle.models.sdpa_attention as sa
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            attention_dropout=0.0)
+    attention = sa.SDPACoreAttention(cfg, 1, AttnMaskType.causal, "self")
+    lengths = [6, 2, 6]
+    q, k, v = (torch.randn(sum(lengths), n, 8) for n in (4, 2, 2))
+    packed = PackedSequences.of(lengths)
+    assert not pa.varlen_flash_usable(q.bfloat16(), k.bfloat16(), 0.0)  # CPU tensors
+    per_length = attention(q, k, v, None, packed_seq_params=packed)
+    calls = []
+    monkeypatch.setattr(pa, "flash_varlen_kernel", _reference_varlen_kernel(calls))
+    monkeypatch.setattr(sa, "varlen_flash_usable", lambda query, key, dropout_p: dropout_p == 0.0)
+    one_call = attention(q, k, v, None, packed_seq_params=packed)
+    assert len(calls) == 1 and calls[0][2] == 6
+    torch.testing.assert_close(one_call, per_length, rtol=1e-6, atol=1e-6)
