@@ -38,6 +38,7 @@ CUDA graph cannot capture) raises, so such a regression fails on a CPU as well.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 import sys
 from typing import Dict, List, Tuple
@@ -133,10 +134,11 @@ def _check_moe_static(model) -> None:
 class DecodeGraphs:
     """The static cache, input buffers and captured decode graphs of one model."""
 
-    def __init__(self, device: torch.device, capture: bool = True):
+    def __init__(self, device: torch.device, capture: bool = True, host_sync_guard: bool = True):
         """``capture=False`` runs the same static-shape bucketed step without a graph (any
-        device): the check of everything but the capture itself."""
-        self.device, self.capture = device, capture
+        device): the check of everything but the capture itself, each step under HostSyncGuard
+        (``host_sync_guard=False``: without it, for timings)."""
+        self.device, self.capture, self.host_sync_guard = device, capture, host_sync_guard
         self.key: Tuple[int, int] = (0, 0)
         self.width = 0
         self._cache = None
@@ -208,13 +210,17 @@ class DecodeGraphs:
             return run(ids.unsqueeze(1), pos.unsqueeze(1), None, None)
 
         if not self.capture:
-            with HostSyncGuard():
+            with self.guard():
                 return step()[:n]
         if N not in self.graphs:
             self.graphs[N] = self._capture(step)
         graph, out = self.graphs[N]
         graph.replay()
         return out[:n]
+
+    def guard(self):
+        """The context of a step run without capture."""
+        return HostSyncGuard() if self.host_sync_guard else contextlib.nullcontext()
 
     def _capture(self, step, before_capture=None):
         """(graph, output) of ``step``: two warm-up runs on a side stream, then the capture.
@@ -310,7 +316,7 @@ class FusedDecode:
                 if capture:
                     self.graph.replay()
                 else:
-                    with HostSyncGuard():
+                    with self.graphs.guard():
                         self.step()
                 steps += 1
             if not bool(self.active.any()):
