@@ -581,6 +581,19 @@ def _check_token_budget(ppo):
     return ppo
 
 
+def _check_moe_graph_decode(gen) -> None:
+    """--cuda-graph-generation of a MoE actor: its decode step runs every expert on every row
+    (puzzle/models/moe_decode.py), which needs all of a layer's experts whole on each rank of
+    the generation layout; megatron's token dispatchers, which read token counts on the host,
+    cannot be captured."""
+    if gen.E > 1 or gen.ETP > 1:
+        _fail("--cuda-graph-generation", f"a MoE actor's graphed decode step needs every expert whole on each "
+                                         f"rank of the generation layout (E=1, ETP=1; {gen} has E={gen.E}, "
+                                         f"ETP={gen.ETP}; ETP is T unless set): pass "
+                                         f"--actor-gen-expert-model-parallel-size 1 "
+                                         f"--actor-gen-expert-tensor-parallel-size 1, or leave the flag out")
+
+
 def _check_moe_paths(args, roles, transformer_impl: str) -> None:
     """Mixture-of-experts models run generation, scoring and training (also at T > 1 without
     sequence parallelism: megatron_patches.moe_tensor_parallel_without_sp); the paths not built
@@ -588,9 +601,8 @@ def _check_moe_paths(args, roles, transformer_impl: str) -> None:
     moe = [r for r, spec in roles.items() if spec.arch.is_moe]
     if not moe:
         return
-    if args.cuda_graph_generation:
-        _fail("--cuda-graph-generation", "MoE layers' token dispatchers synchronise with the host: "
-                                         "not captured in CUDA graphs yet")
+    if args.cuda_graph_generation and roles["actor"].arch.is_moe:
+        _check_moe_graph_decode(roles["actor"].gen_plan)
     if transformer_impl == "transformer_engine":
         _fail("--transformer-impl", "MoE models run megatron-core's local layer spec (SequentialMLP experts); "
                                     "the transformer-engine MoE spec is not supported yet: use --transformer-impl local")

@@ -1,7 +1,7 @@
 """Benchmark: where the time of one decode step goes (GPU; runs on CPU too, without graphs).
 
     torchrun --standalone --nproc-per-node 1 -m puzzle.bench.decode_step [--batch 64]
-        [--new-tokens 64] [--model 1b|tiny] [--trace DIR]
+        [--new-tokens 64] [--model 1b|tiny] [--trace DIR] [--num-experts E [--moe-router-topk K]]
 
 One rank, (P, D, T) = (1, 1, 1), the actor of ``puzzle.bench.generation``'s model, greedy and
 sampled decoding. Prints one JSON object, milliseconds per decode step unless named otherwise:
@@ -14,6 +14,11 @@ sampled decoding. Prints one JSON object, milliseconds per decode step unless na
 - ``weight_read_ms``: the weights and KV cache a step must read, over the measured bandwidth:
   the memory bound of one step; ``graph_decode_efficiency``: that bound over ``replay_ms``, the
   figure a device profile's ``hardware.graph_decode_efficiency`` takes for the plan search.
+
+``--num-experts E``: every MLP a MoE layer of E experts (top-K, each expert's hidden size the
+dense one over K). On a GPU the graphed steps then run the static MoE step
+(puzzle/models/moe_decode.py); on a CPU ``static_moe_greedy_ms_per_step`` times that step without
+capture against the eager loop's megatron MoE forward (``static_over_eager``).
 
 With ``--trace DIR`` also a torch.profiler table of one generate() call (top CPU and device
 operators) in DIR/profile.txt and its chrome trace.
@@ -63,6 +68,23 @@ def _write_trace(run, directory: str, dev) -> None:
     prof.export_chrome_trace(os.path.join(directory, "trace.json"))
 
 
+def _static_moe_on_cpu(eng, prompts, params, reps, dev, eager_ms) -> dict:
+    """The graph path's decode steps without capture (static MoE step, no HostSyncGuard) against
+    the eager loop (megatron's MoE forward), and whether both give the same greedy tokens."""
+    from puzzle.rollout import generate
+    from puzzle.rollout.cuda_graphs import DecodeGraphs
+
+    eng.module._puzzle_decode_graphs = DecodeGraphs(dev, capture=False, host_sync_guard=False)
+    try:
+        static = lambda: generate(eng, prompts, params, seed=0, cuda_graphs=True)  # noqa: E731
+        ms = _ms(static, reps, dev) / params.max_new_tokens
+        same = static().responses() == generate(eng, prompts, params, seed=0).responses()
+    finally:
+        del eng.module._puzzle_decode_graphs
+    return {"static_moe_greedy_ms_per_step": round(ms, 3), "static_over_eager": round(ms / eager_ms, 3),
+            "static_moe_greedy_tokens_equal_eager": same}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -71,6 +93,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--trace", default=None)
     ap.add_argument("--compile", action="store_true", help="torch.compile the captured decode step")
+    ap.add_argument("--num-experts", type=int, default=None, help="MoE layers of this many experts")
+    ap.add_argument("--moe-router-topk", type=int, default=2)
     args = ap.parse_args(argv)
 
     import megatron_patches
@@ -92,6 +116,9 @@ def main(argv=None):
     cuda = dev.type == "cuda"
     model_name = args.model or ("1b" if cuda else "tiny")
     arch = _arch(model_name)
+    if args.num_experts:
+        arch = replace(arch, num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                       moe_ffn_hidden_size=arch.ffn_hidden_size // args.moe_router_topk)
     eng = ModelEngine("actor", replace(arch, attention_backend="local"), layout_for(ParallelPlan(1, 1, 1)),
                       trainable=False, seed=7, bf16=cuda)
     b, n_new = args.batch, args.new_tokens
@@ -101,6 +128,8 @@ def main(argv=None):
     sampled = SamplingParams(n_new, temperature=0.7)
     row = {"model": model_name, "device": str(torch.cuda.get_device_name() if cuda else "cpu"),
            "batch": b, "new_tokens": n_new, "cuda_graphs": cuda}
+    if args.num_experts:
+        row.update(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk)
 
     if args.compile:  # the first call compiles and captures
         t0 = time.perf_counter()
@@ -115,6 +144,8 @@ def main(argv=None):
     row["prefill_ms"] = round(_ms(lambda: generate(eng, prompts, one, seed=0), reps, dev), 3)
     row["generate_greedy_ms_per_step"] = round(_ms(lambda: gen(greedy), reps, dev) / n_new, 3)
     row["generate_sampled_ms_per_step"] = round(_ms(lambda: gen(sampled), reps, dev) / n_new, 3)
+    if args.num_experts and not cuda:
+        row.update(_static_moe_on_cpu(eng, prompts, greedy, reps, dev, row["generate_greedy_ms_per_step"]))
     if cuda:  # greedy rows equal to the eager loop's (bf16: a fused kernel may round differently)
         a = gen(greedy).responses()
         e = generate(eng, prompts, greedy, seed=0).responses()

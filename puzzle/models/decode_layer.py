@@ -21,10 +21,17 @@ offload and recompute contexts, view checks), a sizeable share of a small decode
 ``decode_forward`` runs a whole decode step of a GPTModel stage that way (embedding, lean layers,
 final norm, output-layer product), without GPTModel's and TransformerBlock's per-call plumbing.
 
-Layers whose modules or options the lean step does not cover (transformer-engine modules, MoE,
-attention output gates, fewer query groups than TP ranks, fused bias-activation kernels, fp8,
-sequence parallelism) always run megatron's forward. The step is static in shape and free of
-host synchronisation, so CUDA graphs capture it like the full forward.
+MoE layers (megatron's MoELayer with SequentialMLP experts whole on the rank) take the lean
+step only when the cache has static shapes (``static_shapes``: the CUDA-graph decode's cache,
+puzzle/rollout/cuda_graphs.py); their MLP is then puzzle/models/moe_decode.py's static step,
+every expert on every row weighted by the router's probabilities. Elsewhere they run megatron's
+forward, whose dispatchers compute only the routed rows.
+
+Layers whose modules or options the lean step does not cover (transformer-engine modules, MoE
+layers ``moe_step_problem`` names, attention output gates, fewer query groups than TP ranks,
+fused bias-activation kernels, fp8, sequence parallelism) always run megatron's forward. The
+step is static in shape and free of host synchronisation, so CUDA graphs capture it like the
+full forward.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class DecodeTransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         self._lean: Optional[bool] = None  # whether the lean step covers this layer (decided once)
         self._tp_reduce = False            # row-parallel outputs are all-reduced (TP > 1)
+        self._moe = False                  # the MLP is a MoELayer (lean on static-shape caches only)
 
     def forward(self, *args, **kwargs):
         if self._decodes():
@@ -60,7 +68,8 @@ class DecodeTransformerLayer(TransformerLayer):
         if self._lean is None:
             self._lean = lean_step_covers(self)
             self._tp_reduce = _size(self.self_attention.linear_proj.tp_group) > 1
-        return self._lean
+            self._moe = self._lean and _is_moe(self.mlp)
+        return self._lean and (not self._moe or getattr(cache, "static_shapes", False))
 
     def _decode_step(self, x: torch.Tensor) -> torch.Tensor:
         """x [1, n, h] -> [1, n, h]: megatron's layer forward at eval, one token per row."""
@@ -79,6 +88,10 @@ class DecodeTransformerLayer(TransformerLayer):
             key = attn.k_layernorm(key)
         context = attn.core_attention(query, key, value, None, attn_mask_type=attn.attn_mask_type)
         x = _row_parallel_add(context, attn.linear_proj, x, self._tp_reduce)
+        if self._moe:  # MoELayer.forward with static shapes, then the eval bias-dropout-add
+            from puzzle.models.moe_decode import moe_decode_mlp
+
+            return moe_decode_mlp(mlp, self.pre_mlp_layernorm(x)) + x
         # MLP (MLP.forward without fused kernels)
         inter = _linear(self.pre_mlp_layernorm(x), mlp.linear_fc1)
         cfg = mlp.config
@@ -143,10 +156,20 @@ def lean_step_covers(layer: TransformerLayer) -> bool:
     from puzzle.models.sdpa_attention import KVCacheMixin
 
     attn, mlp, cfg = layer.self_attention, layer.mlp, layer.config
+    if _is_moe(mlp):
+        from puzzle.models.moe_decode import moe_step_problem
+
+        if moe_step_problem(mlp) is not None:
+            return False
+        mlp_ok = True
+    else:
+        mlp_ok = (type(mlp) is MLP and type(mlp.linear_fc1) is ColumnParallelLinear
+                  and type(mlp.linear_fc2) is RowParallelLinear and not mlp.linear_fc1.gather_output
+                  and mlp.linear_fc2.input_is_parallel and not mlp.linear_fc2.explicit_expert_comm
+                  and _size(attn.linear_proj.tp_group) == _size(mlp.linear_fc2.tp_group))
     modules_ok = (
-        type(attn) is SelfAttention and type(mlp) is MLP
+        mlp_ok and type(attn) is SelfAttention
         and type(attn.linear_qkv) is ColumnParallelLinear and type(attn.linear_proj) is RowParallelLinear
-        and type(mlp.linear_fc1) is ColumnParallelLinear and type(mlp.linear_fc2) is RowParallelLinear
         and isinstance(attn.core_attention, KVCacheMixin)
         and isinstance(layer.pre_cross_attn_layernorm, IdentityOp)
         and isinstance(layer.cross_attention, IdentityOp)
@@ -163,11 +186,30 @@ def lean_step_covers(layer: TransformerLayer) -> bool:
         and not cfg.fp8 and not getattr(cfg, "fp4", None)
         and not cfg.test_mode
         and not attn.linear_qkv.gather_output and attn.linear_proj.input_is_parallel
-        and not mlp.linear_fc1.gather_output and mlp.linear_fc2.input_is_parallel
-        and not attn.linear_proj.explicit_expert_comm and not mlp.linear_fc2.explicit_expert_comm
-        and _size(attn.linear_proj.tp_group) == _size(mlp.linear_fc2.tp_group)
+        and not attn.linear_proj.explicit_expert_comm
     )
     return bool(options_ok)
+
+
+def moe_static_problem(model) -> Optional[str]:
+    """Why a MoE layer of ``model`` cannot take the static decode step (which a CUDA graph
+    needs: megatron's MoE forward synchronises with the host), or None."""
+    from puzzle.models.moe_decode import moe_step_problem
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, TransformerLayer) and _is_moe(layer.mlp):
+            problem = moe_step_problem(layer.mlp)
+            if problem is None and not (isinstance(layer, DecodeTransformerLayer) and lean_step_covers(layer)):
+                problem = f"{type(layer).__name__} with options the lean decode step does not cover"
+            if problem is not None:
+                return f"MoE layer {name}: {problem}"
+    return None
+
+
+def _is_moe(mlp) -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return isinstance(mlp, MoELayer)
 
 
 def _size(group) -> int:

@@ -25,14 +25,26 @@ tokens back at the end. Finished rows keep computing values nobody reads (their 
 changes), so the tokens equal the step-by-step loop's. ``compile`` runs the captured steps
 through ``torch.compile`` (inductor fuses the elementwise work between the matrix products;
 bf16 results may then round differently from the eager kernels).
+
+MoE models: the cache here has ``static_shapes``, which switches their MoE layers to the static
+step of puzzle/models/moe_decode.py (every expert on every row, weighted by the router's
+probabilities) in place of megatron's token dispatchers, which read counts on the host.
+
+Without capture (``capture=False``, any device) every step runs under ``HostSyncGuard``: an
+operation that would make the host wait for the device or give a data-dependent shape (what a
+CUDA graph cannot capture) raises, so such a regression fails on a CPU as well.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
+import sys
 from typing import Dict, List, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 WIDTH_MULTIPLE = 64
 
@@ -59,13 +71,74 @@ def graph_width(width: int) -> int:
     return -(-width // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
 
 
+class HostSyncError(RuntimeError):
+    """An operation in a graphed decode step that waits for the device or has a data-dependent shape."""
+
+
+_T = torch.Tensor
+#: tensor operations that copy a value to the host or size their output by the data
+_HOST_SYNCS = frozenset({
+    _T.item, _T.tolist, _T.cpu, _T.numpy, _T.__bool__, _T.__int__, _T.__float__, _T.__index__,
+    _T.nonzero, torch.nonzero, _T.argwhere, torch.argwhere, _T.masked_select, torch.masked_select,
+    _T.unique, torch.unique, torch.unique_consecutive, _T.bincount, torch.bincount,
+    _T.equal, torch.equal, _T.allclose, torch.allclose, torch.is_nonzero,
+})
+
+
+#: code whose tensors are host copies on a GPU too: megatron's RNG tracker compares CPU
+#: generator states (its fork around megatron's unfused core attention, the CPU default)
+_HOST_SIDE_CODE = (os.path.join("megatron", "core", "tensor_parallel", "random.py"),)
+
+
+class HostSyncGuard(TorchFunctionMode):
+    """Raises HostSyncError at each operation a CUDA graph cannot capture: a value read on the
+    host (``item``, ``tolist``, ``cpu``, ``bool(t)``, ``int(t)``, ``torch.equal``...), an output
+    sized by the data (``nonzero``, ``masked_select``, boolean-mask indexing, ``unique``,
+    ``repeat_interleave`` by a tensor without ``output_size``). On a CPU every tensor is a host
+    tensor: calls from ``_HOST_SIDE_CODE``, whose tensors stay on the host on a GPU, pass."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func in _HOST_SYNCS or _data_sized(func, args, kwargs)) \
+                and not sys._getframe(1).f_code.co_filename.endswith(_HOST_SIDE_CODE):
+            name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+            raise HostSyncError(f"{name} in a CUDA-graph decode step: it synchronises with the host "
+                                f"or has a data-dependent shape, which graph capture cannot record")
+        return func(*args, **kwargs)
+
+
+def _data_sized(func, args, kwargs) -> bool:
+    """Boolean-mask indexing (a masked write of one scalar is ``masked_fill_``: static), a
+    ``repeat_interleave`` by a tensor of counts without ``output_size``."""
+    if func in (_T.__getitem__, _T.__setitem__) and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        if func is _T.__setitem__ and (isinstance(args[2], (int, float, bool)) or
+                                       isinstance(args[2], torch.Tensor) and args[2].dim() == 0):
+            return False  # index_put_ dispatches a masked write of a scalar to masked_fill_
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    if func in (torch.repeat_interleave, _T.repeat_interleave):
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and repeats.numel() > 1 and "output_size" not in kwargs
+    return False
+
+
+def _check_moe_static(model) -> None:
+    from puzzle.models.decode_layer import moe_static_problem
+
+    problem = moe_static_problem(model)
+    if problem is not None:
+        raise ValueError(f"--cuda-graph-generation: {problem}; the graphed decode step runs every expert "
+                         f"whole on each rank (expert parallelism and expert tensor parallelism 1)")
+
+
 class DecodeGraphs:
     """The static cache, input buffers and captured decode graphs of one model."""
 
-    def __init__(self, device: torch.device, capture: bool = True):
+    def __init__(self, device: torch.device, capture: bool = True, host_sync_guard: bool = True):
         """``capture=False`` runs the same static-shape bucketed step without a graph (any
-        device): the check of everything but the capture itself."""
-        self.device, self.capture = device, capture
+        device): the check of everything but the capture itself, each step under HostSyncGuard
+        (``host_sync_guard=False``: without it, for timings)."""
+        self.device, self.capture, self.host_sync_guard = device, capture, host_sync_guard
         self.key: Tuple[int, int] = (0, 0)
         self.width = 0
         self._cache = None
@@ -80,6 +153,8 @@ class DecodeGraphs:
     def for_model(cls, model, P: int, device: torch.device, compile_graphs: bool = False) -> "DecodeGraphs":
         if P != 1:
             raise ValueError(f"--cuda-graph-generation needs a generation layout with P=1 (got P={P})")
+        if getattr(getattr(model, "config", None), "num_moe_experts", None):
+            _check_moe_static(model)
         graphs = getattr(model, "_puzzle_decode_graphs", None)
         if graphs is None:
             if device.type != "cuda":
@@ -99,6 +174,8 @@ class DecodeGraphs:
         if key != self.key or self._cache is None:
             self.key, self.width = key, key[1]
             self._cache = StaticKVCache(slots, self.width)
+            # every step has its bucket's static shapes: MoE layers take their static step
+            self._cache.static_shapes = True
             self.graphs, self.fused = {}, {}
             self.rope_tables = None
             self.buckets = graph_buckets(slots)
@@ -133,12 +210,17 @@ class DecodeGraphs:
             return run(ids.unsqueeze(1), pos.unsqueeze(1), None, None)
 
         if not self.capture:
-            return step()[:n]
+            with self.guard():
+                return step()[:n]
         if N not in self.graphs:
             self.graphs[N] = self._capture(step)
         graph, out = self.graphs[N]
         graph.replay()
         return out[:n]
+
+    def guard(self):
+        """The context of a step run without capture."""
+        return HostSyncGuard() if self.host_sync_guard else contextlib.nullcontext()
 
     def _capture(self, step, before_capture=None):
         """(graph, output) of ``step``: two warm-up runs on a side stream, then the capture.
@@ -231,7 +313,11 @@ class FusedDecode:
         steps = 0
         while steps < steps_left:
             for _ in range(min(check_every, steps_left - steps)):
-                self.graph.replay() if capture else self.step()
+                if capture:
+                    self.graph.replay()
+                else:
+                    with self.graphs.guard():
+                        self.step()
                 steps += 1
             if not bool(self.active.any()):
                 break

@@ -466,7 +466,9 @@ def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[i
     if not megatron_patches.on_cpu():
         return contextlib.nullcontext()
     if getattr(hooks.model.config, "num_moe_experts", None):
-        return contextlib.nullcontext()  # megatron's MoE router and dispatchers name CUDA devices
+        # prefills (and eager decode steps) run megatron's MoE router and dispatchers, which name
+        # CUDA devices (the static MoE decode step of the graph path does not)
+        return contextlib.nullcontext()
     unfused = [a for a in hooks.attention if isinstance(a, UnfusedCoreAttention)]
     if unfused:
         from megatron.core import parallel_state

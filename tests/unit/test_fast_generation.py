@@ -217,3 +217,56 @@ def test_packed_prefill_and_decode_write_each_slots_positions():
     assert torch.equal(kb[0, :, 0], key[3, 0])
     assert kd.shape == (3, g, 4, d) and cache.masked[:, 0, 0].tolist() == [
         [False, False, True, True], [False, True, True, True], [False, False, False, False]]
+
+
+def test_host_sync_guard_refuses_what_graph_capture_cannot_record():
+    from puzzle.rollout.cuda_graphs import HostSyncError, HostSyncGuard
+
+    x = torch.arange(6.0).view(2, 3)
+    syncs = {"item": lambda: x[0, 0].item(), "tolist": lambda: x.tolist(), "cpu": lambda: x.cpu(),
+             "nonzero": lambda: x.nonzero(), "torch.nonzero": lambda: torch.nonzero(x),
+             "bool": lambda: bool(x[0, 1]), "int": lambda: int(x[0, 1]), "equal": lambda: torch.equal(x, x),
+             "masked_select": lambda: x.masked_select(x > 2), "mask_index": lambda: x[x > 2],
+             "mask_write_rows": lambda: x.clone().__setitem__(x > 2, torch.ones(3)),
+             "unique": lambda: torch.unique(x),
+             "repeat_by_tensor": lambda: x.repeat_interleave(torch.tensor([1, 2]), 0)}
+    for name, op in syncs.items():
+        with HostSyncGuard(), pytest.raises(HostSyncError, match="in a CUDA-graph decode step"):
+            op()
+    with HostSyncGuard():  # static shapes, nothing read on the host
+        y = x.clone()
+        y[x > 2] = 0.0  # index_put_ of one scalar: masked_fill_
+        probs, idx = torch.topk(torch.softmax(x, -1), 2)
+        dense = torch.zeros_like(x).scatter(1, idx, probs)
+        z = torch.where(x > 2, x, dense) @ torch.ones(3, 2) + x[torch.tensor([1, 0])][:, :2]
+        r = x.repeat_interleave(2, 0)
+    assert y.sum() == 3 and z.shape == (2, 2) and r.shape == (4, 3)
+
+
+MOE_FLAGS = ["--num-experts", "4", "--cuda-graph-generation"]
+
+
+@pytest.mark.parametrize("extra, gen_layout", [
+    ([], (1, 1)),
+    (["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], (1, 1)),
+    (["--tensor-model-parallel-size", "2", "--actor-gen-expert-tensor-parallel-size", "1"], (1, 1)),
+    (["--expert-model-parallel-size", "2", "--actor-gen-expert-model-parallel-size", "1"], (1, 1)),
+    (["--tensor-model-parallel-size", "2"], "E=1, ETP=2"),
+    (["--expert-model-parallel-size", "2"], "E=2, ETP=1"),
+])
+def test_moe_cuda_graph_generation_needs_whole_experts(monkeypatch, extra, gen_layout):
+    """A MoE actor's graphed decode runs every expert on every row: its generation layout must
+    hold every expert whole (E=1, ETP=1); training layouts may split them."""
+    from puzzle.parallel import device
+
+    monkeypatch.setattr(device, "accelerator_available", lambda: True)
+    argv = BASE + MOE_FLAGS + extra
+    if isinstance(gen_layout, str):
+        with pytest.raises(ArgumentError, match=f"^--cuda-graph-generation: a MoE actor's graphed decode step "
+                                                f"needs every expert whole .* has {gen_layout}; .*"
+                                                f"--actor-gen-expert-model-parallel-size 1"):
+            validate_args(parse_args(argv), 4, 259)
+        return
+    c = validate_args(parse_args(argv), 4, 259)
+    gen = c.roles["actor"].gen_plan
+    assert c.ppo.cuda_graph_generation and (gen.E, gen.ETP) == gen_layout

@@ -290,7 +290,111 @@ def check_lean_decode():
     return res
 
 
+_MOE = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4, vocab_size=200,
+            make_vocab_size_divisible_by=64, seq_length=64, num_experts=4, moe_router_topk=2,
+            moe_ffn_hidden_size=32, attention_backend="local")
+#: (name, plan, arch): every layer MoE, softmax before the top-k (Qwen3-MoE without norm_topk_prob),
+#: alltoall at T=2 with the experts whole on each rank; a dense second layer (mlp_only_layers),
+#: top-k then softmax (Mixtral), allgather, alone on rank 2
+MOE_STATIC = [
+    ("T2_ETP1", ParallelPlan(1, 1, 2, ETP=1),
+     ModelArch.llama(**_MOE, moe_router_pre_softmax=True, moe_token_dispatcher_type="alltoall")),
+    ("T1_dense_layer", ParallelPlan(1, 1, 1, offset=2), ModelArch.llama(**_MOE, moe_layer_pattern=[1, 0])),
+]
+
+
+class _RowByRowMatmul(torch.overrides.TorchFunctionMode):
+    """Matrix products one row at a time: a row's result then no longer depends on how many rows
+    the kernel multiplies (megatron multiplies each expert's routed rows, the static step all)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.matmul, torch.mm) and args[0].dim() >= 2 and args[1].dim() == 2:
+            a, b = args
+            rows = a.reshape(-1, a.shape[-1])
+            out = torch.cat([func(rows[i:i + 1], b) for i in range(rows.shape[0])]) if len(rows) else func(rows, b)
+            return out.view(*a.shape[:-1], b.shape[-1])
+        return func(*args, **kwargs)
+
+
+def _static_generate(eng, prompts, params, mbs=None, megatron_moe=False):
+    """generate through the CUDA-graph decode without capture (HostSyncGuard on): (responses,
+    logits of each decode call). ``megatron_moe``: MoELayer.forward in place of the static MoE
+    step (its dispatchers synchronise: the guard is off then)."""
+    import contextlib
+
+    from puzzle.models import moe_decode
+    from puzzle.rollout import cuda_graphs as CG
+    from puzzle.rollout import generation as G
+
+    logits, run, step, guard = [], G.Stepper.run, moe_decode.moe_decode_mlp, CG.HostSyncGuard
+
+    def recorded(self, *args):
+        out = run(self, *args)
+        if args[2] is None:
+            logits.append(out.clone())
+        return out
+
+    G.Stepper.run = recorded
+    if megatron_moe:
+        moe_decode.moe_decode_mlp, CG.HostSyncGuard = (lambda mlp, x: mlp(x)[0]), contextlib.nullcontext
+    eng.module._puzzle_decode_graphs = CG.DecodeGraphs(torch.device("cpu"), capture=False)
+    try:
+        out = generate(eng, prompts, params, seed=SEED, micro_batch_size=mbs, cuda_graphs=True).responses()
+    finally:
+        G.Stepper.run, moe_decode.moe_decode_mlp, CG.HostSyncGuard = run, step, guard
+        del eng.module._puzzle_decode_graphs
+    return out, logits
+
+
+def check_moe_static_decode():
+    """The CUDA-graph decode of MoE models without capture: the same tokens as eager generation
+    (megatron's MoE forward); each step's logits against the same step with megatron's MoELayer
+    forward in place of the static MoE step (bitwise with row-by-row matrix products, else the
+    max difference); an expert-parallel model is refused by DecodeGraphs.for_model."""
+    from puzzle.models.decode_layer import DecodeTransformerLayer
+    from puzzle.rollout.cuda_graphs import DecodeGraphs
+    from puzzle.training.engine import ModelEngine
+
+    prompts = PROMPTS + [[8], [2, 7, 1, 8, 2, 8]]
+    res = {}
+    for name, plan, arch in MOE_STATIC:
+        eng = ModelEngine("actor", arch, layout_for(plan), trainable=False, seed=SEED)
+        if not eng.member:
+            continue
+        r = res[name] = {}
+        # whole-step graphs (every prompt in a slot); at T=1 also per-bucket steps (prompts
+        # waiting for slots) and the logits of each step against megatron's MoE forward
+        greedy = _static_generate(eng, prompts, PARAMS["greedy"])[0]
+        r["tokens_equal"] = {
+            "greedy/whole_step": greedy == generate(eng, prompts, PARAMS["greedy"], seed=SEED).responses()}
+        if plan.T == 1:
+            sampled, ours = _static_generate(eng, prompts, PARAMS["t07_k20_p09"], 3)
+            r["tokens_equal"]["t07_k20_p09/bucketed"] = sampled == generate(
+                eng, prompts, PARAMS["t07_k20_p09"], seed=SEED, micro_batch_size=3).responses()
+            megatron = _static_generate(eng, prompts, PARAMS["t07_k20_p09"], 3, megatron_moe=True)[1]
+            r["calls"] = len(ours)
+            r["max_logit_diff"] = max(float((a - b).abs().max()) for a, b in zip(ours, megatron))
+        short = SamplingParams(4, greedy=True)
+        with _RowByRowMatmul():
+            ours = _static_generate(eng, prompts[:5], short, 3)[1]
+            megatron = _static_generate(eng, prompts[:5], short, 3, megatron_moe=True)[1]
+        r["row_by_row_logits_equal"] = len(ours) == len(megatron) > 2 and all(
+            torch.equal(a, b) for a, b in zip(ours, megatron))
+        r["moe_and_lean"] = [(l._moe, l._lean) for l in eng.module.modules()
+                             if isinstance(l, DecodeTransformerLayer)]
+    expert_parallel = ModelEngine("actor", MOE_STATIC[1][2], layout_for(ParallelPlan(1, 2, 1, offset=2, E=2)),
+                                  trainable=False, seed=SEED)
+    if expert_parallel.member:
+        try:
+            DecodeGraphs.for_model(expert_parallel.module, 1, torch.device("cpu"))
+        except ValueError as e:
+            res["expert_parallel_refused"] = str(e)
+    return res
+
+
 if __name__ == "__main__":
     world_main([("reference", check_reference), ("layouts", check_layouts),
                 ("eos_and_limits", check_eos_and_limits), ("errors", check_errors),
-                ("fast_loop", check_fast_loop), ("lean_decode", check_lean_decode)])
+                ("fast_loop", check_fast_loop), ("lean_decode", check_lean_decode),
+                ("moe_static_decode", check_moe_static_decode)])
