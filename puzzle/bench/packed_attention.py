@@ -52,18 +52,20 @@ def run(cap: int, rows: int, repeats: int) -> dict:
     from puzzle.models.packed_attention import (PackedSequences, packed_attention, varlen_flash_attention,
                                                 varlen_flash_usable)
     from puzzle.models.sdpa_attention import sdpa_attention
+    from puzzle.parallel.device import local_device
 
-    if not torch.cuda.is_available():
+    device = local_device()
+    if device.type != "cuda":
         raise SystemExit("error: puzzle.bench.packed_attention needs a CUDA device (found none)")
     lengths = response_lengths("long_tailed", rows, cap).tolist()
-    packed = PackedSequences.of(lengths, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
+    packed = PackedSequences.of(lengths, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
     T, scale = sum(lengths), 1.0 / math.sqrt(HEAD_DIM)
-    q, k, v = (torch.randn(T, n, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    q, k, v = (torch.randn(T, n, HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
                for n in (HEADS, GROUPS, GROUPS))
     if not varlen_flash_usable(q, k, 0.0):
         raise SystemExit(f"error: the flash varlen kernel does not apply on {torch.cuda.get_device_name()}")
-    grad_out = torch.randn(T, HEADS * HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    grad_out = torch.randn(T, HEADS * HEAD_DIM, device=device, dtype=torch.bfloat16, generator=g)
 
     def per_length(q_, k_, v_):
         return packed_attention(lambda a, b, c: sdpa_attention(a, b, c, None, a.shape[0] > 1, scale),
