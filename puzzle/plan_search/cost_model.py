@@ -278,6 +278,12 @@ def plan_problems(shape: ModelShape, plan: ParallelPlan, workload: PPOWorkload, 
         out.append(f"D={plan.D} > {workload.max_dp(stage)} samples per {stage} batch")
     if shape.is_moe and stage == "generation" and plan.D % experts.token_sets(plan.E, plan.ETP, plan.T):
         out.append(f"E*ETP/T={plan.E * plan.ETP // plan.T} must divide D={plan.D} for generation")
+    if stage == "generation" and workload.cuda_graphs:  # what --cuda-graph-generation runs
+        if plan.P > 1:
+            out.append(f"P={plan.P}: CUDA-graph generation needs P=1")
+        if shape.is_moe and (plan.E > 1 or plan.ETP > 1):
+            out.append(f"E={plan.E}, ETP={plan.ETP}: CUDA-graph generation of a MoE model needs every expert "
+                       "whole on each rank (E=1, ETP=1)")
     return out
 
 
@@ -679,15 +685,15 @@ class CostModel:
         # decode: weights (profiled step at context 0) + KV-cache read at the mean context length
         ctx = w.prompt_len + (w.gen_len + 1) / 2.0
         eff = 1.0
-        if w.cuda_graphs:  # whole-width attention, no launch cost per kernel
+        if w.cuda_graphs:  # whole-width attention, no launch cost per kernel; MoE: every expert on every row
             ctx = w.prompt_len + w.gen_len
             split, repl = layer_params(s.compute_shape)
-            layer_bytes = (split / T + repl) * BF16
+            params = split / T + experts.static_step_extra_params(s, T)
             eff = prof.graph_decode_efficiency
-            t_layer = max(prof.hbm_time(layer_bytes), prof.gemm_time(2.0 * bm * split / T)) / eff
+            t_layer = max(prof.hbm_time((params + repl) * BF16), prof.gemm_time(2.0 * bm * params)) / eff
         else:
             t_layer = tab.decode(bm, T)
-        if s.is_moe:  # the experts the step's tokens touch, beyond the active width; the dispatcher
+        if s.is_moe and not w.cuda_graphs:  # the experts the tokens touch beyond the active width; the dispatcher
             t_layer += (prof.hbm_time(experts.decode_extra_expert_bytes(s, bm, plan.E, plan.ETP, T)) / eff
                         + self._moe_comm(role, bm, plan))
         kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16) / eff

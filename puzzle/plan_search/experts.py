@@ -148,6 +148,15 @@ def decode_extra_expert_bytes(shape, rows: float, E: int, ETP: int, T: int) -> f
     return moe_fraction(shape) * max(0.0, touched * per_expert - active)
 
 
+def static_step_extra_params(shape, T: int) -> float:
+    """Expert parameters one rank reads and multiplies per graphed decode step of an average
+    layer beyond a dense layer of the active width (topk experts over T): the static step
+    (puzzle/models/moe_decode.py) runs every expert, whole on the rank, on every row."""
+    if not shape.num_experts:
+        return 0.0
+    return moe_fraction(shape) * expert_params(shape) * (shape.num_experts - shape.moe_router_topk / T)
+
+
 def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 

@@ -357,3 +357,25 @@ def test_descent_moves_between_etp_layouts():
     assert _etp_moves(PP(1, 4, 2, E=2, ETP=2), where) == [at(PP(1, 4, 2, E=2, ETP=1)), at(PP(1, 4, 2, E=4, ETP=1))]
     assert _etp_moves(PP(1, 4, 2, E=4, ETP=1), where) == [at(PP(1, 4, 2, E=4, ETP=2)), at(PP(1, 4, 2, E=2, ETP=2))]
     assert _etp_moves(PP(1, 8, 1, E=4), where) == [-1, -1]
+
+
+def test_cuda_graph_generation_is_searched_as_it_runs():
+    """Under --cuda-graph-generation the actor generates at P = 1 and a MoE actor with every expert
+    whole on each rank (E = 1, ETP = 1): the only generation layouts such a run accepts."""
+    from puzzle.plan_search.cost_model import plan_problems
+
+    graphs = dataclasses.replace(W, cuda_graphs=True)
+    assert plan_problems(MOE, PP(1, 8, 1, E=8), W, "generation", 8) == []
+    assert plan_problems(MOE, PP(1, 8, 1, E=8), graphs, "generation", 8) == [
+        "E=8, ETP=1: CUDA-graph generation of a MoE model needs every expert whole on each rank (E=1, ETP=1)"]
+    assert plan_problems(MOE, PP(2, 4, 1, E=1), graphs, "generation", 8) == ["P=2: CUDA-graph generation needs P=1"]
+    assert plan_problems(MOE, PP(2, 4, 1, E=4), graphs, "training", 8) == []
+    gen = similarity_search(PPOJob(8, MOE, DENSE, graphs, PROFILE)).plans["actor"]["generation"]
+    assert (gen.P, gen.E, gen.ETP) == (1, 1, 1)
+    # priced as the static step runs: one row per rank reads the top-2 of 8 experts eagerly (as
+    # much as the dense layer of the active width), every expert when graphed
+    one_row = dataclasses.replace(W, rollout_batch_size=8)
+    for workload, low, high in ((one_row, 1.0, 1.0), (dataclasses.replace(one_row, cuda_graphs=True), 3.0, 4.0)):
+        cm = CostModel(PROFILE, workload)
+        moe, active = (cm.generation_cost(_role(s), PP(1, 8, 1)).total for s in (WIDE_MOE, WIDE_MOE.compute_shape))
+        assert low * active <= moe * (1 + 1e-12) and moe <= high * active * (1 + 1e-12)
