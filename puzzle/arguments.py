@@ -254,7 +254,10 @@ def _describe_plans(plans) -> str:
 
 def _check_placement(flag: str, placement: str, plans) -> None:
     """Models of one stage either share exactly the same ranks or use disjoint ones; time-sharing
-    needs identical layouts on shared ranks; disjoint needs at least two disjoint groups."""
+    needs equal P on shared ranks (one plan where experts are split: puzzle.parallel.streams);
+    disjoint needs at least two disjoint groups."""
+    from puzzle.parallel.streams import stream_problem
+
     ranges = {r: set(p.ranks) for r, p in plans.items()}
     roles = list(plans)
     for i, a in enumerate(roles):
@@ -263,10 +266,12 @@ def _check_placement(flag: str, placement: str, plans) -> None:
             if shared and ranges[a] != ranges[b] and placement != "sequential":
                 _fail(flag, f"{placement} placement needs the models of a stage on the same or on "
                             f"disjoint ranks; {a} and {b} partly overlap ({_describe_plans(plans)})")
-            if placement == "time-sharing" and shared and plans[a] != plans[b]:
-                _fail(flag, "time-sharing requires equal P (and the same D, T, E, ETP) for the models that "
-                            f"share devices in a stage; got {_describe_plans(plans)} (use sequential, or give "
-                            "them the same layout)")
+            if placement == "time-sharing" and shared and plans[a].P != plans[b].P:
+                _fail(flag, "time-sharing requires equal P for the models that share devices in a stage; got "
+                            f"{_describe_plans(plans)} (use sequential, or give them the same P)")
+            if placement == "time-sharing" and shared and stream_problem([plans[a], plans[b]]):
+                _fail(flag, f"time-sharing of {a} and {b}: {stream_problem([plans[a], plans[b]])}; got "
+                            f"{_describe_plans(plans)} (use sequential, or give them the same layout)")
     if placement == "disjoint" and len({frozenset(v) for v in ranges.values()}) < 2:
         _fail(flag, "disjoint placement needs models on disjoint rank ranges (e.g. --critic-rank-offset "
                     f"with --critic-data-parallel-size); got {_describe_plans(plans)}")

@@ -1,10 +1,10 @@
 """A plan document (search_plan.py --save-plan, ``SearchResult.to_dict``, ``--plan auto``) read into
 layouts that ``validate_args`` applies to the run configuration directly.
 
-The trainer time-shares only models with identical layouts on the same ranks, and the search
-prices Eq. (1) only for those, so a searched plan keeps its placements; a hand-written document's
-'time-sharing' stage whose co-located plans differ becomes 'sequential' (``strict``: an
-ArgumentError instead).
+The trainer time-shares models with equal P on the same ranks (one plan where experts are split:
+puzzle.parallel.streams.stream_problem), and the search prices Eq. (1) only for those, so a searched
+plan keeps its placements; a hand-written document's 'time-sharing' stage whose co-located plans
+cannot share a stream becomes 'sequential' (``strict``: an ArgumentError instead).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 from puzzle.config import PARALLEL_GROUP, PLACEMENTS, ROLE_PREFIXED
 from puzzle.config_flags import check_at_least, fail, flag
 from puzzle.parallel.plan import ParallelPlan, PlanError
+from puzzle.parallel.streams import stream_problem
 
 #: stage of a plan document -> the flag its placement replaces
 PLACEMENT_FLAGS = {"scoring": "--score-placement", "training": "--train-placement"}
@@ -94,10 +95,11 @@ def read_plan_document(doc: dict, strict: bool = False) -> PlanLayouts:
         if placement == "time-sharing":
             items = [(r, st[stage]) for r, st in plans.items() if stage in st]
             clash = [(a, pa, b, pb) for i, (a, pa) in enumerate(items) for b, pb in items[i + 1:]
-                     if set(pa.ranks) & set(pb.ranks) and pa != pb]
+                     if set(pa.ranks) & set(pb.ranks) and stream_problem([pa, pb])]
             if clash and strict:
                 a, pa, b, pb = clash[0]
-                fail("--plan-file", f"{stage}: time-sharing needs equal layouts on shared ranks; {a} {pa} vs {b} {pb}")
+                fail("--plan-file", f"{stage}: time-sharing of {a} {pa} and {b} {pb} on shared ranks: "
+                                    f"{stream_problem([pa, pb])}")
             if clash:
                 placement = "sequential"
         placements[stage] = placement

@@ -7,8 +7,8 @@ ranks run concurrently: a rank only runs the models it holds. Within a group:
 ``disjoint``     the same execution as sequential; the placement asks (and validation checks,
                  puzzle.arguments) that the stage's models form at least two groups on disjoint
                  ranks (SMDD), which then run concurrently;
-``time-sharing`` the models of a group (same layout) run as ONE interleaved 1F1B stream
-                 (puzzle.pipeline.time_sharing_executor).
+``time-sharing`` the models of a group (equal P; puzzle.parallel.streams) run as ONE
+                 interleaved 1F1B stream (puzzle.pipeline.time_sharing_executor).
 """
 
 from __future__ import annotations
@@ -41,6 +41,20 @@ def rank_groups(contexts: List[StageContext]) -> Dict[Tuple[int, int], List[int]
         ranks = ctx.engine.layout.plan.ranks
         groups.setdefault((ranks[0], ranks[-1]), []).append(i)
     return groups
+
+
+def one_program_roles(plans: Dict[str, Any], placement: str) -> List[str]:
+    """The roles (of a stage whose models have ``plans``) in a time-shared stream whose pipelines
+    must all run the same program (puzzle.parallel.streams.needs_one_program): their micro-batch
+    counts must be the same on every DP rank."""
+    if placement != "time-sharing":
+        return []
+    from puzzle.parallel.streams import needs_one_program
+
+    groups: Dict[Tuple[int, int], List[str]] = {}
+    for role, plan in plans.items():
+        groups.setdefault((plan.ranks[0], plan.ranks[-1]), []).append(role)
+    return [r for g in groups.values() if needs_one_program([plans[r] for r in g]) for r in g]
 
 
 def run_stage(contexts: List[StageContext], *, forward_only: bool, placement: str = "sequential"

@@ -22,7 +22,9 @@ Memory: the executor counts the forwards whose backward has not run yet (``ExecS
 never holds more than ``P - stage`` of them, i.e. what sequential 1F1B holds, except when every
 ``N_k < P - stage``; with ``memory_guard=True`` (default) the executor checks this for every stage
 beforehand (weighted by each context's activation size) and then falls back to the sequential
-program, so the peak is never above sequential 1F1B's.
+program, so the peak is never above sequential 1F1B's. Where the stream's pipelines are tied
+together (models of different (D, T), or split experts: puzzle.parallel.streams.needs_one_program)
+the ranks agree: the stream runs time-shared only if the guard allows it on every rank.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
+from puzzle.parallel.streams import needs_one_program
 from puzzle.pipeline.time_sharing_schedule import (Action, CommStep, ContextSpec, executor_program,
                                       peak_in_flight, sequential_schedule, time_shared_schedule)
 
@@ -62,18 +65,21 @@ def _describe(contexts) -> str:
 
 
 def validate_stream(contexts: Sequence[Any]) -> None:
-    """Raise ValueError unless the contexts can run as one stream (same devices, equal P, the same
-    plan).  Pure check of the plans, so every rank raises alike.
+    """Raise ValueError unless the contexts can run as one stream: the same devices, equal P, and
+    one plan where a model's experts are split (puzzle.parallel.streams.stream_problem). Pure
+    check of the plans, so every rank raises alike.
 
-    Equal P on the same ranks would give the same pipeline groups whatever D and T are, but not a
-    safe stream: a model's TP/EP collectives then span pipelines whose programs differ wherever
-    another model's micro-batch counts (token budgets) or memory-guard decision differ per DP rank,
-    and a blocking-P2P simulation of such coupled pipelines deadlocks (e.g. P=3 on 6 ranks: a T=2
-    model, then a T=1 model whose two DP ranks run 7 and 1 micro-batches, then another T=2 model;
-    or two T=2 models with one pipeline falling back to the sequential program; see
-    tests/unit/test_time_sharing_schedule.py, test_coupled_pipelines_need_the_same_program)."""
+    Equal P on the same ranks gives every model the same pipeline groups whatever D and T are;
+    models of different (D, T) then tie pipelines together through their TP/DP collectives, and
+    those pipelines must run the same program (a blocking-P2P simulation of coupled pipelines
+    whose programs differ deadlocks: tests/unit/test_time_sharing_schedule.py,
+    test_coupled_pipelines_need_the_same_program). The trainer's micro-batching gives such a
+    stream the same micro-batch counts on every DP rank, and ``run_time_shared`` checks them and
+    agrees on the memory-guard decision over the stream's ranks (``_agree_on_program``)."""
     if not contexts:
         raise ValueError("time-sharing needs at least one context")
+    from puzzle.parallel.streams import stream_problem
+
     plans = [c.engine.layout.plan for c in contexts]
     if len({p.P for p in plans}) != 1:
         raise ValueError("time-sharing requires equal P for the contexts in a stream; got "
@@ -82,12 +88,33 @@ def validate_stream(contexts: Sequence[Any]) -> None:
         raise ValueError("time-sharing requires the contexts in a stream to share the same devices; "
                          "got " + ", ".join(f"{c.engine.role}: {p} on ranks {p.ranks[0]}..{p.ranks[-1]}"
                                             for c, p in zip(contexts, plans)))
-    if len(set(plans)) != 1:
-        raise ValueError("time-sharing requires the contexts in a stream to have the same plan (P, D, T, "
-                         "E, ETP) on the same ranks; got " + _describe(contexts))
+    problem = stream_problem(plans)
+    if problem is not None:
+        raise ValueError(f"time-sharing: {problem} in a stream; got " + _describe(contexts))
     for c in contexts:
         if c.num_microbatches < 1:
             raise ValueError(f"{c.engine.role}: num_microbatches must be >= 1")
+
+
+def _agree_on_program(contexts, guard_ok: bool) -> bool:
+    """Collective over the stream's ranks (a stream that needs one program on every rank): raise
+    ValueError on every rank alike unless each context has the same number of micro-batches on
+    every rank; return the memory-guard decision of them all (time-shared only where every rank's
+    guard allows it), so every pipeline runs the same program."""
+    import torch.distributed as dist
+
+    eng = contexts[0].engine
+    counts = [c.num_microbatches for c in contexts]
+    t = torch.tensor(counts + [-n for n in counts] + [0 if guard_ok else 1], dtype=torch.int64,
+                     device=eng.module.puzzle_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=eng.layout.pg_collection.intra_dist_opt)
+    k = len(counts)
+    most, least = t[:k].tolist(), [-v for v in t[k:2 * k].tolist()]
+    uneven = [f"{c.engine.role}: {lo}..{hi}" for c, lo, hi in zip(contexts, least, most) if lo != hi]
+    if uneven:
+        raise ValueError("time-sharing models of different plans (" + _describe(contexts) + ") needs the "
+                         "same number of micro-batches on every rank of the stream; got " + ", ".join(uneven))
+    return int(t[-1]) == 0
 
 
 def _weights(contexts) -> dict:
@@ -197,7 +224,11 @@ class _Stream:
         specs = [ContextSpec(f"{k}:{c.engine.role}", c.num_microbatches, forward_only)
                  for k, c in enumerate(contexts)]
         self.weights = _weights(contexts)
-        if time_shared and memory_guard and not forward_only and not _guard_ok(P, specs, self.weights):
+        guarded = time_shared and memory_guard and not forward_only
+        ok = _guard_ok(P, specs, self.weights) if guarded else True
+        if needs_one_program([c.engine.layout.plan for c in contexts]):
+            ok = _agree_on_program(contexts, ok)  # the decision of every rank, not this one's
+        if guarded and not ok:
             time_shared = False
         st.mode = "time-shared" if time_shared else "sequential"
         self.program = executor_program(P, self.stage, specs, time_shared=time_shared)

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.config import ROLES
 from puzzle.parallel.plan import ParallelPlan, PlanError
+from puzzle.parallel.streams import stream_problem
 from puzzle.plan_search import experts
 from puzzle.plan_search.profile_data import Profile, layer_params
 
@@ -380,11 +381,11 @@ def grouped_time(tasks: Sequence[TaskCost]) -> Tuple[float, bool]:
 
 def colocated_time(tasks: Sequence[TaskCost]) -> Tuple[float, bool]:
     """Tasks of one stage on the same ranks under 'time-sharing', as the trainer runs them: one
-    interleaved stream (Eq. (1), :func:`grouped_time`) only when every task has the same plan --
-    validate_args refuses time-sharing of models with different (P, D, T, E, ETP) on shared ranks
-    (their pipelines' programs would differ while those models' collectives span pipelines) --
-    else one after another. Returns (time, whether time-sharing saved time)."""
-    if len({t.plan for t in tasks}) > 1:
+    interleaved stream (Eq. (1), :func:`grouped_time`) when their plans may share one
+    (puzzle.parallel.streams.stream_problem: equal P, any (D, T); one plan where experts are
+    split), else one after another -- validate_args refuses time-sharing of the others. Returns
+    (time, whether time-sharing saved time)."""
+    if stream_problem([t.plan for t in tasks]) is not None:
         return sequential_time(tasks), False
     return grouped_time(tasks)
 
@@ -392,7 +393,7 @@ def colocated_time(tasks: Sequence[TaskCost]) -> Tuple[float, bool]:
 def stage_time(tasks: Sequence[TaskCost], placement: str) -> float:
     """Seconds of one stage's models as puzzle.pipeline.run_stage runs them: models on the same
     ranks one after another (one Eq. (1) stream when ``placement`` is 'time-sharing' and their
-    plans are identical, :func:`colocated_time`); groups on disjoint ranks concurrently (any
+    plans may share one, :func:`colocated_time`); groups on disjoint ranks concurrently (any
     placement); partly overlapping groups add up."""
     groups: Dict[Tuple[int, int], List[TaskCost]] = {}
     for t in tasks:

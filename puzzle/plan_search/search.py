@@ -8,9 +8,10 @@ A configuration chooses, for a world of N ranks:
   ranks), C = critic plan (training and scoring), R = ref plan, W = reward plan (scoring).
 
 Stage placement follows what the trainer runs: colocated stages run their models on the same
-devices, time-shared by Eq. (1) when every model of the stage has the same plan ('time-sharing';
-Eq. (1) never exceeds the sequential sum, so the search needs no separate branch), otherwise one
-after another ('sequential'); a disjoint layout runs its two device groups concurrently
+devices, time-shared by Eq. (1) when every model of the stage has the same P (and, where experts
+are split, the same plan: puzzle.parallel.streams) ('time-sharing'; Eq. (1) never exceeds the
+sequential sum, so the search needs no separate branch), otherwise one after another
+('sequential'); a disjoint layout runs its two device groups concurrently
 ('disjoint', the stage takes the slower group; each group's models one after another).
 Objective (Eq. (2) extended to all models and stages)::
 
@@ -472,8 +473,8 @@ def _individual_best(ev: _Evaluator, L: _Layout, var: str, pred=None, lean: bool
 def _starting_points(ev: _Evaluator, L: _Layout) -> List[tuple]:
     """Each stage's individually best plans; then, for every pipeline degree p, the best plans
     with P = p for A, C, R, W, also mixed with the individually best or the least-memory (lean)
-    frozen models, and with C, R, W at the actor's plan where they have it (time-sharing needs the
-    same plan). The generation plan starts at its own best and at the training plan's (P, T) over
+    frozen models, and with C, R, W at the actor's plan where they have it (time-sharing of split
+    experts needs the same plan). The generation plan starts at its own best and at the training plan's (P, T) over
     all ranks -- the paper's starting point, from which the descent "reduces P and raises T"."""
     ind = {v: _individual_best(ev, L, v) for v in VARS}
     lean = {v: _individual_best(ev, L, v, lean=True) for v in ("R", "W")}

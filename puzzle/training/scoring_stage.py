@@ -15,7 +15,7 @@ import torch
 
 from puzzle.algorithms.rollout_correction import mismatch_metrics
 from puzzle.config import ROLES
-from puzzle.pipeline.stage import StageContext, run_stage
+from puzzle.pipeline.stage import StageContext, one_program_roles, run_stage
 from puzzle.training import nonfinite, steps
 from puzzle.training.batch import RolloutBatch, gather_outputs
 
@@ -67,17 +67,19 @@ class MicroBatching:
         self.seq_multiple, self.pad_id, self.dynamic_bsz = seq_multiple, pad_id, dynamic_bsz
 
     def contexts(self, batch: RolloutBatch, jobs: List[Tuple[str, object]],
-                 token_budget: Optional[int] = None) -> List[StageContext]:
+                 token_budget: Optional[int] = None, placement: str = "sequential") -> List[StageContext]:
         """A StageContext per (role, forward_step) job over its model's DP share of ``batch``
-        (``token_budget``: --ppo-max-token-len-per-gpu or --log-prob-max-token-len-per-gpu)."""
+        (``token_budget``: --ppo-max-token-len-per-gpu or --log-prob-max-token-len-per-gpu;
+        ``placement``: the stage's, see ``_equal_counts``)."""
         mbs, packed = self.micro_batch_size, self.packed
         token_budget = token_budget if self.dynamic_bsz else None
+        equal = self._equal_counts(jobs, placement) if token_budget is not None else set()
         contexts = []
         for role, fn in jobs:
             eng = self.engines[role]
             order = batch.share_rows(eng.layout, balance=token_budget is not None)
-            count = None  # experts split over E > 1 ranks: every DP rank runs as many micro-batches
-            if token_budget is not None and eng.arch.is_moe and eng.layout.plan.E > 1:
+            count = None  # every DP rank runs as many micro-batches (token_budget.split_to_count)
+            if role in equal and eng.layout.plan.D > 1:
                 count = batch.most_budget_micro_batches(eng.layout.plan.D, token_budget)
             mbatches = batch.rows(order).micro_batches(mbs, packed=packed, seq_multiple=self.seq_multiple,
                                                        pad_id=self.pad_id, token_budget=token_budget, count=count)
@@ -89,6 +91,17 @@ class MicroBatching:
             contexts.append(StageContext(eng, fn, iter(mbatches), len(mbatches), seq, rows,
                                          rows=order if token_budget is not None else None))
         return contexts
+
+    def _equal_counts(self, jobs: List[Tuple[str, object]], placement: str) -> set:
+        """The roles whose token-budget micro-batches must number the same on every DP rank: MoE
+        models with experts split over E > 1 ranks (their dispatchers' collectives run once per
+        micro-batch in every rank of an expert group), and the models of a time-shared stream whose
+        pipelines must all run one program (puzzle.parallel.streams.needs_one_program: equal P at
+        different (D, T) on the same ranks). Fixed-count micro-batches number the same on every
+        DP rank anyway (``share_rows`` gives each the same number of rows)."""
+        plans = {role: self.engines[role].layout.plan for role, _ in jobs}
+        equal = set(one_program_roles(plans, placement))
+        return equal | {role for role, _ in jobs if self.engines[role].arch.is_moe and plans[role].E > 1}
 
 
 class ScoringStage:
@@ -110,7 +123,8 @@ class ScoringStage:
         """Collective: the scored fields on every rank; raises NonFiniteError on a NaN/inf output."""
         ppo, f = self.cfg.ppo, batch.fields
         jobs = self.jobs(batch.max_new_tokens)
-        contexts = self.micro.contexts(batch, jobs, ppo.log_prob_max_token_len_per_gpu)
+        contexts = self.micro.contexts(batch, jobs, ppo.log_prob_max_token_len_per_gpu,
+                                       self.cfg.score_placement)
         outs = run_stage(contexts, forward_only=True, placement=self.cfg.score_placement)
         stats = {}
         for (role, _), out, ctx in zip(jobs, outs, contexts):

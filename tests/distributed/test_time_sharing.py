@@ -81,3 +81,44 @@ def test_memory_guard_falls_back_to_sequential(world):
         g = res["memory_guard"]
         assert g["mode"] == "sequential"
         assert g["peak"] <= g["sequential_peak"]
+
+
+def test_mixed_plans_agree_on_the_memory_guard(world):
+    """Actor (2,1,2) and critic (2,2,1): the guards of the critic's two DP ranks decide differently;
+    every rank runs the sequential program (what every rank's guard allows), with its gradients."""
+    results = [res["mixed_plans_guard"] for res in world]
+    assert {r["local_guard_ok"] for r in results} == {True, False}
+    assert all(r["mode"] == "sequential" and r["bitwise"] for r in results)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "budget"])
+def test_mixed_plans_ppo_time_shared_equals_sequential(world, mode):
+    """PPO with the actor at (2,1,2), critic and reference at (2,2,1) on the same 4 ranks, scoring and
+    training time-shared: the scored fields, gradients and loss sums of the sequential placement;
+    bitwise with fixed-count micro-batches, within fp32 rounding with token budgets (where the
+    critic's and reference's DP ranks get as many micro-batches when time-shared)."""
+    outs = [res["mixed_plans_ppo"] for res in world]
+    assert outs[0]["plans"] == {"actor": "(P=2, D=1, T=2)", "critic": "(P=2, D=2, T=1)",
+                                "ref": "(P=2, D=2, T=1)", "reward": "(P=2, D=1, T=2)"}
+    for rank, out in enumerate(outs):
+        assert out[f"{mode}/stream"] == "time-shared"
+        fields = [k for k, v in out.items() if k.startswith(mode + "/") and isinstance(v, dict) and "diff" in v]
+        assert {f"{mode}/{k}" for k in ("old_logprobs", "ref_logprobs", "values", "scores",
+                                        "actor_grad", "critic_grad")} <= set(fields)
+        for k in fields:
+            diff, scale = out[k]["diff"], out[k]["scale"]
+            assert scale > 0, (rank, k)
+            if mode == "fixed":
+                assert out[k]["bitwise"], (rank, k, diff)
+            else:
+                assert diff <= (1e-4 * scale if k.endswith("_grad") else 2e-6 * max(1.0, scale)), (rank, k, diff)
+        for role in ("actor", "critic"):
+            seq, ts = out[f"{mode}/{role}_sums"]
+            assert ts == (seq if mode == "fixed" else pytest.approx(seq, rel=1e-5, abs=1e-6)), (rank, role)
+    # time-shared: each model has the same number of micro-batches on every rank; sequential need not
+    for stage in ("micro_batches", "scoring_micro_batches"):
+        ts = {tuple(out[f"{mode}/{stage}"]["time-sharing"]) for out in outs}
+        assert len(ts) == 1, (stage, ts)
+        if mode == "budget":
+            assert outs[0]["budget"] > 0
+            assert len({tuple(out[f"{mode}/{stage}"]["sequential"]) for out in outs}) > 1, stage

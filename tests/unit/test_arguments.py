@@ -80,6 +80,16 @@ def test_time_sharing_needs_equal_layouts():
             "--train-placement", "time-sharing")
     c = cfg("--train-placement", "time-sharing", "--score-placement", "time-sharing")
     assert c.train_placement == "time-sharing"
+    # equal P at another (D, T) on the same ranks: one stream (puzzle.parallel.streams)
+    c = cfg("--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+            "--critic-tensor-model-parallel-size", "1", "--ref-tensor-model-parallel-size", "1",
+            "--train-placement", "time-sharing", "--score-placement", "time-sharing")
+    assert [(c.roles[r].plan.D, c.roles[r].plan.T) for r in ("actor", "critic", "ref")] == [(1, 2), (2, 1), (2, 1)]
+    # experts split at another plan: refused, naming the models and the plans
+    moe = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--critic-expert-model-parallel-size", "4"]
+    with pytest.raises(ArgumentError, match=r"--train-placement: time-sharing of actor and critic: experts split"
+                                            r".*actor \(P=1, D=4, T=1, E=2\).*critic \(P=1, D=4, T=1, E=4\)"):
+        cfg(*moe, "--train-placement", "time-sharing")
 
 
 def test_disjoint_placement_layouts():

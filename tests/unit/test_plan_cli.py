@@ -66,6 +66,24 @@ def test_searched_time_sharing_runs_as_searched():
     assert len({cfg.roles[r].plan for r in ("actor", "critic", "ref", "reward")}) == 1
 
 
+def test_plan_document_time_sharing_at_equal_p():
+    """A plan document's 'time-sharing' stage keeps equal P at another (D, T) on shared ranks; unequal
+    P, or experts split at another plan, becomes 'sequential' (strict: an error naming both plans)."""
+    def doc(critic):
+        return {"plans": {"actor": {"training": "2,1,2", "scoring": "2,1,2"},
+                          "critic": {"training": critic, "scoring": critic}},
+                "placements": {"scoring": "time-sharing", "training": "time-sharing"}}
+
+    both = {"scoring": "time-sharing", "training": "time-sharing"}
+    assert read_plan_document(doc("2,2,1"), strict=True).placements == both
+    assert read_plan_document(doc("1,4,1"), strict=False).placements == dict.fromkeys(both, "sequential")
+    with pytest.raises(ArgumentError, match=r"--plan-file: scoring: time-sharing of actor \(P=2, D=1, T=2\) "
+                                            r"and critic \(P=1, D=4, T=1\) on shared ranks: unequal P"):
+        read_plan_document(doc("1,4,1"), strict=True)
+    with pytest.raises(ArgumentError, match="experts split"):
+        read_plan_document(doc("2,2,1,E=2"), strict=True)
+
+
 def test_infeasible_request_explains(capsys):
     seventy_b = ["--num-layers", "80", "--hidden-size", "8192", "--ffn-hidden-size", "28672",
                  "--num-attention-heads", "64", "--group-query-attention", "--num-query-groups", "8",

@@ -130,9 +130,12 @@ def test_time_sharing_is_eq1():
     assert ev.train_time(0, ia, ic) == (pytest.approx(ts), True)
 
 
-def test_search_time_shares_only_identical_plans():
-    """The trainer time-shares models of one stage only at the same plan (validate_args); equal P
-    with another (D, T) runs one model after the other, and so does each group of a disjoint layout."""
+def test_search_time_shares_equal_p():
+    """The trainer time-shares models of one stage at equal P, whatever their (D, T) (validate_args,
+    puzzle.parallel.streams): Eq. (1); unequal P, or experts split at another plan, run one model after
+    the other, and so does each group of a disjoint layout."""
+    from dataclasses import replace
+
     from puzzle.plan_search.cost_model import colocated_time, stage_time
 
     w = PPOWorkload(64, micro_batch_size=2)
@@ -140,13 +143,18 @@ def test_search_time_shares_only_identical_plans():
     a, c = cm.train_cost(roles["actor"], PP(4, 2, 1)), cm.train_cost(roles["critic"], PP(4, 2, 1))
     c_dt = cm.train_cost(roles["critic"], PP(4, 1, 2))
     assert colocated_time([a, c]) == (pytest.approx(time_sharing_time([a, c])), True)
-    assert colocated_time([a, c_dt]) == (pytest.approx(a.total + c_dt.total), False)
-    assert time_sharing_time([a, c_dt]) < a.total + c_dt.total  # what the search used to price
-    assert stage_time([a, c_dt], "time-sharing") == pytest.approx(a.total + c_dt.total)
+    assert colocated_time([a, c_dt]) == (pytest.approx(time_sharing_time([a, c_dt])), True)
+    assert time_sharing_time([a, c_dt]) < a.total + c_dt.total
+    assert stage_time([a, c_dt], "time-sharing") == pytest.approx(time_sharing_time([a, c_dt]))
+    c_p2 = cm.train_cost(roles["critic"], PP(2, 4, 1))
+    assert colocated_time([a, c_p2]) == (pytest.approx(a.total + c_p2.total), False)
+    a_ep, c_ep = replace(a, plan=PP(4, 2, 1, E=2)), replace(c, plan=PP(4, 2, 1, E=2))
+    assert colocated_time([a_ep, c_dt]) == (pytest.approx(a.total + c_dt.total), False)
+    assert colocated_time([a_ep, c_ep]) == (pytest.approx(time_sharing_time([a, c])), True)
     ev = _Evaluator(PPOJob(8, S["7B"], S["350M"], w, PROFILE))
     L = ev.layouts[0]
     ia, ic = L.plans["A"].index(PP(4, 2, 1)), L.plans["C"].index(PP(4, 1, 2))
-    assert ev.train_time(0, ia, ic) == (pytest.approx(a.total + c_dt.total), False)
+    assert ev.train_time(0, ia, ic) == (pytest.approx(time_sharing_time([a, c_dt])), True)
     # disjoint@4: actor and ref on ranks 0-3 run one after the other ('disjoint' runs each group so)
     D = next(x for x in ev.layouts if x.k == 4)
     ia, ir = D.plans["A"].index(PP(2, 2, 1)), D.plans["R"].index(PP(2, 2, 1))

@@ -384,9 +384,10 @@ def test_value_errors():
         simulate(2, ctxs(2, 2), [1], [1, 1])  # one duration per context
 
 
-def test_stream_needs_one_plan_for_every_model():
-    """Equal P on the same ranks with another (D, T) is refused before any P2P: the models' TP/EP
-    collectives would couple pipelines whose programs may differ (time_sharing_executor.validate_stream)."""
+def test_stream_needs_equal_p_and_one_plan_where_experts_split():
+    """Equal P on the same ranks with another (D, T) is one stream (the trainer gives its pipelines one
+    program); unequal P, and experts split at another plan, are refused before any P2P
+    (time_sharing_executor.validate_stream)."""
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.pipeline.time_sharing_executor import validate_stream
 
@@ -395,11 +396,13 @@ def test_stream_needs_one_plan_for_every_model():
         return types.SimpleNamespace(engine=eng, num_microbatches=2)
 
     validate_stream([ctx("actor", ParallelPlan(2, 1, 2)), ctx("critic", ParallelPlan(2, 1, 2))])
-    with pytest.raises(ValueError, match=r"same plan \(P, D, T, E, ETP\).*actor: \(P=2, D=1, T=2\), "
-                                         r"critic: \(P=2, D=2, T=1\)"):
-        validate_stream([ctx("actor", ParallelPlan(2, 1, 2)), ctx("critic", ParallelPlan(2, 2, 1))])
-    with pytest.raises(ValueError, match="same plan"):
+    validate_stream([ctx("actor", ParallelPlan(2, 1, 2)), ctx("critic", ParallelPlan(2, 2, 1))])
+    with pytest.raises(ValueError, match=r"equal P.*actor: \(P=2, D=2, T=1\), critic: \(P=4, D=1, T=1\)"):
+        validate_stream([ctx("actor", ParallelPlan(2, 2, 1)), ctx("critic", ParallelPlan(4, 1, 1))])
+    with pytest.raises(ValueError, match=r"experts split .* same plan \(P, D, T, E, ETP\).*"
+                                         r"ref: \(P=1, D=4, T=1, E=2\)"):
         validate_stream([ctx("actor", ParallelPlan(1, 4, 1, E=4)), ctx("ref", ParallelPlan(1, 4, 1, E=2))])
+    validate_stream([ctx("actor", ParallelPlan(2, 2, 1, E=2)), ctx("ref", ParallelPlan(2, 2, 1, E=2))])
 
 
 def _coupled_pipelines_stuck(P, counts, tp, time_shared):
@@ -442,9 +445,9 @@ def _coupled_pipelines_stuck(P, counts, tp, time_shared):
 
 
 def test_coupled_pipelines_need_the_same_program():
-    """Why a stream holds one plan (time_sharing_executor.validate_stream): at equal P but another
-    (D, T), a model's TP collectives span pipelines; they deadlock as soon as those pipelines'
-    programs differ, and run when the programs are the same."""
+    """Why a stream of models at equal P but another (D, T) must run one program on every rank
+    (puzzle.parallel.streams.needs_one_program): a model's TP collectives span pipelines; they
+    deadlock as soon as those pipelines' programs differ, and run when the programs are the same."""
     # P=3, two pipelines: T=2 model, a T=1 model with 7 and 1 micro-batches on its DP ranks, T=2 model
     assert _coupled_pipelines_stuck(3, [[2, 7, 5], [2, 1, 5]], [2, 1, 2], [True, True])
     assert not _coupled_pipelines_stuck(3, [[2, 7, 5], [2, 7, 5]], [2, 1, 2], [True, True])
@@ -453,3 +456,46 @@ def test_coupled_pipelines_need_the_same_program():
     assert not _coupled_pipelines_stuck(2, [[5, 3], [5, 3]], [2, 2], [True, True])
     # without coupling (every model T=1, i.e. one plan per pipeline group) differing programs are fine
     assert not _coupled_pipelines_stuck(3, [[2, 7, 5], [2, 1, 5]], [1, 1, 1], [True, True])
+
+
+def _mixed_stream_counts(placement):
+    """Per rank of 6: the token-budget micro-batch counts MicroBatching gives an actor at (3,1,2), a
+    critic at (3,2,1) and a reference at (3,1,2) for rows of unequal lengths (the critic's two DP
+    shares, balanced by tokens, need 2 and 1 micro-batches of at most 23 tokens)."""
+    import torch
+
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.training.batch import RolloutBatch
+    from puzzle.training.scoring_stage import MicroBatching
+
+    lengths = torch.tensor([10, 19, 6, 11])
+    batch = RolloutBatch(torch.ones(4, 19, dtype=torch.long), torch.full((4,), 2), lengths - 2, 17)
+    plans = {"actor": ParallelPlan(3, 1, 2), "critic": ParallelPlan(3, 2, 1), "ref": ParallelPlan(3, 1, 2)}
+    counts = []
+    for rank in range(6):
+        engines = {role: types.SimpleNamespace(
+            layout=types.SimpleNamespace(plan=plan, d=plan.coords(rank)[1], member=True), member=True,
+            arch=types.SimpleNamespace(is_moe=False), config=types.SimpleNamespace()) for role, plan in plans.items()}
+        micro = MicroBatching(engines, 1, packed=True, seq_multiple=1, pad_id=0, dynamic_bsz=True)
+        contexts = micro.contexts(batch, [(role, None) for role in plans], 23, placement)
+        counts.append([c.num_microbatches for c in contexts])
+    return counts
+
+
+def test_mixed_stream_runs_one_program_on_every_rank():
+    """A time-shared stream of an actor at (3,1,2), a critic at (3,2,1) and a reference at (3,1,2) on
+    6 ranks with unequal token loads: every rank of a pipeline stage runs the same program (the
+    critic's DP ranks get as many token-budget micro-batches, token_budget.split_to_count), which the
+    coupled-pipeline simulation runs to its end; run model by model ('sequential') the counts differ
+    per DP rank, and those counts in one stream deadlock."""
+    sequential, shared = _mixed_stream_counts("sequential"), _mixed_stream_counts("time-sharing")
+    assert sequential[0::2] == [[3, 2, 3]] * 3 and sequential[1::2] == [[3, 1, 3]] * 3  # critic's DP ranks 0, 1
+    assert shared == [[3, 2, 3]] * 6
+    P = 3
+    for s in range(P):  # rank = p * 2 + j: the two ranks of stage s hold the pipelines j = 0, 1
+        programs = [executor_program(P, s, [ContextSpec(str(k), n) for k, n in enumerate(shared[s * 2 + j])])
+                    for j in range(2)]
+        assert programs[0] == programs[1]
+    # the actor and the reference (T=2) tie pipelines 0 and 1 together; the critic (T=1) does not
+    assert not _coupled_pipelines_stuck(P, shared[:2], [2, 1, 2], [True, True])
+    assert _coupled_pipelines_stuck(P, sequential[:2], [2, 1, 2], [True, True])

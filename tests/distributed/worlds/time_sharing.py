@@ -13,6 +13,7 @@ from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.pipeline import time_sharing_executor
 from puzzle.pipeline.stage import StageContext, run_stage
+from puzzle.pipeline.time_sharing_schedule import ContextSpec
 from puzzle.training.engine import ModelEngine, OptimConfig
 from puzzle.training.steps import lm_nll_step
 from tests.harness import world_main
@@ -192,8 +193,140 @@ def check_memory_guard():
     return {"mode": st.mode, "peak": st.peak_in_flight, "sequential_peak": st.sequential_peak}
 
 
+def _mixed_guard_once(placement: str, stats):
+    """Actor (2,1,2) with one micro-batch of 12 tokens and critic (2,2,1) with two of 4 tokens on
+    its DP rank 0 and of 12 on DP rank 1, trained once under ``placement``; gradients and the
+    memory guard's local decision on this rank."""
+    la, lb = layout_for(ParallelPlan(2, 1, 2)), layout_for(ParallelPlan(2, 2, 1))
+    opt = OptimConfig(lr=1e-2)
+    a = ModelEngine("actor", ARCH_A, la, trainable=True, optim=opt, seed=11)
+    b = ModelEngine("critic", ARCH_B, lb, trainable=True, optim=opt, seed=22)
+    seq_b = 4 if lb.d == 0 else 12
+    tb = torch.randint(0, ARCH_B.vocab_size, (2, seq_b), generator=torch.Generator().manual_seed(5 + lb.d))
+    ctxs = [StageContext(a, lm_nll_step(ARCH_A.vocab_size, []), iter(_tokens(1, 1).split(1)), 1, SEQ, 1),
+            StageContext(b, _value_step([]), iter(tb.split(1)), 2, seq_b, 1)]
+    a.zero_grad()
+    b.zero_grad()
+    if placement == "time-sharing":
+        time_sharing_executor.run_time_shared(ctxs, forward_only=False, stats=stats)
+    else:
+        run_stage(ctxs, forward_only=False, placement=placement)
+    specs = [ContextSpec(str(k), c.num_microbatches) for k, c in enumerate(ctxs)]
+    local = time_sharing_executor._guard_ok(2, specs, time_sharing_executor._weights(ctxs))
+    return [_snapshot(a, "grad"), _snapshot(b, "grad")], local
+
+
+def check_mixed_plans_guard():
+    """Models of different (D, T) at equal P: the memory guard's local decision differs between the
+    critic's DP ranks (activation sizes differ), the stream runs the decision of every rank (the
+    sequential program everywhere), with sequential's gradients."""
+    seq, _ = _mixed_guard_once("sequential", None)
+    st = time_sharing_executor.ExecStats()
+    ts, local = _mixed_guard_once("time-sharing", st)
+    return {"local_guard_ok": local, "mode": st.mode,
+            "bitwise": all(_bitwise(x, y) for x, y in zip(seq, ts))}
+
+
+# ---- PPO with an actor at (2,1,2) and the other models at (2,2,1), time-shared vs sequential ----------
+MIXED = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+         "--critic-tensor-model-parallel-size", "1", "--ref-tensor-model-parallel-size", "1",
+         "--score-placement", "time-sharing", "--train-placement", "time-sharing"]
+
+
+def _uneven_budget(lengths) -> int:
+    """The smallest token budget at which the two balanced DP shares of these rows need different
+    numbers of micro-batches (0: none up to four times the longest row)."""
+    from puzzle.training.token_budget import balance_rows, budget_micro_batches
+
+    for budget in range(max(lengths), 4 * max(lengths)):
+        if len({len(budget_micro_batches([lengths[i] for i in s], budget)) for s in balance_rows(lengths, 2)}) > 1:
+            return budget
+    return 0
+
+
+def _mixed_score(trainer, batch, placement: str, budget) -> dict:
+    from dataclasses import replace
+
+    from tests.distributed.worlds.packing import SCORED
+
+    ppo = replace(trainer.cfg.ppo, log_prob_max_token_len_per_gpu=budget)
+    trainer.scoring.cfg = replace(trainer.cfg, score_placement=placement, ppo=ppo)
+    trainer.score(batch)
+    return {k: batch.fields[k].clone() for k in SCORED if k in batch.fields}
+
+
+def _mixed_gradients(trainer, mini, placement: str, budget) -> tuple:
+    """Each trained model's gradient buffers and loss sums after one training mini-batch under
+    ``placement``; each model's micro-batch count on this rank; the stream's mode."""
+    from puzzle.training import steps
+
+    ppo, R = trainer.cfg.ppo, mini.max_new_tokens
+    jobs = [("actor", steps.actor_train_step(trainer.vocab, ppo.temperature, R, ppo.clip_eps, ppo.entropy_coef)),
+            ("critic", steps.critic_train_step(R, ppo.value_clip_eps))]
+    contexts = trainer.micro.contexts(mini, jobs, budget, placement)
+    stats = time_sharing_executor.ExecStats()
+    if placement == "time-sharing":
+        outs = time_sharing_executor.run_time_shared(contexts, forward_only=False, stats=stats)
+    else:
+        outs = run_stage(contexts, forward_only=False, placement=placement)
+    grads, sums = {}, {}
+    for (role, _), out in zip(jobs, outs):
+        eng = trainer.engines[role]
+        grads[role] = torch.cat([b.grad_data.float().flatten() for b in eng.model.buffers]).clone()
+        sums[role] = [float(sum(float(o[k]) for o in out)) for k in sorted(out[0])] if out else []
+        eng.zero_grad()
+    return grads, sums, [c.num_microbatches for c in contexts], stats.mode
+
+
+def check_mixed_plans_ppo():
+    """PPO (actor, critic, reference, reward model) with the actor at (2,1,2) and the critic and the
+    reference at (2,2,1) on the same 4 ranks: the scored fields and one training mini-batch's
+    gradients and loss sums time-shared and sequential, with fixed-count micro-batches (same
+    micro-batches: bitwise) and token budgets (the critic's and reference's DP ranks get as many
+    micro-batches when time-shared: the same numbers within fp32 rounding)."""
+    from puzzle.arguments import parse_args, validate_args
+    from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
+    from puzzle.data.tokenizers import build_tokenizer
+    from puzzle.trainer import PPOTrainer
+    from tests.distributed.worlds.packing import CONFIGS, MODEL, _largest
+
+    tok = build_tokenizer("ByteLevelTokenizer", None)
+    cfg = validate_args(parse_args(MODEL + CONFIGS["ppo"] + MIXED), torch.distributed.get_world_size(),
+                        tok.vocab_size)
+    ds = load_prompt_dataset(bundled_prompts_path(), tok, max_prompt_len=cfg.ppo.max_prompt_length)
+    trainer = PPOTrainer(cfg, tok, ds)
+    try:
+        batch, _ = trainer.generate(ds.prompts[:cfg.ppo.rollout_batch_size])
+        mask = batch.response_mask.bool()
+        uneven = _uneven_budget(batch.sequence_lengths)  # the rows of the one training mini-batch too
+        out = {"plans": {r: str(e.layout.plan) for r, e in trainer.engines.items()}, "budget": uneven}
+        for mode, dynamic in (("fixed", False), ("budget", True)):
+            trainer.micro.dynamic_bsz = dynamic  # --use-dynamic-bsz, at the budget chosen above
+            jobs = trainer.scoring.jobs(batch.max_new_tokens)
+            out[f"{mode}/scoring_micro_batches"] = {p: [c.num_microbatches for c in trainer.micro.contexts(
+                batch, jobs, uneven if dynamic else None, p)] for p in ("sequential", "time-sharing")}
+            seq, ts = (_mixed_score(trainer, batch, p, uneven) for p in ("sequential", "time-sharing"))
+            for k in seq:
+                out[f"{mode}/{k}"] = _largest(seq[k], ts[k], None if k == "scores" else mask)
+                out[f"{mode}/{k}"]["bitwise"] = torch.equal(seq[k], ts[k])
+            trainer.compute_advantages(batch)
+            mini = batch.rows(torch.arange(cfg.ppo.mini_batch_size))
+            budget = uneven if dynamic else None
+            g_seq, s_seq, n_seq, _ = _mixed_gradients(trainer, mini, "sequential", budget)
+            g_ts, s_ts, n_ts, out[f"{mode}/stream"] = _mixed_gradients(trainer, mini, "time-sharing", budget)
+            out[f"{mode}/micro_batches"] = {"sequential": n_seq, "time-sharing": n_ts}
+            for role in g_seq:
+                out[f"{mode}/{role}_grad"] = _largest(g_seq[role], g_ts[role])
+                out[f"{mode}/{role}_grad"]["bitwise"] = torch.equal(g_seq[role], g_ts[role])
+                out[f"{mode}/{role}_sums"] = [s_seq[role], s_ts[role]]
+        return out
+    finally:
+        trainer.close()
+
+
 if __name__ == "__main__":
     world_main([("train_p2", check_train_p2), ("train_p2_tp", check_train_p2_tp),
                 ("train_p4", check_train_p4), ("train_p1", check_train_p1),
                 ("forward_only", check_forward_only), ("unequal_p", check_unequal_p),
-                ("memory_guard", check_memory_guard)])
+                ("memory_guard", check_memory_guard), ("mixed_plans_guard", check_mixed_plans_guard),
+                ("mixed_plans_ppo", check_mixed_plans_ppo)])
