@@ -10,7 +10,10 @@
 #   3. with 2+ GPUs: the tiny run with TP/PP, time-sharing and the switch (NCCL), and its CPU twin;
 #   4. on any GPU count: 4 ranks sharing one GPU over gloo (scripts/gpu_multirank.sh): PPO and GRPO
 #      at (2,1,2) and (1,2,2), time-sharing, the switch, a checkpoint resumed at another layout,
-#      generate at T = 2, each against its CPU twin.
+#      generate at T = 2, each against its CPU twin;
+#   5. MoE on one GPU: the tiny run with a MoE actor (fp32) against its CPU twin, then in bf16 with
+#      the graphed static MoE decode step (generation-vs-scoring log-prob difference per iteration),
+#      and the graphed MoE decode step's time (python -m puzzle.bench.decode_step --num-experts 8).
 #   bash scripts/gpu_smoke.sh        (SMOKE_DIR=runs/gpu_smoke, LLAMA_ITERS=4, LLAMA_FLAGS="more flags")
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -97,4 +100,25 @@ fi
 #    generate at T = 2 (scripts/gpu_multirank.sh)
 step "tiny PPO and GRPO, 4 ranks sharing GPU 0 over gloo: layouts, time-sharing, switch, checkpoints"
 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} MULTI_DIR="$OUT/multirank" bash scripts/gpu_multirank.sh
+# 5. MoE on one GPU: fp32 against the CPU twin; bf16 with the graphed static MoE decode step
+MOE=(--num-experts 4 --moe-ffn-hidden-size 32 --moe-router-topk 2 --moe-aux-loss-coeff 0.01)
+step "tiny PPO with a MoE actor, fp32, 1 GPU, against the CPU"
+NPROC=1 bash examples/run_ppo_tiny.sh "${ONE_RANK[@]}" "${MOE[@]}" --log-dir "$OUT/moe_gpu" > "$OUT/moe_gpu.log" 2>&1 \
+    || { tail -40 "$OUT/moe_gpu.log"; exit 1; }
+CUDA_VISIBLE_DEVICES= NPROC=1 bash examples/run_ppo_tiny.sh "${ONE_RANK[@]}" "${MOE[@]}" --log-dir "$OUT/moe_cpu" \
+    > "$OUT/moe_cpu.log" 2>&1 || { tail -40 "$OUT/moe_cpu.log"; exit 1; }
+python3 -m puzzle.tools.compare_metrics "$OUT/moe_cpu/metrics.jsonl" "$OUT/moe_gpu/metrics.jsonl" \
+    --rtol 1e-4 --atol 1e-6 $CLIP_COUNTS
+step "tiny PPO with a MoE actor, bf16, graphed static MoE decode: generation-vs-scoring log-prob difference"
+NPROC=1 bash examples/run_ppo_tiny.sh "${ONE_RANK[@]}" "${MOE[@]}" --bf16 --cuda-graph-generation \
+    --log-dir "$OUT/moe_bf16_graphs" > "$OUT/moe_bf16_graphs.log" 2>&1 || { tail -40 "$OUT/moe_bf16_graphs.log"; exit 1; }
+python3 - "$OUT/moe_bf16_graphs/metrics.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    print({k: m.get(k) for k in ("iteration", "reward_mean", "moe_aux_loss", "gen_score_logprob_diff_max",
+                                 "gen_score_logprob_diff_mean")})
+PY
+step "graphed static MoE decode step (8 experts, top-2), ~1.1B-shaped, batch 64"
+torchrun --standalone --nproc-per-node 1 -m puzzle.bench.decode_step --num-experts 8 | tee "$OUT/moe_decode_step.json"
 echo; echo "gpu_smoke: all checks passed"
