@@ -1,7 +1,7 @@
 """Spawn a gloo world with torchrun, run one world script (several checks), collect per-rank JSON.
 
 World scripts call ``world_main(checks)``: each check runs on every rank and returns a
-JSON-serialisable dict; results land in $PUZZLE_TEST_OUT/rank{R}.json. The 4-rank scripts listed
+JSON-serialisable dict; results land in $PUZZLE_TEST_OUT/rank{R}.json. The scripts of a group
 in ``SHARED_WORLDS`` run together in one world (tests/distributed/worlds/shared.py).
 
 Also here, for every test file: the tiny runs' flags read from their launch scripts
@@ -24,18 +24,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-#: 4-rank world scripts that share one world: the first test asking for any script of a group
-#: runs the whole group in one torchrun (one start-up, one import of torch and megatron per rank)
-#: and each test still gets its own script's results. A script in no group, or run with
-#: arguments or another rank count, gets a world of its own. A failing check fails its group.
-#: Every world runs once per session: test files asking for the same world share its results.
+#: World scripts that share one world, as (ranks, scripts): the first test asking for any script
+#: of a group at that rank count runs the whole group in one torchrun (one start-up, one import of
+#: torch and megatron per rank) and each test still gets its own script's results. A script in no
+#: group, or run with arguments or another rank count, gets a world of its own. A failing check
+#: fails its group. Every world runs once per session: test files asking for the same world share
+#: its results.
 SHARED_WORLDS = (
-    ("distributed/worlds/foundation.py", "distributed/worlds/switch.py", "distributed/worlds/time_sharing.py",
-     "distributed/worlds/generation.py"),
-    ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py", "distributed/worlds/moe.py",
-     "distributed/worlds/moe_switch.py"),
-    ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
-     "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py"),
+    (4, ("distributed/worlds/foundation.py", "distributed/worlds/switch.py", "distributed/worlds/time_sharing.py",
+         "distributed/worlds/generation.py")),
+    (4, ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py", "distributed/worlds/moe.py",
+         "distributed/worlds/moe_switch.py", "distributed/worlds/long_context.py")),
+    (4, ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
+         "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py")),
+    (1, ("distributed/worlds/tiny_runs.py", "distributed/worlds/vocab_rows.py")),
 )
 SHARED_TIMEOUT = 1150  # under scripts/test.sh's per-test --timeout
 _SEP = "::"
@@ -45,15 +47,15 @@ _collect = None  # tests/distributed/worlds/shared.py: world_main hands its chec
 
 def run_world(script: str, nproc: int, *args: str, timeout: int = 600) -> list:
     """Run tests/<script> on ``nproc`` ranks; return the per-rank result dicts (rank order)."""
-    group = next((g for g in SHARED_WORLDS if script in g), None)
-    if group is None or args or nproc != 4:  # a world of its own (run once per session)
+    group = next((g for g in SHARED_WORLDS if g[0] == nproc and script in g[1]), None)
+    if group is None or args:  # a world of its own (run once per session)
         key = (script, nproc, args)
         if key not in _shared_results:
             _shared_results[key] = _spawn_world(script, nproc, *args, timeout=timeout)
         return _shared_results[key]
     if group not in _shared_results:
         try:
-            _shared_results[group] = _spawn_world("distributed/worlds/shared.py", 4, *group,
+            _shared_results[group] = _spawn_world("distributed/worlds/shared.py", nproc, *group[1],
                                                   timeout=SHARED_TIMEOUT)
         except AssertionError as e:
             _shared_results[group] = e

@@ -7,7 +7,7 @@ from tests.harness import run_world
 
 @pytest.fixture(scope="module")
 def world():
-    return run_world("distributed/worlds/long_context.py", 2)
+    return run_world("distributed/worlds/long_context.py", 4)
 
 
 def test_recompute_gives_the_same_gradients(world):

@@ -1,4 +1,6 @@
-"""2-rank world: the memory levers of long sequences change no number (recompute)."""
+"""4-rank world (shared, tests/harness.py SHARED_WORLDS): the memory levers of long sequences change
+no number (recompute, chunked log-probs, stage offload, a KV budget). The model runs at T = 2 with
+D = 2: a model must span the world (megatron's optimizer gathers its parameter groups over all ranks)."""
 
 import torch
 
@@ -12,7 +14,7 @@ from tests.harness import world_main
 ARCH = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
                        num_query_groups=4, vocab_size=200, make_vocab_size_divisible_by=64, seq_length=32)
 B, S = 4, 12
-TP2 = ParallelPlan(1, 1, 2)
+T2D2 = ParallelPlan(1, 2, 2)
 
 
 def _tokens(seed=0):
@@ -22,7 +24,7 @@ def _tokens(seed=0):
 
 def _grads(recompute):
     """This rank's gradients of one forward/backward of the actor at T=2 (main_grad buffers)."""
-    eng = ModelEngine("actor", ARCH, layout_for(TP2), trainable=True, optim=OptimConfig(lr=1e-3), seed=3,
+    eng = ModelEngine("actor", ARCH, layout_for(T2D2), trainable=True, optim=OptimConfig(lr=1e-3), seed=3,
                       recompute=recompute)
     eng.zero_grad()
     eng.forward_backward(lm_nll_step(ARCH.vocab_size), iter(_tokens().split(2)), B // 2, S, 2,
@@ -49,7 +51,7 @@ def check_chunked_logprobs_tp2():
     gradients a chunk of the sequence at a time equal the whole computation."""
     from puzzle.training.vocab_parallel import logprobs_in_chunks, vocab_parallel_logprobs
 
-    layout = layout_for(TP2)
+    layout = layout_for(T2D2)
     g = torch.Generator().manual_seed(5)
     full = 3 * torch.randn(B, S, ARCH.padded_vocab_size, generator=g)
     targets = torch.randint(0, ARCH.vocab_size, (B, S), generator=g)
@@ -105,9 +107,9 @@ def _train_twice(plan, offload, distributed_optimizer):
 
 def check_offload_round_trip():
     """Training after an offload round trip equals training without it, bitwise (T=2 with the
-    plain optimizer, D=2 with the distributed optimizer); the offloaded storages are freed."""
+    plain optimizer, D=4 with the distributed optimizer); the offloaded storages are freed."""
     out = {}
-    for name, plan, dist_opt in (("tp2", TP2, False), ("dp2_distopt", ParallelPlan(1, 2, 1), True)):
+    for name, plan, dist_opt in (("tp2", T2D2, False), ("dp4_distopt", ParallelPlan(1, 4, 1), True)):
         ref_params, _, ref_lp = _train_twice(plan, False, dist_opt)
         params, seen, lp = _train_twice(plan, True, dist_opt)
         out[name] = {"params_equal": all(torch.equal(a, b) for a, b in zip(ref_params, params)),
@@ -122,11 +124,11 @@ def check_budgeted_generation():
     from puzzle.arguments import kv_bytes_per_sequence
     from puzzle.rollout import SamplingParams, generate
 
-    eng = ModelEngine("actor", ARCH, layout_for(TP2), trainable=False, seed=3)
+    eng = ModelEngine("actor", ARCH, layout_for(T2D2), trainable=False, seed=3)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, ARCH.vocab_size, (n,), generator=g).tolist() for n in (5, 3, 8, 2, 6, 4, 7, 3)]
     max_new = 10
-    per_seq = kv_bytes_per_sequence(ARCH, TP2, 8 + max_new, 4)
+    per_seq = kv_bytes_per_sequence(ARCH, T2D2, 8 + max_new, 4)
     rows = int(3.5 * per_seq) // per_seq
     out = {"rows": rows}
     greedy = generate(eng, prompts, SamplingParams(max_new, greedy=True), seed=9).responses()
