@@ -178,7 +178,8 @@ _HF_DECIDES = ("normalization", "norm_epsilon", "swiglu", "position_embedding_ty
                "moe_router_pre_softmax") + _ROPE_FIELDS
 #: ModelArch fields that are the run's, not the checkpoint's
 _RUN_FIELDS = ("attention_dropout", "hidden_dropout", "attention_backend", "init_method_std",
-               "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_token_dispatcher_type")
+               "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_token_dispatcher_type",
+               "moe_grouped_gemm")
 
 
 def _rope_flags_given(args) -> List[str]:
@@ -599,6 +600,23 @@ def _check_moe_graph_decode(gen) -> None:
                                          f"--actor-gen-expert-tensor-parallel-size 1, or leave the flag out")
 
 
+def _check_moe_grouped_gemm(role: str, spec) -> None:
+    """--moe-grouped-gemm (puzzle/models/moe_experts.py): torch._grouped_mm takes operands whose
+    strides are 16-byte multiples, so hidden size and expert width per ETP rank must be multiples
+    of 8 at every layout the role runs; the grouped experts have no biases."""
+    arch = spec.arch
+    if not arch.moe_grouped_gemm:
+        return
+    if arch.add_bias_linear:
+        _fail("--moe-grouped-gemm", f"the {role}'s experts have biases (--add-bias-linear); the grouped experts have none")
+    for plan in (spec.plan, spec.gen_plan or spec.plan):
+        width = arch.moe_ffn_hidden_size // plan.ETP
+        if arch.hidden_size % 8 or width % 8:
+            _fail("--moe-grouped-gemm", f"the {role} at {plan}: hidden size {arch.hidden_size} and expert width per "
+                                        f"expert-tensor-parallel rank {width} (--moe-ffn-hidden-size "
+                                        f"{arch.moe_ffn_hidden_size} / ETP {plan.ETP}) must be multiples of 8")
+
+
 def _check_moe_paths(args, roles, transformer_impl: str) -> None:
     """Mixture-of-experts models run generation, scoring and training (also at T > 1 without
     sequence parallelism: megatron_patches.moe_tensor_parallel_without_sp); the paths not built
@@ -611,6 +629,8 @@ def _check_moe_paths(args, roles, transformer_impl: str) -> None:
     if transformer_impl == "transformer_engine":
         _fail("--transformer-impl", "MoE models run megatron-core's local layer spec (SequentialMLP experts); "
                                     "the transformer-engine MoE spec is not supported yet: use --transformer-impl local")
+    for r in moe:
+        _check_moe_grouped_gemm(r, roles[r])
     seq_aux = [r for r in moe if ROLES[r].trainable and roles[r].arch.moe_aux_loss_coeff > 0
                and roles[r].arch.moe_router_load_balancing_type == "seq_aux_loss"]
     if seq_aux and args.use_remove_padding:

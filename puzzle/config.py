@@ -131,6 +131,10 @@ class ModelArch:
         "aux_loss", _MOE, "Load-balancing loss of the router.", choices=MOE_LOAD_BALANCING_TYPES)
     moe_token_dispatcher_type: str = flag(
         "allgather", _MOE, "How tokens reach their experts' ranks.", choices=MOE_DISPATCHERS)
+    moe_grouped_gemm: bool = flag(
+        False, _MOE, "Run each projection of a MoE layer's local experts as one grouped GEMM (torch._grouped_mm: "
+        "CUTLASS on CUDA bf16 sm90) instead of one GEMM per expert, with the same parameters; needs no expert "
+        "biases, and hidden size and expert width per expert-tensor-parallel rank multiples of 8.")
     sliding_window: Optional[int] = None  # attention window of the checkpoint (None = full)
     # the run's tokenizer has ids [0, tokenizer_vocab_size) (None: every row of vocab_size is a
     # token); the model's rows beyond it (Qwen2.5's unused rows, --vocab-size above the tokenizer's)

@@ -13,7 +13,8 @@
 #      generate at T = 2, each against its CPU twin;
 #   5. MoE on one GPU: the tiny run with a MoE actor (fp32) against its CPU twin, then in bf16 with
 #      the graphed static MoE decode step (generation-vs-scoring log-prob difference per iteration),
-#      and the graphed MoE decode step's time (python -m puzzle.bench.decode_step --num-experts 8).
+#      the graphed MoE decode step's time (python -m puzzle.bench.decode_step --num-experts 8), and
+#      --moe-grouped-gemm against SequentialMLP experts (python -m puzzle.bench.moe_experts).
 #   bash scripts/gpu_smoke.sh        (SMOKE_DIR=runs/gpu_smoke, LLAMA_ITERS=4, LLAMA_FLAGS="more flags")
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -121,4 +122,6 @@ for line in open(sys.argv[1]):
 PY
 step "graphed static MoE decode step (8 experts, top-2), ~1.1B-shaped, batch 64"
 torchrun --standalone --nproc-per-node 1 -m puzzle.bench.decode_step --num-experts 8 | tee "$OUT/moe_decode_step.json"
+step "grouped-GEMM experts against SequentialMLP, ~1.1B-shaped with 8 experts (top-2), 4096 tokens, bf16"
+torchrun --standalone --nproc-per-node 1 -m puzzle.bench.moe_experts | tee "$OUT/moe_experts.json"
 echo; echo "gpu_smoke: all checks passed"

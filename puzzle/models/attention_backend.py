@@ -57,9 +57,10 @@ def te_attention_config(backend: str, transformer_impl: str) -> dict:
 
 
 def attention_layer_spec(normalization: str, backend: str, transformer_impl: str,
-                         qk_layernorm: bool = False, num_experts=None):
+                         qk_layernorm: bool = False, num_experts=None, moe_grouped_gemm: bool = False):
     """megatron-core GPT layer spec whose core attention is the one ``backend`` names
-    (``num_experts``: its MLP is megatron-core's MoELayer with SequentialMLP experts).
+    (``num_experts``: its MLP is megatron-core's MoELayer with SequentialMLP experts, or with
+    ``moe_grouped_gemm`` puzzle/models/moe_experts.py's GroupedGemmExperts, the same parameters).
 
     (megatron-core 0.16's TE spec has no ``normalization`` argument: TE's fused layernorm-linear
     modules take the norm type from the TransformerConfig.)"""
@@ -86,6 +87,13 @@ def attention_layer_spec(normalization: str, backend: str, transformer_impl: str
                                                                     core_attention=core))
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules,
                                                                       self_attention=attn))
+    if num_experts and moe_grouped_gemm:
+        from puzzle.models.moe_experts import GroupedGemmExperts
+
+        mlp = layer.submodules.mlp
+        experts = dataclasses.replace(mlp.submodules.experts, module=GroupedGemmExperts)
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+        layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
     if spec != "te":  # megatron's layer with a lean KV-cache decode step (decode_layer.py)
         from puzzle.models.decode_layer import DecodeTransformerLayer
 

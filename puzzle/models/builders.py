@@ -151,7 +151,8 @@ def layer_spec(arch: ModelArch, transformer_impl: str = "local", layout: Optiona
     lps = resolve_layers_per_stage(arch.num_layers, P)
     first = sum(lps[:p])
     specs = {moe: attention_layer_spec(arch.normalization, arch.attention_backend, transformer_impl,
-                                       qk_layernorm=arch.qk_layernorm, num_experts=arch.num_experts if moe else None)
+                                       qk_layernorm=arch.qk_layernorm, num_experts=arch.num_experts if moe else None,
+                                       moe_grouped_gemm=arch.moe_grouped_gemm)
              for moe in (False, True)}
     return TransformerBlockSubmodules(
         layer_specs=[specs[arch.is_moe_layer(i)] for i in range(first, first + lps[p])], layer_norm=LayerNormImpl)

@@ -46,12 +46,14 @@ def moe_step_problem(mlp) -> Optional[str]:
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from puzzle.models.moe_experts import GroupedGemmExperts
+
     if not isinstance(mlp, MoELayer):
         return f"the layer's MLP is {type(mlp).__name__}, not megatron's MoELayer"
     cfg = mlp.config
     if mlp.shared_experts is not None or cfg.moe_shared_expert_intermediate_size is not None:
         return "shared experts"
-    if type(mlp.experts) is not SequentialMLP:
+    if type(mlp.experts) not in (SequentialMLP, GroupedGemmExperts):  # the same experts and parameters
         return f"{type(mlp.experts).__name__} experts (only SequentialMLP)"
     if type(mlp.router) is not TopKRouter or mlp.router.routing_type == "sinkhorn":
         return f"router {type(mlp.router).__name__} ({getattr(mlp.router, 'routing_type', '?')})"
@@ -98,18 +100,13 @@ def moe_decode_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
 
 def _expert_forward(expert, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """megatron's MLP.forward(rows, per_token_scale=scale) without fused kernels, one expert."""
-    fc1, fc2, cfg = expert.linear_fc1, expert.linear_fc2, expert.config
+    from puzzle.models.grouped_gemm import expert_activation
+
+    fc1, fc2 = expert.linear_fc1, expert.linear_fc2
     inter = torch.matmul(rows, fc1.weight.t())
     if fc1.bias is not None:
         inter = inter + fc1.bias
-    if cfg.gated_linear_unit:
-        x_glu, x_linear = torch.chunk(inter, 2, dim=-1)
-        inter = cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
-    else:
-        inter = expert.activation_func(inter)
-    dtype = inter.dtype
-    inter = (inter * scale.unsqueeze(-1)).to(dtype)
-    out = torch.matmul(inter, fc2.weight.t())
+    out = torch.matmul(expert_activation(expert, inter, scale), fc2.weight.t())
     if fc2.bias is not None:
         out += fc2.bias.unsqueeze(0) * scale.unsqueeze(-1)
     return out

@@ -199,12 +199,24 @@ def test_expert_layout_flags_per_role():
     (["--moe-router-topk", "5"], "--moe-router-topk: 5 exceeds --num-experts 4"),
     (["--moe-aux-loss-coeff", "0.01", "--moe-router-load-balancing-type", "seq_aux_loss"],
      "--moe-router-load-balancing-type: seq_aux_loss of the actor.*--no-use-remove-padding"),
+    (["--moe-grouped-gemm", "--moe-ffn-hidden-size", "20"],
+     r"--moe-grouped-gemm: the actor at \(P=1, D=4, T=1\).*expert width per expert-tensor-parallel rank 20 "
+     r"\(--moe-ffn-hidden-size 20 / ETP 1\) must be multiples of 8"),
+    (["--moe-grouped-gemm", "--moe-ffn-hidden-size", "24", "--ref-tensor-model-parallel-size", "2",
+      "--ref-expert-tensor-parallel-size", "2", "--ref-expert-model-parallel-size", "1"],
+     "--moe-grouped-gemm: the ref at .*rank 12 .*ETP 2"),
 ])
 def test_unsupported_moe_runs_are_refused(extra, needle):
     from puzzle.config_flags import ArgumentError
 
     with pytest.raises(ArgumentError, match=needle):
         _run_cfg(*extra)
+
+
+def test_grouped_gemm_flag_reaches_every_moe_role():
+    cfg = _run_cfg("--moe-grouped-gemm", "--moe-ffn-hidden-size", "32", "--expert-model-parallel-size", "2")
+    assert all(spec.arch.moe_grouped_gemm for spec in cfg.roles.values() if spec.arch.is_moe)
+    assert not any(spec.arch.moe_grouped_gemm for spec in _run_cfg("--moe-ffn-hidden-size", "32").roles.values())
 
 
 def test_experts_split_over_ranks_score_and_train_packed():

@@ -120,11 +120,10 @@ def _packed_nll_step(store: dict):
     return forward_step
 
 
-def check_packed_experts():
-    """The same packed micro-batches (each DP rank its own token count) through an actor at E = 1
-    and at E = 2 (T = 1 and 2) with each token dispatcher, the load-balancing loss on: every row's
-    log-probs, the gradient norm (experts' and routers' gradients included) and the load-balancing
-    loss summed over the world, to compare within fp32 rounding."""
+def _packed_train_step(plan, dispatcher: str, grouped_gemm: bool = False):
+    """One training step of the actor at ``plan`` on PACKED_LENGTHS' packed micro-batches (each DP
+    rank its share, two rows per micro-batch), the load-balancing loss on: (the engine, its result
+    row: gradient norm, load-balancing loss summed over the world, every row's log-probs, ...)."""
     from dataclasses import replace
 
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
@@ -133,32 +132,60 @@ def check_packed_experts():
 
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, ARCH.vocab_size, (len(PACKED_LENGTHS), max(PACKED_LENGTHS)), generator=g)
+    arch = replace(ARCH, moe_aux_loss_coeff=0.01, moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=grouped_gemm)
+    eng = ModelEngine("actor", arch, layout_for(plan), trainable=True, seed=SEED, optim=OptimConfig(lr=1e-2))
+    share = len(PACKED_LENGTHS) // plan.D
+    micro = []
+    for first in range(eng.layout.d * share, (eng.layout.d + 1) * share, 2):
+        rows = [first, first + 1]
+        lengths = [PACKED_LENGTHS[r] for r in rows]
+        mb = pack_rows(tokens[rows], torch.tensor(lengths), torch.zeros(2, dtype=torch.long))
+        micro.append(dict(mb, rows=rows, lengths=lengths))
+    store = {}
+    clear_aux_losses_tracker()
+    norm = eng.train_step(_packed_nll_step(store), iter(micro), len(micro), max(PACKED_LENGTHS) * 2, 1)["grad_norm"]
+    aux = sum(float(e["values"].sum()) for e in get_moe_layer_wise_logging_tracker().values())
+    clear_aux_losses_tracker()
+    sums = torch.tensor([aux], dtype=torch.float64)  # at T > 1 each TP rank holds its tokens' part
+    dist.all_reduce(sums)
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, store if eng.layout.t == 0 else {})
+    logprobs = {r: lp for part in rows for r, lp in part.items()}
+    counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([micro[0]["tokens"].shape[1]]))
+    return eng, {"grad_norm": norm, "aux_loss_sum": float(sums[0]),
+                 "logprobs": [logprobs[r] for r in sorted(logprobs)],
+                 "first_micro_batch_tokens": [int(c) for c in counts], "packed_shape": list(micro[0]["tokens"].shape)}
+
+
+def check_packed_experts():
+    """The same packed micro-batches (each DP rank its own token count) through an actor at E = 1
+    and at E = 2 (T = 1 and 2) with each token dispatcher, the load-balancing loss on: every row's
+    log-probs, the gradient norm (experts' and routers' gradients included) and the load-balancing
+    loss summed over the world, to compare within fp32 rounding."""
+    return {name: _packed_train_step(plan, dispatcher)[1] for name, (plan, dispatcher) in PACKED_LAYOUTS.items()}
+
+
+#: PACKED_LAYOUTS entries run again with --moe-grouped-gemm
+GROUPED_LAYOUTS = ("E1", "E2/alltoall", "T2E2/allgather")
+
+
+def check_grouped_gemm_experts():
+    """--moe-grouped-gemm against megatron's SequentialMLP on the same packed training step: the
+    row log-probs, the gradient norm, the load-balancing loss, and the max abs difference of every
+    parameter's gradient and updated weight on this rank."""
     out = {}
-    for name, (plan, dispatcher) in PACKED_LAYOUTS.items():
-        arch = replace(ARCH, moe_aux_loss_coeff=0.01, moe_token_dispatcher_type=dispatcher)
-        eng = ModelEngine("actor", arch, layout_for(plan), trainable=True, seed=SEED, optim=OptimConfig(lr=1e-2))
-        share = len(PACKED_LENGTHS) // plan.D
-        micro = []
-        for first in range(eng.layout.d * share, (eng.layout.d + 1) * share, 2):
-            rows = [first, first + 1]
-            lengths = [PACKED_LENGTHS[r] for r in rows]
-            mb = pack_rows(tokens[rows], torch.tensor(lengths), torch.zeros(2, dtype=torch.long))
-            micro.append(dict(mb, rows=rows, lengths=lengths))
-        store = {}
-        clear_aux_losses_tracker()
-        norm = eng.train_step(_packed_nll_step(store), iter(micro), len(micro), max(PACKED_LENGTHS) * 2, 1)["grad_norm"]
-        aux = sum(float(e["values"].sum()) for e in get_moe_layer_wise_logging_tracker().values())
-        clear_aux_losses_tracker()
-        sums = torch.tensor([aux], dtype=torch.float64)  # at T > 1 each TP rank holds its tokens' part
-        dist.all_reduce(sums)
-        rows = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, store if eng.layout.t == 0 else {})
-        logprobs = {r: lp for part in rows for r, lp in part.items()}
-        counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-        dist.all_gather(counts, torch.tensor([micro[0]["tokens"].shape[1]]))
-        out[name] = {"grad_norm": norm, "aux_loss_sum": float(sums[0]), "logprobs": [logprobs[r] for r in
-                     sorted(logprobs)], "first_micro_batch_tokens": [int(c) for c in counts],
-                     "packed_shape": list(micro[0]["tokens"].shape)}
+    for name in GROUPED_LAYOUTS:
+        plan, dispatcher = PACKED_LAYOUTS[name]
+        ref_eng, ref = _packed_train_step(plan, dispatcher)
+        eng, got = _packed_train_step(plan, dispatcher, grouped_gemm=True)
+        experts = {type(m).__name__ for m in eng.module.modules() if hasattr(m, "local_experts")}
+        grads = [(a.main_grad - b.main_grad).abs().max() for a, b in
+                 zip(eng.module.parameters(), ref_eng.module.parameters())]
+        out[name] = {"experts": sorted(experts), "ref": ref, "grouped": got,
+                     "grad_max_diff": float(torch.stack(grads).max()),
+                     "params_max_diff": max(float((a - b).abs().max()) for a, b in
+                                            zip(eng.module.parameters(), ref_eng.module.parameters()))}
     return out
 
 
@@ -274,6 +301,7 @@ def check_tiny_run():
         at_e1 = train_in_world(tiny_flags() + MOE_RUN + AT_E1 + ["--load", ckpt, "--ckpt-step", "1"])
     tensor_parallel = train_in_world(tiny_flags() + MOE_RUN + TENSOR_PARALLEL)
     from_scratch_at_e1 = train_in_world(tiny_flags() + MOE_RUN + AT_E1 + ["--train-iters", "1"])
+    grouped_gemm = train_in_world(tiny_flags() + MOE_RUN + ["--moe-grouped-gemm"])
     args = parse_args(tiny_flags() + MOE_RUN + RESUMED)
     vocab = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
     roles = validate_args(args, dist.get_world_size(), vocab).roles
@@ -281,7 +309,7 @@ def check_tiny_run():
     table = routing_table_for(actor.arch, "actor", actor.plan, actor.gen_plan)
     return {"straight": straight["rows"], "resumed": resumed["rows"], "switch": resumed["switch"],
             "tensor_parallel": tensor_parallel["rows"], "at_e1": at_e1["rows"],
-            "from_scratch_at_e1": from_scratch_at_e1["rows"],
+            "from_scratch_at_e1": from_scratch_at_e1["rows"], "grouped_gemm": grouped_gemm["rows"],
             "at_e1_plans": _plans(tiny_flags() + MOE_RUN + AT_E1),
             "tensor_parallel_plans": _plans(tiny_flags() + MOE_RUN + TENSOR_PARALLEL),
             "plans": {r: str(s.plan) for r, s in roles.items()} | {"actor_gen": str(actor.gen_plan)},
@@ -300,6 +328,7 @@ def _plans(argv) -> dict:
 
 if __name__ == "__main__":
     world_main([("pairs", check_pairs), ("overlap", check_overlap), ("packed_experts", check_packed_experts),
+                ("grouped_gemm_experts", check_grouped_gemm_experts),
                 ("token_budget_experts", check_token_budget_experts),
                 ("aux_loss_metric", check_aux_loss_metric_with_unequal_micro_batch_counts),
                 ("tiny_run", check_tiny_run)])
