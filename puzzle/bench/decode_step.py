@@ -102,7 +102,7 @@ def main(argv=None):
     megatron_patches.apply()
     import torch
 
-    from puzzle.bench.generation import _arch, _decode_bytes, _prompts
+    from puzzle.bench.generation import _arch, _decode_bytes, _prompts, with_experts
     from puzzle.bench.gpu_report import measure_bandwidth
     from puzzle.parallel.device import runtime
     from puzzle.parallel.groups import init_distributed, layout_for
@@ -117,8 +117,7 @@ def main(argv=None):
     model_name = args.model or ("1b" if cuda else "tiny")
     arch = _arch(model_name)
     if args.num_experts:
-        arch = replace(arch, num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                       moe_ffn_hidden_size=arch.ffn_hidden_size // args.moe_router_topk)
+        arch = with_experts(arch, args.num_experts, args.moe_router_topk)
     eng = ModelEngine("actor", replace(arch, attention_backend="local"), layout_for(ParallelPlan(1, 1, 1)),
                       trainable=False, seed=7, bf16=cuda)
     b, n_new = args.batch, args.new_tokens

@@ -51,6 +51,15 @@ def _arch(model: str):
                            untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
+def with_experts(arch, num_experts: int, topk: int, **changes):
+    """``arch`` with every MLP a MoE layer of ``num_experts`` experts, top-``topk``, each expert's
+    hidden size the dense one over ``topk`` (the same active width)."""
+    from dataclasses import replace
+
+    return replace(arch, num_experts=num_experts, moe_router_topk=topk,
+                   moe_ffn_hidden_size=arch.ffn_hidden_size // topk, **changes)
+
+
 def _sync(dev):
     import torch
 

@@ -50,7 +50,7 @@ def main(argv=None):
     megatron_patches.apply()
     import torch
 
-    from puzzle.bench.generation import _arch
+    from puzzle.bench.generation import _arch, with_experts
     from puzzle.parallel.device import runtime
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
@@ -64,8 +64,7 @@ def main(argv=None):
     arch = _arch(model_name)
     k = args.moe_router_topk
     layers = args.num_layers or (8 if model_name == "1b" else arch.num_layers)
-    arch = replace(arch, num_experts=args.num_experts, moe_router_topk=k, attention_backend="local",
-                   moe_ffn_hidden_size=arch.ffn_hidden_size // k, num_layers=layers)
+    arch = with_experts(arch, args.num_experts, k, attention_backend="local", num_layers=layers)
     tokens = args.tokens or (4096 if cuda else 512)
     seq = min(tokens, arch.seq_length)
     batch = torch.randint(0, arch.vocab_size, (tokens // seq, seq), generator=torch.Generator().manual_seed(3))

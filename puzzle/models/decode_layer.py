@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from puzzle.models.grouped_gemm import mlp_activation
+
 
 class DecodeTransformerLayer(TransformerLayer):
     """TransformerLayer whose KV-cache decode step skips megatron's per-layer plumbing."""
@@ -93,13 +95,7 @@ class DecodeTransformerLayer(TransformerLayer):
 
             return moe_decode_mlp(mlp, self.pre_mlp_layernorm(x)) + x
         # MLP (MLP.forward without fused kernels)
-        inter = _linear(self.pre_mlp_layernorm(x), mlp.linear_fc1)
-        cfg = mlp.config
-        if cfg.gated_linear_unit:
-            x_glu, x_linear = torch.chunk(inter, 2, dim=-1)
-            inter = cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
-        else:
-            inter = mlp.activation_func(inter)
+        inter = mlp_activation(mlp, _linear(self.pre_mlp_layernorm(x), mlp.linear_fc1))
         return _row_parallel_add(inter, mlp.linear_fc2, x, self._tp_reduce)
 
 

@@ -6,7 +6,7 @@ order) by its expert's weight, transposed, in one ``torch._grouped_mm`` call: CU
 GEMM on CUDA (bf16, sm90), one product per group elsewhere. It stacks the experts' weights for
 each call, forward and backward (a transient copy; nothing stacked is kept for the backward), and
 returns each expert's weight gradient to its own parameter. ``expert_activation`` is megatron's
-``MLP.forward`` between its two products; ``grouped_gemm_problem`` names what the grouped experts
+``MLP.forward`` between its two products (``mlp_activation`` without the probabilities); ``grouped_gemm_problem`` names what the grouped experts
 do not reproduce.
 """
 
@@ -58,14 +58,19 @@ def grouped_linear(x: torch.Tensor, offs: torch.Tensor, weights: Sequence[torch.
     return _GroupedLinear.apply(x, offs, *weights)
 
 
-def expert_activation(expert, inter: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """megatron's MLP.forward between its two products (no fused kernels): the activation, gated
-    or not, times each row's probability in the probabilities' dtype, cast back."""
-    cfg = expert.config
+def mlp_activation(mlp, inter: torch.Tensor) -> torch.Tensor:
+    """megatron's MLP.forward activation without fused kernels: gated (SwiGLU and the like:
+    the first half through the activation times the second half) or not."""
+    cfg = mlp.config
     if cfg.gated_linear_unit:
         x_glu, x_linear = torch.chunk(inter, 2, dim=-1)
-        inter = cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
-    else:
-        inter = expert.activation_func(inter)
+        return cfg.activation_func(x_glu) * (x_linear + cfg.glu_linear_offset)
+    return mlp.activation_func(inter)
+
+
+def expert_activation(expert, inter: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """megatron's MLP.forward between its two products with ``per_token_scale`` (no fused
+    kernels): the activation times each row's probability in the probabilities' dtype, cast back."""
+    inter = mlp_activation(expert, inter)
     dtype = inter.dtype
     return (inter * scale.unsqueeze(-1)).to(dtype)
