@@ -68,6 +68,20 @@ def _write_trace(run, directory: str, dev) -> None:
     prof.export_chrome_trace(os.path.join(directory, "trace.json"))
 
 
+def _memory_bound(eng, arch, prompts, n_new, row, dev) -> dict:
+    """The bytes a decode step must read over the measured bandwidth, against the measured step
+    times in ``row``; ``graph_decode_efficiency`` is the device profile's
+    hardware.graph_decode_efficiency (the cost model's graphed decode step)."""
+    from puzzle.bench.generation import _decode_bytes
+    from puzzle.bench.gpu_report import measure_bandwidth
+
+    bw = measure_bandwidth(dev)
+    read_ms = round(_decode_bytes(eng.module, arch, prompts, n_new, 2, 1) / (n_new - 1) / bw * 1e3, 3)
+    return {"bandwidth_GBps": round(bw / 1e9, 1), "weight_read_ms": read_ms,
+            "bound_over_greedy_step": round(read_ms / row["generate_greedy_ms_per_step"], 3),
+            "graph_decode_efficiency": round(min(read_ms / row["replay_ms"], 1.0), 3)}
+
+
 def _static_moe_on_cpu(eng, prompts, params, reps, dev, eager_ms) -> dict:
     """The graph path's decode steps without capture (static MoE step, no HostSyncGuard) against
     the eager loop (megatron's MoE forward), and whether both give the same greedy tokens."""
@@ -102,8 +116,7 @@ def main(argv=None):
     megatron_patches.apply()
     import torch
 
-    from puzzle.bench.generation import _arch, _decode_bytes, _prompts, with_experts
-    from puzzle.bench.gpu_report import measure_bandwidth
+    from puzzle.bench.generation import _arch, _prompts, with_experts
     from puzzle.parallel.device import runtime
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
@@ -159,13 +172,7 @@ def main(argv=None):
         row[name] = round(_ms(lambda: sample_tokens(logits, params, true_vocab=arch.vocab_size, seed=0,
                                                     sample_ids=ids, step=step), args.repeats * 5, dev), 3)
     if cuda:
-        bw = measure_bandwidth(dev)
-        need = _decode_bytes(eng.module, arch, prompts, n_new, 2, 1)
-        row["bandwidth_GBps"] = round(bw / 1e9, 1)
-        row["weight_read_ms"] = round(need / (n_new - 1) / bw * 1e3, 3)
-        row["bound_over_greedy_step"] = round(row["weight_read_ms"] / row["generate_greedy_ms_per_step"], 3)
-        # the device profile's hardware.graph_decode_efficiency (the cost model's graphed decode step)
-        row["graph_decode_efficiency"] = round(min(row["weight_read_ms"] / row["replay_ms"], 1.0), 3)
+        row.update(_memory_bound(eng, arch, prompts, n_new, row, dev))
     if args.trace:
         _write_trace(lambda: gen(sampled), args.trace, dev)
     print(json.dumps(row))

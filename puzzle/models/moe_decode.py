@@ -25,7 +25,8 @@ So in fp32 the step equals megatron's MoE forward up to how the matrix-product k
 row at another number of rows (megatron multiplies only the rows routed to an expert).
 
 ``moe_step_problem`` names what a layer has that the step does not reproduce (None: covered):
-shared experts, grouped-GEMM or transformer-engine experts, experts split over ranks (expert
+shared experts, megatron's grouped-GEMM or transformer-engine experts (puzzle's GroupedGemmExperts
+have SequentialMLP's experts and are covered), experts split over ranks (expert
 parallelism E > 1 or expert tensor parallelism ETP > 1), token dropping, input jitter,
 fused kernels, fp8.
 """
@@ -35,6 +36,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from puzzle.models.grouped_gemm import expert_activation
 
 
 def moe_step_problem(mlp) -> Optional[str]:
@@ -100,8 +103,6 @@ def moe_decode_mlp(mlp, x: torch.Tensor) -> torch.Tensor:
 
 def _expert_forward(expert, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """megatron's MLP.forward(rows, per_token_scale=scale) without fused kernels, one expert."""
-    from puzzle.models.grouped_gemm import expert_activation
-
     fc1, fc2 = expert.linear_fc1, expert.linear_fc2
     inter = torch.matmul(rows, fc1.weight.t())
     if fc1.bias is not None:

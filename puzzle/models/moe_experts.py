@@ -41,8 +41,7 @@ class GroupedGemmExperts(SequentialMLP):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         x = permuted_local_hidden_states
-        counts = torch.as_tensor(tokens_per_expert).to(device=x.device)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0).to(torch.int32)
         experts: List = list(self.local_experts)
         inter = grouped_linear(x, offs, [e.linear_fc1.weight for e in experts])
         inter = expert_activation(experts[0], inter, permuted_probs)
