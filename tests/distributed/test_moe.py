@@ -17,6 +17,12 @@ def world():
     return run_world("distributed/worlds/moe.py", 4, timeout=400)
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """The same script in a world of one: puzzle.tools.generate at (1,1,1,1)."""
+    return run_world("distributed/worlds/moe.py", 1)[0]
+
+
 def test_moe_fields_read_from_config(world):
     got = {fam: world[0]["import"][fam]["arch"] for fam in FAMILIES}
     assert got == {
@@ -32,11 +38,12 @@ def test_logprobs_and_values_match_transformers(world, fam):
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_greedy_generation_matches_transformers(world, fam):
+def test_greedy_generation_matches_transformers(world, one_rank, fam):
     assert world[0]["import"][fam]["greedy_1111"] is True
     assert world[0]["tools"][fam]["greedy"] == {
         "qwen3_moe": {"(1,4,1,4)": True, "(1,2,2,2)": True},
         "mixtral": {"(2,2,1,2)": True, "(1,2,2,2) ETP=1": True}}[fam]
+    assert one_rank["tools"][fam] == {"greedy": {"(1,1,1,1)": True}}
 
 
 @pytest.mark.parametrize("fam", FAMILIES)

@@ -1,6 +1,7 @@
 """4-rank world: Qwen3-MoE and Mixtral checkpoints made by transformers through import (log-probs,
 critic values), greedy generation at (1,1,1,1) and through puzzle.tools.generate at (P, D, T, E)
-layouts, and export (bitwise) through puzzle.tools.export_hf at E = 2."""
+layouts, and export (bitwise) through puzzle.tools.export_hf at E = 2. In a 1-rank world (the
+1-rank group of tests/harness.py SHARED_WORLDS) only puzzle.tools.generate at (1,1,1,1)."""
 
 import json
 import os
@@ -31,13 +32,16 @@ _E2, _E4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size
 TOOL_RUNS = [("qwen3_moe", "(1,4,1,4)", _E4), ("mixtral", "(2,2,1,2)", _P2 + _E2),
              ("qwen3_moe", "(1,2,2,2)", _T2 + _E2), ("mixtral", "(1,2,2,2) ETP=1", _T2 + _E2 +
                                                     ["--expert-tensor-parallel-size", "1"])]
+#: the same in a world of one rank: (P, D, T, E) = (1, 1, 1, 1)
+ONE_RANK_TOOL_RUNS = [("qwen3_moe", "(1,1,1,1)", []), ("mixtral", "(1,1,1,1)", [])]
 #: export_hf layouts per family
 EXPORT_LAYOUTS = {"qwen3_moe": _P2 + _E2, "mixtral": _T2 + _E2}
 _DIRS = {}
 
 
 def _make_models():
-    """Rank k makes family k: LM + sequence-classification dirs, reference log-probs, values, tokens."""
+    """Rank k makes family k (rank 0 both in a world of one): LM + sequence-classification dirs,
+    reference log-probs, values, tokens."""
     import transformers
 
     obj = [tempfile.mkdtemp(prefix="puzzle-moe-") if dist.get_rank() == 0 else None]
@@ -45,7 +49,7 @@ def _make_models():
     root = _DIRS["root"] = obj[0]
     mine = {}
     for i, (fam, (prefix, cfg)) in enumerate(FAMILIES.items()):
-        if i != dist.get_rank():
+        if i % dist.get_world_size() != dist.get_rank():
             continue
         config_cls = getattr(transformers, f"{prefix}Config")
         torch.manual_seed(0)
@@ -72,8 +76,11 @@ def _engine(fam, plan, role, **overrides):
 
 def check_import():
     """Log-probs and critic values against transformers at (1,1,1,1) and with T / E > 1 (both
-    token dispatchers); greedy generation at (1,1,1,1); the arch read."""
+    token dispatchers); greedy generation at (1,1,1,1); the arch read. (A world of one: only the
+    models, for check_tools.)"""
     _make_models()
+    if dist.get_world_size() == 1:
+        return {}
     res = {}
     plans = {"qwen3_moe": [(ParallelPlan(1, 1, 1), "allgather"), (ParallelPlan(1, 4, 1, E=4), "alltoall")],
              "mixtral": [(ParallelPlan(1, 1, 1), "alltoall"), (ParallelPlan(1, 2, 2, E=2), "allgather")]}
@@ -94,7 +101,8 @@ def check_import():
 
 
 def check_tools():
-    """puzzle.tools.generate (greedy) at every TOOL_LAYOUTS entry and export_hf at (2,1,2)."""
+    """puzzle.tools.generate (greedy) at every TOOL_RUNS entry (ONE_RANK_TOOL_RUNS in a world of
+    one) and export_hf at EXPORT_LAYOUTS (not in a world of one)."""
     from safetensors.torch import load_file
 
     from puzzle.models.hf_checkpoint import arch_from_hf_dir
@@ -108,14 +116,15 @@ def check_tools():
             f.writelines(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS)
     dist.barrier()
     res = {fam: {"greedy": {}} for fam in FAMILIES}
-    for i, (fam, name, layout) in enumerate(TOOL_RUNS):
+    one_rank = dist.get_world_size() == 1
+    for i, (fam, name, layout) in enumerate(ONE_RANK_TOOL_RUNS if one_rank else TOOL_RUNS):
         out = os.path.join(root, f"out{i}.jsonl")
         generate_main(["--load", os.path.join(root, fam), "--prompts", prompts, "--output", out, "--greedy",
                        "--max-new-tokens", str(MAX_NEW), "--seq-length", "32", "--make-vocab-size-divisible-by",
                        "64"] + layout)
         if dist.get_rank() == 0:
             res[fam]["greedy"][name] = [json.loads(line)["tokens"] for line in open(out)] == _DIRS["refs"][fam]["greedy"]
-    for fam in FAMILIES:
+    for fam in () if one_rank else FAMILIES:
         src, r = os.path.join(root, fam), res[fam]
         out_dir = os.path.join(root, fam + "-export")
         export_main(["--load", src, "--save", out_dir, "--make-vocab-size-divisible-by", "64"] + EXPORT_LAYOUTS[fam])
