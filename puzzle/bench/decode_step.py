@@ -111,24 +111,18 @@ def main(argv=None):
     ap.add_argument("--moe-router-topk", type=int, default=2)
     args = ap.parse_args(argv)
 
-    import megatron_patches
+    from puzzle.bench.generation import _prompts, start_one_rank_bench, with_experts
 
-    megatron_patches.apply()
+    dev, model_name, arch = start_one_rank_bench(args.model)
     import torch
 
-    from puzzle.bench.generation import _arch, _prompts, with_experts
-    from puzzle.parallel.device import runtime
-    from puzzle.parallel.groups import init_distributed, layout_for
+    from puzzle.parallel.groups import layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.rollout import SamplingParams, generate
     from puzzle.rollout.sampling import sample_tokens
     from puzzle.training.engine import ModelEngine
 
-    init_distributed()
-    dev = runtime().device
     cuda = dev.type == "cuda"
-    model_name = args.model or ("1b" if cuda else "tiny")
-    arch = _arch(model_name)
     if args.num_experts:
         arch = with_experts(arch, args.num_experts, args.moe_router_topk)
     eng = ModelEngine("actor", replace(arch, attention_backend="local"), layout_for(ParallelPlan(1, 1, 1)),

@@ -51,6 +51,21 @@ def _arch(model: str):
                            untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
+def start_one_rank_bench(model):
+    """megatron's patches applied, the torchrun world started, then (this rank's device, the
+    model name ``model`` or by default 1b on CUDA and tiny elsewhere, its ModelArch)."""
+    import megatron_patches
+
+    megatron_patches.apply()
+    from puzzle.parallel.device import runtime
+    from puzzle.parallel.groups import init_distributed
+
+    init_distributed()
+    dev = runtime().device
+    name = model or ("1b" if dev.type == "cuda" else "tiny")
+    return dev, name, _arch(name)
+
+
 def with_experts(arch, num_experts: int, topk: int, **changes):
     """``arch`` with every MLP a MoE layer of ``num_experts`` experts, top-``topk``, each expert's
     hidden size the dense one over ``topk`` (the same active width)."""

@@ -45,23 +45,17 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
 
-    import megatron_patches
+    from puzzle.bench.generation import start_one_rank_bench, with_experts
 
-    megatron_patches.apply()
+    dev, model_name, arch = start_one_rank_bench(args.model)
     import torch
 
-    from puzzle.bench.generation import _arch, with_experts
-    from puzzle.parallel.device import runtime
-    from puzzle.parallel.groups import init_distributed, layout_for
+    from puzzle.parallel.groups import layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.training.engine import ModelEngine, OptimConfig
     from puzzle.training.steps import lm_nll_step
 
-    init_distributed()
-    dev = runtime().device
     cuda = dev.type == "cuda"
-    model_name = args.model or ("1b" if cuda else "tiny")
-    arch = _arch(model_name)
     k = args.moe_router_topk
     layers = args.num_layers or (8 if model_name == "1b" else arch.num_layers)
     arch = with_experts(arch, args.num_experts, k, attention_backend="local", num_layers=layers)

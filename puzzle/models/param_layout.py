@@ -185,11 +185,8 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
             specs.append(ParamSpec(f"{prefix}.bias", (size,), "replicated", **kw))
 
     qkv_rows = (nq + 2 * ng) * hd
-    fc1_rows = 2 * ffn if swiglu else ffn
-    fc1_kind = "swiglu_fc1" if swiglu else "column"
     heads = dict(split_units=nq, split_label="num_attention_heads")
     groups = dict(split_units=ng, split_label="num_query_groups")
-    ffns = dict(split_units=ffn, split_label="ffn_hidden_size")
     for i in range(num_layers):
         pre = f"decoder.layers.{i}"
         norm(f"{pre}.input_layernorm", layer=i)
@@ -206,13 +203,8 @@ def gpt_param_specs(num_layers: int, hidden_size: int, ffn_hidden_size: int, num
         norm(f"{pre}.pre_mlp_layernorm", layer=i)
         if num_experts and (moe_layers is None or moe_layers[i]):
             specs.extend(_moe_specs(pre, i, h, num_experts, moe_ffn_hidden_size or ffn, swiglu, add_bias_linear))
-            continue
-        specs.append(ParamSpec(f"{pre}.mlp.linear_fc1.weight", (fc1_rows, h), fc1_kind, layer=i, **ffns))
-        if add_bias_linear:
-            specs.append(ParamSpec(f"{pre}.mlp.linear_fc1.bias", (fc1_rows,), fc1_kind, layer=i, **ffns))
-        specs.append(ParamSpec(f"{pre}.mlp.linear_fc2.weight", (h, ffn), "row", layer=i, **ffns))
-        if add_bias_linear:
-            specs.append(ParamSpec(f"{pre}.mlp.linear_fc2.bias", (h,), "replicated", layer=i))
+        else:
+            specs.extend(_mlp_specs(f"{pre}.mlp", h, ffn, swiglu, add_bias_linear, "ffn_hidden_size", layer=i))
     norm("decoder.final_layernorm", stage_hint="last")
     if head == "lm":
         if untie_embeddings:
@@ -241,19 +233,30 @@ def _checked_head_dim(head: str, normalization: str, hidden_size: int, num_atten
     return kv_channels
 
 
+def _mlp_specs(prefix: str, h: int, ffn: int, swiglu: bool, bias: bool, split_label: str,
+               **where) -> List[ParamSpec]:
+    """megatron's MLP at ``prefix`` (a dense layer's, or one expert's): linear_fc1 (the gate and
+    up halves with SwiGLU) and linear_fc2 with their biases, split over ``ffn``; ``where`` places
+    them (layer, expert)."""
+    ffns = dict(split_units=ffn, split_label=split_label)
+    fc1_rows, fc1_kind = (2 * ffn, "swiglu_fc1") if swiglu else (ffn, "column")
+    out = [ParamSpec(f"{prefix}.linear_fc1.weight", (fc1_rows, h), fc1_kind, **where, **ffns)]
+    if bias:
+        out.append(ParamSpec(f"{prefix}.linear_fc1.bias", (fc1_rows,), fc1_kind, **where, **ffns))
+    out.append(ParamSpec(f"{prefix}.linear_fc2.weight", (h, ffn), "row", **where, **ffns))
+    if bias:
+        out.append(ParamSpec(f"{prefix}.linear_fc2.bias", (h,), "replicated", **where))
+    return out
+
+
 def _moe_specs(pre: str, i: int, h: int, num_experts: int, ffn: int, swiglu: bool, bias: bool) -> List[ParamSpec]:
     """The MoELayer of layer ``i``: the router, then each expert's MLP (SequentialMLP)."""
     if bias:
         raise ValueError("MoE layers with linear biases are not supported")
-    ffns = dict(split_units=ffn, split_label="moe_ffn_hidden_size")
     out = [ParamSpec(f"{pre}.mlp.router.weight", (num_experts, h), "replicated", layer=i)]
     for e in range(num_experts):
-        ex = f"{pre}.mlp.experts.local_experts.{e}"
-        out.append(ParamSpec(f"{ex}.linear_fc1.weight", (2 * ffn if swiglu else ffn, h),
-                             "swiglu_fc1" if swiglu else "column", layer=i, expert=e, num_experts=num_experts,
-                             **ffns))
-        out.append(ParamSpec(f"{ex}.linear_fc2.weight", (h, ffn), "row", layer=i, expert=e,
-                             num_experts=num_experts, **ffns))
+        out.extend(_mlp_specs(f"{pre}.mlp.experts.local_experts.{e}", h, ffn, swiglu, False, "moe_ffn_hidden_size",
+                              layer=i, expert=e, num_experts=num_experts))
     return out
 
 
