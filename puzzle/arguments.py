@@ -267,11 +267,14 @@ def _check_placement(flag: str, placement: str, plans) -> None:
             if shared and ranges[a] != ranges[b] and placement != "sequential":
                 _fail(flag, f"{placement} placement needs the models of a stage on the same or on "
                             f"disjoint ranks; {a} and {b} partly overlap ({_describe_plans(plans)})")
-            if placement == "time-sharing" and shared and plans[a].P != plans[b].P:
+            if placement != "time-sharing" or not shared:
+                continue
+            if plans[a].P != plans[b].P:
                 _fail(flag, "time-sharing requires equal P for the models that share devices in a stage; got "
                             f"{_describe_plans(plans)} (use sequential, or give them the same P)")
-            if placement == "time-sharing" and shared and stream_problem([plans[a], plans[b]]):
-                _fail(flag, f"time-sharing of {a} and {b}: {stream_problem([plans[a], plans[b]])}; got "
+            problem = stream_problem([plans[a], plans[b]])
+            if problem:
+                _fail(flag, f"time-sharing of {a} and {b}: {problem}; got "
                             f"{_describe_plans(plans)} (use sequential, or give them the same layout)")
     if placement == "disjoint" and len({frozenset(v) for v in ranges.values()}) < 2:
         _fail(flag, "disjoint placement needs models on disjoint rank ranges (e.g. --critic-rank-offset "

@@ -19,20 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from dataclasses import replace
-
-
-def _timed(fn, dev) -> float:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    fn()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return (time.perf_counter() - t0) * 1e3
 
 
 def main(argv=None):
@@ -45,7 +32,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
 
-    from puzzle.bench.generation import start_one_rank_bench, with_experts
+    from puzzle.bench.generation import _once, start_one_rank_bench, with_experts
 
     dev, model_name, arch = start_one_rank_bench(args.model)
     import torch
@@ -82,7 +69,7 @@ def main(argv=None):
         for rep in range(args.repeats + 1):  # the first repeat warms up
             order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
             for name in order:
-                ms = _timed(lambda: run(name, forward_only), dev)
+                ms = _once(lambda: run(name, forward_only), dev)[0] * 1e3
                 if rep:
                     times[name].append(ms)
         for name in engines:

@@ -5,9 +5,10 @@ is puzzle/models/moe_experts.py).
 order) by its expert's weight, transposed, in one ``torch._grouped_mm`` call: CUTLASS's grouped
 GEMM on CUDA (bf16, sm90), one product per group elsewhere. It stacks the experts' weights for
 each call, forward and backward (a transient copy; nothing stacked is kept for the backward), and
-returns each expert's weight gradient to its own parameter. ``expert_activation`` is megatron's
-``MLP.forward`` between its two products (``mlp_activation`` without the probabilities); ``grouped_gemm_problem`` names what the grouped experts
-do not reproduce.
+returns each expert's weight gradient to its own parameter. ``mlp_activation`` is megatron's
+``MLP.forward`` activation between its two products, and ``expert_activation`` the same times each
+routed token's probability; ``grouped_gemm_problem`` names what the grouped experts do not
+reproduce.
 """
 
 from __future__ import annotations

@@ -34,13 +34,17 @@ class StageContext:
     rows: Optional[Any] = None  # token-budget micro-batches: the batch rows of the outputs, in order
 
 
+def _by_rank_range(plans: List[Any]) -> Dict[Tuple[int, int], List[int]]:
+    """Indices of ``plans`` grouped by the rank range (first, last) each plan occupies."""
+    groups: Dict[Tuple[int, int], List[int]] = {}
+    for i, plan in enumerate(plans):
+        groups.setdefault((plan.ranks[0], plan.ranks[-1]), []).append(i)
+    return groups
+
+
 def rank_groups(contexts: List[StageContext]) -> Dict[Tuple[int, int], List[int]]:
     """Context indices grouped by the rank range (first, last) their layout occupies."""
-    groups: Dict[Tuple[int, int], List[int]] = {}
-    for i, ctx in enumerate(contexts):
-        ranks = ctx.engine.layout.plan.ranks
-        groups.setdefault((ranks[0], ranks[-1]), []).append(i)
-    return groups
+    return _by_rank_range([ctx.engine.layout.plan for ctx in contexts])
 
 
 def one_program_roles(plans: Dict[str, Any], placement: str) -> List[str]:
@@ -51,10 +55,9 @@ def one_program_roles(plans: Dict[str, Any], placement: str) -> List[str]:
         return []
     from puzzle.parallel.streams import needs_one_program
 
-    groups: Dict[Tuple[int, int], List[str]] = {}
-    for role, plan in plans.items():
-        groups.setdefault((plan.ranks[0], plan.ranks[-1]), []).append(role)
-    return [r for g in groups.values() if needs_one_program([plans[r] for r in g]) for r in g]
+    roles = list(plans)
+    groups = [[roles[i] for i in g] for g in _by_rank_range([plans[r] for r in roles]).values()]
+    return [r for g in groups if needs_one_program([plans[r] for r in g]) for r in g]
 
 
 def run_stage(contexts: List[StageContext], *, forward_only: bool, placement: str = "sequential"

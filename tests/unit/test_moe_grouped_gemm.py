@@ -1,5 +1,6 @@
 """--moe-grouped-gemm's grouped products (puzzle/models/grouped_gemm.py) against one product per
-expert, values and gradients, empty experts included; the flag's checks before allocation."""
+expert, values and gradients, empty experts included (the flag's checks before allocation are in
+tests/unit/test_moe.py)."""
 
 import pytest
 import torch
