@@ -6,6 +6,10 @@
 # last), e.g. --dry-run to validate every flag and print the memory estimate on any machine.
 # Note: Llama-3.1 checkpoints use llama3 RoPE scaling; use a checkpoint and flags that match the
 # model the run builds (--rotary-base 500000 below, no scaling).
+# Weights: the actor and the reference start from the SFT/instruct model SFT_DIR (no critic, no
+# reward model). CKPT_FORMAT=hf (default): an HF directory; CKPT_FORMAT=megatron: a Megatron-LM
+# checkpoint (torch_dist, read at any layout), with TOKENIZER naming the HF tokenizer directory
+# (default SFT_DIR). --load resumes the run from OUT once it has saved there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +18,9 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-ACTOR_DIR=${ACTOR_DIR:-/checkpoints/llama3.1-8b-instruct-hf}
+SFT_DIR=${SFT_DIR:-/checkpoints/llama3.1-8b-instruct-hf}   # actor and reference
+CKPT_FORMAT=${CKPT_FORMAT:-hf}                              # hf or megatron
+TOKENIZER=${TOKENIZER:-$SFT_DIR}
 DATA=${DATA:-/data/math_train.jsonl}
 OUT=${OUT:-/checkpoints/grpo-8b}
 
@@ -31,11 +37,15 @@ MODEL_ARGS=(   # Llama-3.1-8B
     --bf16
 )
 DATA_ARGS=(
-    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$ACTOR_DIR"
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER"
     --vocab-size 128256                      # only used when the tokenizer files are absent (--dry-run)
-    --hf-actor-path "$ACTOR_DIR"
     --prompt-data "$DATA" --prompt-key prompt --apply-chat-template --max-prompt-length 512
 )
+case "$CKPT_FORMAT" in   # the weights of the actor and reference
+hf) DATA_ARGS+=(--hf-actor-path "$SFT_DIR") ;;
+megatron) DATA_ARGS+=(--pretrained-checkpoint "$SFT_DIR") ;;
+*) echo "CKPT_FORMAT=$CKPT_FORMAT: hf or megatron" >&2; exit 2 ;;
+esac
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1       # actor training layout
     --actor-gen-tensor-model-parallel-size 2 --actor-gen-pipeline-model-parallel-size 1

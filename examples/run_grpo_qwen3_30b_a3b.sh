@@ -8,7 +8,13 @@
 # (69.22 s against 69.34 s per iteration), at 77.4 GiB of 80 on the worst rank against 66.6 GiB
 # here (docs/benchmarks.md, "Mixture of experts").
 #
-# One torchrun per node. Under Slurm (2 nodes, 1 task per node):
+# Weights: the actor and the reference start from Qwen3-30B-A3B, SFT_DIR (no critic, no reward
+# model). CKPT_FORMAT=hf (default): an HF directory; CKPT_FORMAT=megatron: a Megatron-LM checkpoint
+# (torch_dist, read at any (P, D, T, E)), with TOKENIZER naming the HF tokenizer directory (default
+# SFT_DIR).
+#
+# One torchrun per node. Preemptible, requeued Slurm job: examples/slurm/grpo_qwen3_30b_a3b.sbatch.
+# Or directly under Slurm (2 nodes, 1 task per node):
 #   srun --nodes 2 --ntasks-per-node 1 bash examples/run_grpo_qwen3_30b_a3b.sh
 # the first node of the allocation is the rendezvous and each node's rank is $SLURM_NODEID.
 # Without Slurm: NNODES=2 NODE_RANK=0|1 MASTER_ADDR=<first node> bash examples/run_grpo_qwen3_30b_a3b.sh
@@ -26,7 +32,9 @@ if [[ -z "${MASTER_ADDR:-}" && -n "${SLURM_JOB_NODELIST:-}" ]]; then
 fi
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-ACTOR_DIR=${ACTOR_DIR:-/checkpoints/Qwen3-30B-A3B}
+SFT_DIR=${SFT_DIR:-/checkpoints/Qwen3-30B-A3B}   # actor and reference
+CKPT_FORMAT=${CKPT_FORMAT:-hf}                   # hf or megatron
+TOKENIZER=${TOKENIZER:-$SFT_DIR}
 DATA=${DATA:-/data/math_train.jsonl}
 OUT=${OUT:-/checkpoints/grpo-qwen3-30b-a3b}
 
@@ -34,7 +42,7 @@ DISTRIBUTED_ARGS=(
     --nproc-per-node "$GPUS_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
 )
-MODEL_ARGS=(   # Qwen3-30B-A3B (its config.json sets the same shape when --hf-actor-path is read)
+MODEL_ARGS=(   # Qwen3-30B-A3B (its config.json or Megatron-LM args set the same shape when read)
     --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 32
     --group-query-attention --num-query-groups 4 --kv-channels 128 --qk-layernorm
     --seq-length 4096 --max-position-embeddings 40960 --rotary-base 1000000
@@ -48,11 +56,15 @@ MOE_ARGS=(     # 128 experts of 768, top-8 renormalised (norm_topk_prob), aux lo
     --moe-token-dispatcher-type alltoall
 )
 DATA_ARGS=(
-    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$ACTOR_DIR"
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER"
     --vocab-size 151936                      # only used when the tokenizer files are absent, as in --dry-run
-    --hf-actor-path "$ACTOR_DIR"
     --prompt-data "$DATA" --prompt-key prompt --apply-chat-template --max-prompt-length 512
 )
+case "$CKPT_FORMAT" in   # the weights of the actor and reference
+hf) DATA_ARGS+=(--hf-actor-path "$SFT_DIR") ;;
+megatron) DATA_ARGS+=(--pretrained-checkpoint "$SFT_DIR") ;;
+*) echo "CKPT_FORMAT=$CKPT_FORMAT: hf or megatron" >&2; exit 2 ;;
+esac
 PARALLEL_ARGS=(  # actor and reference: (P, D, T) = (1, 16, 1), experts over E = 8 ranks of a node
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
     --expert-model-parallel-size 8 --expert-tensor-parallel-size 1

@@ -3,6 +3,7 @@
 # (puzzle/data/bundled/tiny_arithmetic.jsonl, "3+4=" -> "7") from a verifiable reward. No critic,
 # no reference (--kl-coef 0), 16 samples per prompt. The solve rate (solved_fraction) rises from
 # ~0.5% (chance: 1 byte in 259) to ~40% in 80 iterations, 2 ranks, a few minutes on 2 cores.
+# Weights: the actor starts from random initialisation (--init-random; no checkpoint).
 # Evaluation: greedy answers to held-out prompts, the sums after a space
 # (tiny_arithmetic_eval.jsonl), at iteration 0, every 20 iterations and at the end (eval/accuracy).
 #   bash examples/run_grpo_tiny.sh --log-dir runs/grpo-tiny        (any flag below can be overridden)
@@ -17,6 +18,7 @@ MODEL_ARGS=(
     --normalization RMSNorm --swiglu --position-embedding-type rope
     --untie-embeddings-and-output-weights --disable-bias-linear
     --tokenizer-type ByteLevelTokenizer
+    --init-random   # no checkpoint: every model starts from random weights (--seed)
 )
 PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1)
 TRAIN_ARGS=(--micro-batch-size 32 --train-iters 80 --lr 3e-3 --clip-grad 1.0 --seed 1234)

@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
-# PPO of a LLaMA-2-7B actor (reference = the SFT model) with a 7B critic and reward model on one
-# node of 8 GPUs. Multi-node: launch with examples/slurm/ppo_7b.sbatch. Any flag can be
-# overridden at the end of the command line ("$@" comes last), e.g. --dry-run. Switches that a
-# later flag cannot undo are environment variables: BF16=0 (fp32), DIST_OPT=0 (the plain megatron
-# optimizer), REWARD_FN=module:function (a Python reward instead of the reward model RM_DIR).
+# PPO of a LLaMA-2-7B actor with a 7B critic and reward model on one node of 8 GPUs.
+# Weights (said per role in the first lines of the run and of --dry-run):
+#   actor, reference  the SFT model            SFT_DIR
+#   critic            the reward model: its trunk and its score head as the initial value head
+#                     (CRITIC_DIR, default RM_DIR); CRITIC_DIR=$SFT_DIR starts it from the SFT model
+#                     with a new value head instead
+#   reward            the reward model          RM_DIR (unless REWARD_FN is set)
+# CKPT_FORMAT=hf (default): these are HF directories (config.json + safetensors; the reward model a
+# *ForSequenceClassification checkpoint, e.g. made by python -m puzzle.tools.make_value_model).
+# CKPT_FORMAT=megatron: they are Megatron-LM checkpoints (torch_dist, as pretrain_gpt.py saves them),
+# read at any layout; TOKENIZER then names the HF tokenizer directory (default SFT_DIR).
+# Multi-node: launch with examples/slurm/ppo_7b.sbatch. Any flag can be overridden at the end of the
+# command line ("$@" comes last), e.g. --dry-run. Switches that a later flag cannot undo are
+# environment variables: BF16=0 (fp32), DIST_OPT=0 (the plain megatron optimizer),
+# REWARD_FN=module:function (a Python reward instead of the reward model RM_DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,8 +22,11 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-SFT_DIR=${SFT_DIR:-/checkpoints/llama2-7b-sft-hf}
-RM_DIR=${RM_DIR:-/checkpoints/llama2-7b-rm-hf}
+SFT_DIR=${SFT_DIR:-/checkpoints/llama2-7b-sft-hf}     # actor and reference
+RM_DIR=${RM_DIR:-/checkpoints/llama2-7b-rm-hf}         # reward model
+CRITIC_DIR=${CRITIC_DIR:-$RM_DIR}                      # critic (a reward model or an LM)
+CKPT_FORMAT=${CKPT_FORMAT:-hf}                         # hf or megatron
+TOKENIZER=${TOKENIZER:-$SFT_DIR}
 DATA=${DATA:-/data/prompts.jsonl}
 OUT=${OUT:-/checkpoints/ppo-7b}
 BF16=${BF16:-1}
@@ -32,13 +45,19 @@ MODEL_ARGS=(   # LLaMA-2-7B
 )
 if [[ $BF16 == 1 ]]; then MODEL_ARGS+=(--bf16); fi
 DATA_ARGS=(
-    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$SFT_DIR"
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER"
     # the model's vocabulary rows (LLaMA-2: 32000, as many as its tokenizer has ids). Fewer rows than
     # the tokenizer's ids is refused at the start; rows beyond them are never sampled nor scored.
     # Without the tokenizer files (--dry-run on a laptop) it also stands in for the tokenizer's size.
     --vocab-size 32000
     --prompt-data "$DATA" --prompt-key prompt
 )
+case "$CKPT_FORMAT" in   # the weights of the actor and reference, and of the critic
+hf) DATA_ARGS+=(--hf-actor-path "$SFT_DIR" --hf-critic-path "$CRITIC_DIR"); RM_FLAG=--hf-reward-path ;;
+megatron) DATA_ARGS+=(--pretrained-checkpoint "$SFT_DIR" --critic-pretrained-checkpoint "$CRITIC_DIR")
+          RM_FLAG=--reward-pretrained-checkpoint ;;
+*) echo "CKPT_FORMAT=$CKPT_FORMAT: hf or megatron" >&2; exit 2 ;;
+esac
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2       # actor training layout
     --actor-gen-tensor-model-parallel-size 4 --actor-gen-pipeline-model-parallel-size 1
@@ -56,7 +75,7 @@ PPO_ARGS=(
     --kl-coef 0.05 --kl-target 6.0 --kl-horizon 10000 --gamma 1.0 --lam 0.95
     --clip-eps 0.2 --value-clip-eps 0.2
 )
-if [[ -n $REWARD_FN ]]; then PPO_ARGS+=(--reward-fn "$REWARD_FN"); else PPO_ARGS+=(--reward-model "$RM_DIR"); fi
+if [[ -n $REWARD_FN ]]; then PPO_ARGS+=(--reward-fn "$REWARD_FN"); else PPO_ARGS+=("$RM_FLAG" "$RM_DIR"); fi
 # memory levers: long responses (4k-8k tokens) fit 8x80 GB (docs/ppo.md "Memory levers")
 PPO_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1
            --rl-offload-optimizer-during-inference --inference-dynamic-batching-buffer-size-gb 32)

@@ -5,8 +5,14 @@
 # (examples/run_ppo_llama3_8b.sh and examples/run_ppo_qwen2.5_7b.sh set MODEL.) The checkpoints'
 # config.json set the shapes; the MODEL_ARGS below repeat them so that --dry-run validates and
 # estimates memory without the files (a flag that disagrees with a present config.json is an
-# error naming both values). The reward model and critic are *ForSequenceClassification
-# checkpoints (score head, num_labels=1) of the same family. Stop ids come from SFT_DIR's
+# error naming both values).
+# Weights (said per role in the first lines of the run and of --dry-run): the actor and the
+# reference start from SFT_DIR; the reward model is RM_DIR, a *ForSequenceClassification checkpoint
+# (score head, num_labels=1) of the same family (python -m puzzle.tools.make_value_model makes one
+# from an LM); the critic starts from CRITIC_DIR (default RM_DIR: the reward model's trunk and score
+# head as its initial value head; CRITIC_DIR=$SFT_DIR: the SFT model with a new value head).
+# CKPT_FORMAT=megatron: SFT_DIR, RM_DIR and CRITIC_DIR are Megatron-LM checkpoints (torch_dist)
+# instead, TOKENIZER the HF tokenizer directory (default SFT_DIR). Stop ids come from TOKENIZER's
 # generation_config.json (Llama-3: <|eot_id|>, <|eom_id|>, <|end_of_text|>; Qwen2.5: <|im_end|>,
 # <|endoftext|>) and prompts get the family's chat template.
 # Any flag can be overridden at the end of the command line ("$@" comes last), e.g. --dry-run.
@@ -21,11 +27,12 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 DATA=${DATA:-/data/prompts.jsonl}
 OUT=${OUT:-/checkpoints/ppo-$MODEL}
+CKPT_FORMAT=${CKPT_FORMAT:-hf}                         # hf or megatron
 
 case "$MODEL" in
 llama3_8b)
-    SFT_DIR=${SFT_DIR:-/checkpoints/Llama-3.1-8B-Instruct}
-    RM_DIR=${RM_DIR:-/checkpoints/Llama-3.1-8B-rm}
+    SFT_DIR=${SFT_DIR:-/checkpoints/Llama-3.1-8B-Instruct}   # actor and reference
+    RM_DIR=${RM_DIR:-/checkpoints/Llama-3.1-8B-rm}           # reward model
     MODEL_ARGS=(   # Llama-3.1-8B: GQA 32/8, llama3 RoPE scaling, vocab 128256
         --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
         --group-query-attention --num-query-groups 8 --kv-channels 128
@@ -40,8 +47,8 @@ llama3_8b)
     )
     ;;
 qwen2.5_7b)
-    SFT_DIR=${SFT_DIR:-/checkpoints/Qwen2.5-7B-Instruct}
-    RM_DIR=${RM_DIR:-/checkpoints/Qwen2.5-7B-rm}
+    SFT_DIR=${SFT_DIR:-/checkpoints/Qwen2.5-7B-Instruct}     # actor and reference
+    RM_DIR=${RM_DIR:-/checkpoints/Qwen2.5-7B-rm}             # reward model
     MODEL_ARGS=(   # Qwen2.5-7B: GQA 28/4, q/k/v biases, vocab 152064
         --num-layers 28 --hidden-size 3584 --ffn-hidden-size 18944 --num-attention-heads 28
         --group-query-attention --num-query-groups 4 --add-qkv-bias
@@ -67,11 +74,18 @@ COMMON_MODEL_ARGS=(
     --seq-length 2048 --normalization RMSNorm --swiglu --position-embedding-type rope
     --untie-embeddings-and-output-weights --disable-bias-linear --make-vocab-size-divisible-by 128 --bf16
 )
+CRITIC_DIR=${CRITIC_DIR:-$RM_DIR}                      # critic (a reward model or an LM)
+TOKENIZER=${TOKENIZER:-$SFT_DIR}
 DATA_ARGS=(
-    --hf-actor-path "$SFT_DIR" --hf-critic-path "$RM_DIR" --hf-reward-path "$RM_DIR"
-    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$SFT_DIR"
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER"
     --prompt-data "$DATA" --prompt-key prompt --apply-chat-template
 )
+case "$CKPT_FORMAT" in   # the weights: actor and reference, critic, reward model
+hf) DATA_ARGS+=(--hf-actor-path "$SFT_DIR" --hf-critic-path "$CRITIC_DIR" --hf-reward-path "$RM_DIR") ;;
+megatron) DATA_ARGS+=(--pretrained-checkpoint "$SFT_DIR" --critic-pretrained-checkpoint "$CRITIC_DIR"
+                      --reward-pretrained-checkpoint "$RM_DIR") ;;
+*) echo "CKPT_FORMAT=$CKPT_FORMAT: hf or megatron" >&2; exit 2 ;;
+esac
 PARALLEL_ARGS+=(--use-distributed-optimizer --switch-segments 8 --ranks-per-node "$GPUS_PER_NODE")
 TRAIN_ARGS=(
     --micro-batch-size 2 --global-batch-size 64 --train-iters 500

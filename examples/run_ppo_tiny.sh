@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Tiny PPO run on CPU (gloo): tiny LLaMA-architecture models, the bundled prompt set, a built-in
 # learnable reward, 4 ranks with the actor at (P,D,T)=(2,1,2). No downloads; a few minutes on 2 cores.
+# Weights: random initialisation for every role (--init-random; no checkpoint to download).
 #   bash examples/run_ppo_tiny.sh --log-dir runs/tiny        (any flag below can be overridden)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,7 @@ MODEL_ARGS=(
     --normalization RMSNorm --swiglu --position-embedding-type rope
     --untie-embeddings-and-output-weights --disable-bias-linear
     --tokenizer-type ByteLevelTokenizer
+    --init-random   # no checkpoint: every model starts from random weights (--seed)
 )
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2     # actor and reference

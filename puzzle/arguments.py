@@ -28,6 +28,7 @@ from puzzle.config_flags import (add_dataclass_args, field_value, flag, flag_nam
                                  from_args, role_flags_given)
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
+from puzzle.models.megatron_checkpoint import find_megatron_checkpoint
 from puzzle.plan_layouts import GENERATION, LayoutFlags, PlanLayouts, layouts_as_flags, read_plan_document
 
 _PLAN = "plan"
@@ -116,6 +117,11 @@ def _arch_for(args, role: str, vocab_size: int):
     hf, source_flag = (own, ROLES[role].hf_path_flag) if own else \
         (args.hf_actor_path, "--hf-actor-path")
     own_shape_flags = role != "actor" and role_flags_given(ModelArch, args, role)
+    megatron = _megatron_dir_for(args, role)
+    if not megatron and not own and not own_shape_flags:
+        megatron = args.pretrained_checkpoint  # the critic/reward shape defaults to the actor's
+    if megatron and find_megatron_checkpoint(megatron) is not None:
+        return _arch_from_megatron(args, role, vocab_size, megatron)
     if hf and os.path.isfile(os.path.join(hf, "config.json")) and (own or not own_shape_flags):
         return _arch_from_hf(args, role, vocab_size, hf, source_flag)
 
@@ -190,6 +196,23 @@ def _hf_dir_for(args, role: str) -> Optional[str]:
     return getattr(args, f"hf_{ROLES[role].weights_from}_path")
 
 
+def _megatron_dir_for(args, role: str) -> Optional[str]:
+    return getattr(args, ROLES[role].pretrained_flag[2:].replace("-", "_"))
+
+
+def _arch_from_megatron(args, role: str, vocab_size: int, root: str):
+    """The architecture in a Megatron-LM checkpoint's args; flags may only repeat it."""
+    from puzzle.models.megatron_checkpoint import arch_from_megatron_args, read_common_state
+
+    ckpt = find_megatron_checkpoint(root)
+    flag = "--load" if root == args.load else ROLES[role].pretrained_flag
+    try:
+        arch = arch_from_megatron_args(read_common_state(ckpt)["args"], ckpt.dir, seq_length=args.seq_length)
+    except ValueError as e:
+        _fail(flag, str(e))
+    return _checked_against_flags(args, role, vocab_size, arch, os.path.join(ckpt.dir, "common.pt"), flag)
+
+
 def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: str):
     """The checkpoint's architecture; a shape flag that disagrees with it is an error naming both."""
     from puzzle.models.hf_checkpoint import arch_from_hf_dir
@@ -200,6 +223,12 @@ def _arch_from_hf(args, role: str, vocab_size: int, hf_dir: str, flag_of_role: s
                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     except (ValueError, OSError) as e:
         _fail(flag_of_role, str(e))
+    return _checked_against_flags(args, role, vocab_size, arch, cfg_path, flag_of_role)
+
+
+def _checked_against_flags(args, role: str, vocab_size: int, arch, cfg_path: str, flag_of_role: str):
+    """``arch`` (read from the checkpoint file ``cfg_path``) with the run's own choices on top;
+    a model flag that disagrees with the checkpoint is an error naming both."""
     prefix = ROLES[role].flag_prefix
     for flag, hf_field in _HF_SHAPE_FIELDS.items():
         field, given = _SHAPE_FLAGS[flag], role_value(args, role, flag)
@@ -303,7 +332,7 @@ def role_set(args) -> List[str]:
         roles.append("critic")
     if args.kl_coef > 0 or args.use_kl_loss:
         roles.append("ref")
-    if args.reward_model or args.hf_reward_path:
+    if args.reward_model or args.hf_reward_path or args.reward_pretrained_checkpoint:
         roles.append("reward")
     return roles
 
@@ -386,6 +415,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     precision = field_value(RunConfig, args, "precision")  # --bf16/--fp16: one of them
     if check_paths:  # this machine: writable outputs, a GPU for --fp16, optional logging packages
         flag_checks.check_environment(args)
+    _resolve_checkpoint_flags(args, check_paths)
     max_prompt = _check_lengths_and_rewards(args, check_paths)
     flag_checks.check_algorithm_args(args)
     N = args.n_samples_per_prompt
@@ -424,6 +454,16 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         transformer_impl=impl, transformer_impl_note=impl_note)
 
 
+def _resolve_checkpoint_flags(args, check_paths: bool) -> None:
+    """Each role's checkpoint (puzzle.weight_sources): a Megatron-LM checkpoint at --load or as
+    --reward-model becomes that role's --*pretrained-checkpoint; a run checks that each is one."""
+    from puzzle import weight_sources
+
+    weight_sources.resolve_checkpoint_flags(args)
+    if check_paths:
+        weight_sources.check_checkpoint_paths(args)
+
+
 def _check_lengths_and_rewards(args, check_paths: bool) -> int:
     """--max-new-tokens within --seq-length, one reward source (and its checkpoint directories).
     Returns the prompt budget. Sets --hf-reward-path / --reward-model from each other."""
@@ -436,9 +476,11 @@ def _check_lengths_and_rewards(args, check_paths: bool) -> int:
     if args.hf_reward_path and not args.reward_model:
         args.reward_model = args.hf_reward_path
     if not args.reward_fn and not args.reward_model:
-        _fail("--reward-fn", "no reward source: pass --reward-fn module:function, --hf-reward-path DIR "
-                             "or --reward-model (an HF checkpoint directory, or 'random' for tests)")
-    if args.reward_model and args.reward_model != "random" and not args.hf_reward_path:
+        _fail("--reward-fn", "no reward source: pass --reward-fn module:function, --hf-reward-path DIR, "
+                             "--reward-pretrained-checkpoint DIR or --reward-model (an HF or Megatron-LM checkpoint "
+                             "directory, or 'random' for tests)")
+    if args.reward_model and args.reward_model != "random" and not args.hf_reward_path \
+            and not args.reward_pretrained_checkpoint:
         args.hf_reward_path = args.reward_model
     for flag in ("hf_actor_path", "hf_critic_path", "hf_reward_path") if check_paths else ():
         path = getattr(args, flag)
@@ -703,7 +745,8 @@ def resolve_vocab_size(args) -> int:
 def config_for_planning(args, layouts: Optional[PlanLayouts] = None):
     """A RunConfig for planning and dry runs: no files needed, a reward model assumed if none given."""
     args = argparse.Namespace(**vars(args))
-    if not args.reward_fn and not args.reward_model and not args.hf_reward_path:
+    if not args.reward_fn and not args.reward_model and not args.hf_reward_path \
+            and not args.reward_pretrained_checkpoint:
         args.reward_model = "random"
     return validate_args(args, resolve_world_size(args), resolve_vocab_size(args), check_paths=False,
                          layouts=layouts)

@@ -107,10 +107,12 @@ def _plan_dict(plan) -> Optional[dict]:
 
 
 def _role_source(cfg, role: str) -> dict:
-    """Where a model's initial weights come from (its Role: seed offset, HF checkpoint)."""
+    """Where a model's initial weights come from (its Role: seed offset, HF or Megatron-LM checkpoint)."""
     spec = cfg.roles[role]
-    return {"hf_path": os.path.abspath(spec.hf_path) if spec.hf_path else None,
-            "seed": spec.init_seed(cfg.seed)}
+    source = {"hf_path": os.path.abspath(spec.hf_path) if spec.hf_path else None, "seed": spec.init_seed(cfg.seed)}
+    if spec.pretrained_checkpoint:
+        source["pretrained_checkpoint"] = os.path.abspath(spec.pretrained_checkpoint)
+    return source
 
 
 def run_metadata(cfg) -> dict:
@@ -208,6 +210,8 @@ def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optiona
     complete one; None: nothing to resume). Raises CheckpointError naming the file and every
     mismatching role/field. Runs on every rank before models exist.
     """
+    if _megatron_checkpoint(cfg, root) is not None:
+        return None  # the actor's weights (--load DIR --finetune), read when the models are built
     it, how = resume_iteration(root, iteration)
     if it is None:
         return None
@@ -241,20 +245,42 @@ def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optiona
         if bool(saved["trainable"]) != bool(spec.trainable):
             problems.append(f"role {role}: trainable={saved['trainable']} in the checkpoint")
         problems += _expert_optimizer_problems(cfg, role, saved)
-        if not spec.trainable:
-            src, want = saved.get("source", {}), _role_source(cfg, role)
-            if src.get("hf_path") != want["hf_path"]:
-                problems.append(f"role {role} (frozen, saved by reference): weights came from "
-                                f"hf_path={src.get('hf_path')!r}, this run uses {want['hf_path']!r}")
-            elif want["hf_path"] is None and src.get("seed") != want["seed"]:
-                problems.append(f"role {role} (frozen, saved by reference): weights were initialised "
-                                f"from seed {src.get('seed')}, this run's --seed gives {want['seed']}")
+        if not spec.trainable and not cfg.finetune:  # --finetune: the frozen roles are this run's own
+            problems += _frozen_source_problems(cfg, role, saved.get("source", {}))
     for role in saved_roles:
-        if role not in cfg.roles:
+        if role not in cfg.roles and not cfg.finetune:
             problems.append(f"role {role}: in the checkpoint but not in this run")
     if problems:
         raise CheckpointError(f"cannot resume from {path}: " + " | ".join(problems))
     return it
+
+
+def _frozen_source_problems(cfg, role: str, src: dict) -> List[str]:
+    """A frozen role (saved by reference) whose source differs in this run."""
+    want = _role_source(cfg, role)
+    for key, what in (("hf_path", "hf_path"), ("pretrained_checkpoint", "Megatron-LM checkpoint")):
+        if src.get(key) != want.get(key):
+            return [f"role {role} (frozen, saved by reference): weights came from {what}={src.get(key)!r}, "
+                    f"this run uses {want.get(key)!r}"]
+    if want["hf_path"] is None and "pretrained_checkpoint" not in want and src.get("seed") != want["seed"]:
+        return [f"role {role} (frozen, saved by reference): weights were initialised from seed "
+                f"{src.get('seed')}, this run's --seed gives {want['seed']}"]
+    return []
+
+
+def _megatron_checkpoint(cfg, root: str):
+    """The Megatron-LM checkpoint at ``root`` when this run reads it as the actor's weights
+    (--load DIR --finetune: arguments made it the actor's --pretrained-checkpoint); None when
+    ``root`` is not one. Any other use is a CheckpointError naming the format."""
+    from puzzle.models.megatron_checkpoint import find_megatron_checkpoint
+
+    found = find_megatron_checkpoint(root)
+    if found is None:
+        return None
+    if cfg.finetune and cfg.roles["actor"].pretrained_checkpoint == root:
+        return found
+    raise CheckpointError(f"--load: {found.describe()} is a Megatron-LM checkpoint, not a puzzle run: read it "
+                          f"with --finetune (the actor's and reference's weights) or --pretrained-checkpoint")
 
 
 #: run_metadata's mark of a MoE role whose experts' optimizer state is apart from the dense one at
@@ -268,7 +294,7 @@ def _expert_optimizer_problems(cfg, role: str, saved: dict) -> List[str]:
     that (no experts_optimizer mark) hold the experts in the dense optimizer: their optimizer state
     does not resume, their weights do (--no-load-optim). At E > 1 megatron always kept experts apart."""
     spec = cfg.roles[role]
-    if not (spec.trainable and spec.arch.is_moe and getattr(cfg, "load_optim", True)):
+    if not (spec.trainable and spec.arch.is_moe and getattr(cfg, "load_optim", True) and not cfg.finetune):
         return []
     was = (saved.get("plan") or {}).get("E", 1)
     if was > 1 or saved.get("experts_optimizer") == EXPERTS_OWN_OPTIMIZER:
@@ -549,7 +575,12 @@ def verify_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[in
     every file's checksum verified. Without a tracker the newest verified ``iter_*`` is taken (and
     the log says so); a damaged tracker-named or --ckpt-step checkpoint is a CheckpointError naming
     the file, the iteration and the newest intact checkpoint."""
+    from puzzle.models.megatron_checkpoint import find_megatron_checkpoint
+
     t0 = time.perf_counter()
+    if find_megatron_checkpoint(root) is not None:  # check_checkpoint let it through: --load DIR --finetune
+        _log(f"{root} is a Megatron-LM checkpoint: the actor and reference start from its weights (--finetune)")
+        return None
     it, how = resume_iteration(root, iteration)
     if it is None:
         _log(f"no checkpoint under {root}: starting from scratch")
@@ -597,7 +628,9 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
 
     Returns the restored iteration (0 when ``root`` has no checkpoint yet: a fresh start).
     Models and optimizers reshard to this run's layouts; with ``load_optim=False`` only weights
-    (and the LR schedulers' step counts) are restored, as Megatron-LM's --no-load-optim.
+    (and the LR schedulers' step counts) are restored, as Megatron-LM's --no-load-optim. With the
+    run's --finetune (Megatron-LM's meaning) only the trainable models' weights are read: no
+    optimizer, RNG or run state, and the run starts at iteration 0.
     """
     from megatron.core import dist_checkpointing
 
@@ -606,6 +639,8 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
     if it is None:
         _log(f"no {TRACKER} under {root}: starting from scratch")
         return 0
+    if trainer.cfg.finetune:
+        return _load_weights_only(trainer, root, it, t0)
     d = iter_dir(root, it)
     meta = json.load(open(os.path.join(d, METADATA)))
     same_opt = meta["optimizer"]["use_distributed_optimizer"] == trainer.cfg.optim.use_distributed_optimizer
@@ -660,6 +695,23 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
     return trainer.iteration
 
 
+def _load_weights_only(trainer, root: str, it: int, t0: float) -> int:
+    """--finetune: the trainable models' weights of iteration ``it``, at this run's layouts."""
+    d = iter_dir(root, it)
+    for role, eng in trainer.engines.items():
+        if eng.trainable:
+            try:
+                load_role_weights(eng, os.path.join(d, role))
+            except CheckpointError as e:
+                raise CheckpointError(f"iteration {it} (--finetune): {e}") from None
+            if eng.member:
+                _refresh_main_params(eng)
+    dist.barrier()
+    _log(f"read the weights of iteration {it} from {d} in {time.perf_counter() - t0:.2f}s "
+         f"(--finetune: no optimizer, RNG or run state; starting at iteration 0)")
+    return trainer.iteration
+
+
 def _restore_rng(path: str) -> None:
     """Collective: this rank's RNG states from ``path``; a file that cannot be used is one
     CheckpointError on every rank (the first rank's message)."""
@@ -705,8 +757,10 @@ def load_role_weights(engine, role_dir: str) -> None:
     sd = _role_sharded_state_dict(engine, is_loading=True, with_optimizer=False)
     try:
         state = dist_checkpointing.load(sd, role_dir)
-    except Exception as e:
-        raise CheckpointError(f"loading {engine.role} weights from {role_dir} failed: {e}") from e
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        raise CheckpointError(f"loading {engine.role} weights from {role_dir} failed: {_summarize(e)}") from None
     if engine.member:
         _load_module_state(engine.module, state["model"])
 

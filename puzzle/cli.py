@@ -6,6 +6,7 @@ import os
 import sys
 from dataclasses import replace
 
+from puzzle import weight_sources
 from puzzle.parallel import launcher
 
 #: environment variables through which the tests inject faults into a real run (config.FaultInjection)
@@ -31,6 +32,7 @@ def run(argv) -> int:
             raise ArgumentError(f"--world-size: {args.world_size} but the job has {world_size} ranks")
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         cfg = validate_args(args, world_size, tokenizer.vocab_size, layouts=layouts)
+        weight_sources.check(cfg)  # a trainable role at random weights needs --init-random
         cfg = replace(cfg, faults=fault_injection_from_env(os.environ))
         if cfg.reward_fn:
             from puzzle.reward_functions import load_reward_fn
@@ -152,6 +154,7 @@ def _dry_run(args, layouts, rank: int) -> int:
     from puzzle.plan_search.profile_data import load_profile
 
     cfg = config_for_planning(args, layouts)
+    weight_sources.check(cfg)
     fits = True
     if rank == 0:
         _print_plan(cfg)
@@ -169,6 +172,7 @@ def _print_plan(cfg) -> None:
         print(f"  {role:7s} layers={a.num_layers} hidden={a.hidden_size} heads={a.num_attention_heads}"
               f"/{a.num_query_groups} layout {spec.plan}{gen} {'trainable' if spec.trainable else 'frozen'}",
               flush=True)
+    weight_sources.print_sources(cfg)
 
 
 def _watch(trainer, cfg, tokenizer, eval_dataset):

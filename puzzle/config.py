@@ -35,11 +35,19 @@ class Role:
         return f"--hf-{self.weights_from}-path"
 
     @property
+    def pretrained_flag(self) -> str:
+        """Its Megatron-LM checkpoint flag (--pretrained-checkpoint for the actor and reference)."""
+        return PRETRAINED_CHECKPOINT_FLAGS[self.weights_from]
+
+    @property
     def flag_prefix(self) -> str:
         """Prefix of the model-shape flags that name this role in messages ('' = the actor's)."""
         return "" if self.weights_from == "actor" else f"{self.name}-"
 
 
+#: the Megatron-LM checkpoint flag of each weights_from role (RoleSpec.pretrained_checkpoint)
+PRETRAINED_CHECKPOINT_FLAGS = {"actor": "--pretrained-checkpoint", "critic": "--critic-pretrained-checkpoint",
+                               "reward": "--reward-pretrained-checkpoint"}
 #: the four roles (in the order the scoring stage runs them)
 ROLES = {r.name: r for r in (
     Role("actor", head="lm", seed_offset=0, trainable=True, weights_from="actor"),
@@ -285,6 +293,17 @@ class RoleSpec:
                             "reference; its config.json sets their shape.",
                    "critic": "HF checkpoint dir for the critic backbone (+ score/v_head when present).",
                    "reward": "HF checkpoint dir of the reward model (backbone + score head)."})
+    # a Megatron-LM (megatron-core torch_dist) checkpoint root: puzzle/models/megatron_checkpoint.py
+    pretrained_checkpoint: Optional[str] = flag(
+        None, "data", type=str, roles=("actor", "critic", "reward"), role_only=True,
+        role_name=PRETRAINED_CHECKPOINT_FLAGS,
+        role_help={"actor": "Megatron-LM checkpoint (torch_dist, as pretrain_gpt.py saves it) of the actor and the "
+                            "reference, at any layout; its args set their shape. As Megatron-LM's flag, it is read "
+                            "when --load holds no checkpoint of this run (there: the run resumes).",
+                   "critic": "Megatron-LM checkpoint of the critic: a value model (puzzle.tools.make_value_model) "
+                             "or an LM, whose trunk is read and whose head starts fresh.",
+                   "reward": "Megatron-LM checkpoint of the reward model (with a scalar head: "
+                             "puzzle.tools.make_value_model)."})
 
     @property
     def description(self) -> Role:
@@ -662,6 +681,13 @@ class RunConfig:
         None, _LOGGING, "Checkpoint directory to resume from (its latest iteration; may be --save's).", type=str)
     save_interval: Optional[int] = flag(
         None, _LOGGING, "Save every N iterations (and at the end); default: only at the end.", type=int)
+    finetune: bool = flag(
+        False, _LOGGING, "Megatron-LM's --finetune: read only the model weights of --load (a puzzle run's trainable "
+        "models, or a Megatron-LM checkpoint as the actor and reference): no optimizer, RNG or run state; the "
+        "iteration starts at 0.")
+    init_random: bool = flag(
+        False, _LOGGING, "Let a trainable actor or critic without a checkpoint (--hf-*-path, --pretrained-checkpoint, "
+        "--load) start from random weights (tests, benchmarks); without it such a run is refused.")
     load_optim: bool = flag(
         True, _LOGGING, "Resume weights, schedulers and counters but not the optimizer states.",
         name="--no-load-optim", kind="negated")
@@ -712,7 +738,7 @@ class RunConfig:
         check(cls, self, "save_interval", self.save_interval is None or self.save_interval >= 1 and bool(self.save),
               f"needs --save DIR and must be >= 1 (got {self.save_interval})")
         for name, given in (("load_optim", not self.load_optim), ("load_rng", not self.load_rng),
-                            ("ckpt_step", self.ckpt_step is not None)):
+                            ("ckpt_step", self.ckpt_step is not None), ("finetune", self.finetune)):
             check(cls, self, name, not given or bool(self.load), "needs --load DIR")
         check_at_least(cls, self, 1, "ckpt_step", optional=True)
         if self.ops.log_samples and not self.log_dir:

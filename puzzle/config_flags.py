@@ -52,7 +52,7 @@ class FlagSpec:
     #: two of them, or one with a different explicit value of the flag, is an error naming both
     switches: Tuple[Tuple[str, Any, Optional[str]], ...] = ()
     roles: Tuple[str, ...] = ()
-    role_name: str = "--{role}-{flag}"  # {flag}: the flag's name without its dashes
+    role_name: Any = "--{role}-{flag}"  # {flag}: the flag's name without its dashes; or {role: option}
     role_help: Any = None          # "{role}: ..." pattern, or {prefix: help}
     role_group: Optional[str] = None   # "{role} ..." pattern (default: the flag's group)
     role_only: bool = False
@@ -91,6 +91,8 @@ def flagged_fields(cls):
 
 def role_flag(spec: FlagSpec, name: str, role: str) -> str:
     """The flag of ``role`` for a field whose own flag is ``name``."""
+    if isinstance(spec.role_name, dict):
+        return spec.role_name[role]
     return spec.role_name.format(role=role, flag=name[2:])
 
 

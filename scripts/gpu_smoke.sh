@@ -72,7 +72,7 @@ LLAMA=(
     --bf16 --micro-batch-size 8 --global-batch-size 64 --train-iters "${LLAMA_ITERS:-4}"
     --lr 1e-6 --critic-lr 1e-6 --rollout-batch-size 64 --ppo-epochs 1
     --max-new-tokens "${LLAMA_NEW_TOKENS:-256}" --max-prompt-length 128
-    --kl-coef 0.05 --reward-model random --cuda-graph-generation --compile-generation ${LLAMA_FLAGS:-}
+    --kl-coef 0.05 --reward-model random --init-random --cuda-graph-generation --compile-generation ${LLAMA_FLAGS:-}
 )
 step "~1.1B LLaMA actor/critic/ref/reward, bf16, 1 GPU"
 torchrun --standalone --nproc-per-node 1 train_ppo.py "${LLAMA[@]}" --log-dir "$OUT/llama1b" \

@@ -225,7 +225,7 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
 
     import torch.distributed as dist
 
-    from puzzle import checkpointing, cli
+    from puzzle import checkpointing, cli, weight_sources
     from puzzle.arguments import parse_args, validate_args
     from puzzle.data.prompts import PromptLoader, bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
@@ -237,6 +237,7 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
         layouts = cli._plan_layouts(args)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     cfg = validate_args(args, dist.get_world_size(), tokenizer.vocab_size, layouts=layouts)
+    weight_sources.check(cfg)  # a trainable role at random weights needs --init-random, as in cli.run
     cfg = replace(cfg, faults=cli.fault_injection_from_env({}))
     dataset = load_prompt_dataset(cfg.prompt_data or bundled_prompts_path(), tokenizer, cfg.prompt_key,
                                   max_prompt_len=cfg.ppo.max_prompt_length, overflow=cfg.prompt_overflow,

@@ -140,7 +140,8 @@ class ModelEngine:
 
 def build_role_engines(cfg) -> dict:
     """Every role of the run (``cfg.roles``: a RunConfig's) on this rank, in its layout; HF
-    checkpoints (``--hf-*-path``) are read shard by shard into the ranks that hold them."""
+    checkpoints (``--hf-*-path``) are read shard by shard into the ranks that hold them, Megatron-LM
+    checkpoints (``--*pretrained-checkpoint``) resharded by dist_checkpointing."""
     from dataclasses import replace
 
     from puzzle.parallel.groups import layout_for
@@ -159,6 +160,11 @@ def build_role_engines(cfg) -> dict:
             # a critic from an LM keeps its fresh head
             load_hf_into_model(engines[role].module, spec.arch, role, spec.hf_path,
                                allow_missing_head=spec.description.allow_missing_head)
+        elif spec.pretrained_checkpoint:  # collective: every rank takes part in the dist-checkpoint load
+            from puzzle.models.megatron_checkpoint import load_megatron_into_model
+
+            load_megatron_into_model(engines[role].module, role, spec.pretrained_checkpoint,
+                                     allow_missing_head=spec.description.allow_missing_head)
     return engines
 
 

@@ -12,7 +12,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--seq-length", "64", "--max-position-embeddings", "64", "--swiglu", "--normalization", "RMSNorm",
         "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
         "--disable-bias-linear", "--micro-batch-size", "2", "--rollout-batch-size", "8",
-        "--max-new-tokens", "16", "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]
+        "--max-new-tokens", "16", "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
+        "--init-random"]
 
 
 @pytest.fixture(autouse=True)

@@ -96,7 +96,7 @@ def test_cli_refuses_before_any_process_group(capsys):
 
     from puzzle.cli import run
 
-    base = BASE[:-2] + ["--advantage-estimator", "grpo"]
+    base = BASE[:-2] + ["--advantage-estimator", "grpo", "--init-random"]
     assert run(base + ["--n-samples-per-prompt", "4", "--reward-fn", "my_rewards:score"]) == 2
     assert "error: --reward-fn 'my_rewards:score': cannot import module 'my_rewards'" in capsys.readouterr().err
     assert run(base + ["--reward-fn", "puzzle.reward_functions.builtin:exact_match"]) == 2
