@@ -34,7 +34,8 @@ SHARED_WORLDS = (
     (4, ("distributed/worlds/foundation.py", "distributed/worlds/switch.py", "distributed/worlds/time_sharing.py",
          "distributed/worlds/generation.py")),
     (4, ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py", "distributed/worlds/moe.py",
-         "distributed/worlds/moe_switch.py", "distributed/worlds/long_context.py")),
+         "distributed/worlds/moe_switch.py", "distributed/worlds/long_context.py",
+         "distributed/worlds/megatron_checkpoint.py")),  # last: it sets megatron's global state up and down
     (4, ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
          "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py")),
     (1, ("distributed/worlds/tiny_runs.py", "distributed/worlds/vocab_rows.py", "distributed/worlds/moe.py")),

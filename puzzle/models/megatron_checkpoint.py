@@ -23,7 +23,10 @@ tied): a critic started from it keeps its fresh head; a reward model needs a sca
 
 ``save_megatron_checkpoint`` writes a role model the same way as a ``release`` checkpoint: the
 tracker says ``release``, which Megatron-LM loads as its ``--finetune`` does (iteration 0, no
-optimizer or RNG state), for evaluation or further SFT.
+optimizer or RNG state), for evaluation or further SFT. It keeps the layer spec's ``_extra_state``
+objects, which Megatron-LM's load asks for: a Megatron-LM run with the same
+``--transformer-impl`` loads it as is; one with the other spec needs ``--dist-ckpt-strictness
+log_all`` (its missing ``_extra_state`` entries are then skipped, as they hold no weights).
 """
 
 from __future__ import annotations
@@ -94,8 +97,8 @@ def find_megatron_checkpoint(root: Optional[str], step: Optional[int] = None) ->
     return MegatronCheckpoint(root, d, 0 if release else iteration, release)
 
 
-def require_megatron_checkpoint(root: str, flag: str) -> MegatronCheckpoint:
-    ckpt = find_megatron_checkpoint(root)
+def require_megatron_checkpoint(root: str, flag: str, step: Optional[int] = None) -> MegatronCheckpoint:
+    ckpt = find_megatron_checkpoint(root, step)
     if ckpt is None:
         raise MegatronCheckpointError(
             f"{flag}: {root!r} is not a Megatron-LM checkpoint (expected {TRACKER} naming an iter_XXXXXXX/ or "
@@ -249,10 +252,10 @@ def megatron_args_from_arch(arch: ModelArch, **run) -> types.SimpleNamespace:
     which Megatron-LM reads as its own args (an argparse.Namespace) and loads as a safe global."""
     moe = {}
     if arch.is_moe:
-        moe = dict(num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe = dict(moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
                    moe_router_topk=arch.moe_router_topk, moe_router_pre_softmax=arch.moe_router_pre_softmax,
                    moe_layer_freq=list(arch.moe_layer_pattern) if arch.moe_layer_pattern else 1)
-    return types.SimpleNamespace(
+    fields = dict(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads, kv_channels=arch.kv_channels,
         group_query_attention=arch.num_query_groups != arch.num_attention_heads,
@@ -268,18 +271,22 @@ def megatron_args_from_arch(arch: ModelArch, **run) -> types.SimpleNamespace:
         add_bias_linear=arch.add_bias_linear, add_qkv_bias=arch.add_qkv_bias, qk_layernorm=arch.qk_layernorm,
         init_method_std=arch.init_method_std, num_experts=arch.num_experts if arch.is_moe else None, **moe,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ckpt_format="torch_dist",
-        iteration=0, consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True,
-        **run)
+        iteration=0, consumed_train_samples=0, consumed_valid_samples=0, no_save_optim=True, no_save_rng=True)
+    fields.update(run)
+    return types.SimpleNamespace(**fields)
 
 
 # ---- load and save (collective over the default process group) ------------------------------------
-def _model_sharded_state_dict(module) -> dict:
-    """The model's sharded state dict as a checkpoint keys it (TE's FP8 metadata dropped, as
-    puzzle.checkpointing does); {} on a rank outside the model."""
+def _model_sharded_state_dict(module, keep_extra_state: bool = False) -> dict:
+    """The model's sharded state dict as a checkpoint keys it; {} on a rank outside the model.
+    Loading drops the ``_extra_state`` objects (TE's FP8 metadata, empty in the local spec), so
+    either layer spec reads the other's files; saving keeps them, as Megatron-LM's load asks for
+    every one of its model's (megatron-core's default strictness)."""
     if module is None:
         return {}
     metadata = {"dp_cp_group": module.puzzle_layout.pg_collection.dp_cp, "singleton_local_shards": False}
-    return drop_extra_state(module.sharded_state_dict(prefix="", metadata=metadata))
+    sd = module.sharded_state_dict(prefix="", metadata=metadata)
+    return sd if keep_extra_state else drop_extra_state(sd)
 
 
 def _check_shapes(sd: dict, ckpt: MegatronCheckpoint, role: str) -> None:
@@ -287,14 +294,20 @@ def _check_shapes(sd: dict, ckpt: MegatronCheckpoint, role: str) -> None:
     error naming the first ones that are not), read from the checkpoint's metadata only."""
     from megatron.core import dist_checkpointing
 
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
     saved = dist_checkpointing.load_tensors_metadata(ckpt.dir)
     problems = []
-    for key, st in sd.items():
-        have = saved.get(key)
+    for st in nested_values(sd):
+        if not isinstance(st, (ShardedTensor, ShardedTensorFactory)):
+            continue
+        have = saved.get(st.key)
         if have is None:
-            problems.append(f"{key}: not in the checkpoint")
-        elif tuple(have.global_shape) != tuple(st.global_shape):
-            problems.append(f"{key}: shape {tuple(have.global_shape)} in the checkpoint, the {role} "
+            problems.append(f"{st.key}: not in the checkpoint")
+        elif isinstance(st, ShardedTensor) and tuple(have.global_shape) != tuple(st.global_shape):
+            problems.append(f"{st.key}: shape {tuple(have.global_shape)} in the checkpoint, the {role} "
                             f"model has {tuple(st.global_shape)}")
     if problems:
         raise MegatronCheckpointError(f"{ckpt.describe()}: does not fit the {role} model: " + "; ".join(problems[:3])
@@ -309,7 +322,8 @@ def checkpoint_head(ckpt: MegatronCheckpoint) -> Optional[tuple]:
     return None if st is None else tuple(st.global_shape)
 
 
-def load_megatron_into_model(module, role: str, root: str, *, allow_missing_head: bool = False) -> MegatronCheckpoint:
+def load_megatron_into_model(module, role: str, root: str, *, allow_missing_head: bool = False,
+                             step: Optional[int] = None) -> MegatronCheckpoint:
     """Collective: fill a role model (``module``; None on ranks outside it) from the Megatron-LM
     checkpoint under ``root``, resharded to the module's layout. A critic/reward takes a [1, hidden]
     head from the checkpoint; with ``allow_missing_head`` (a critic from an LM) the head of an LM
@@ -317,7 +331,7 @@ def load_megatron_into_model(module, role: str, root: str, *, allow_missing_head
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    ckpt = require_megatron_checkpoint(root, ROLES[role].pretrained_flag)
+    ckpt = require_megatron_checkpoint(root, ROLES[role].pretrained_flag, step)
     sd = _model_sharded_state_dict(module)
     keep_head = False
     if not ROLES[role].lm_head:
@@ -368,7 +382,7 @@ def save_megatron_checkpoint(module, arch: ModelArch, root: str, *, release: boo
         os.makedirs(d, exist_ok=True)
     dist.barrier()
     args = megatron_args_from_arch(arch, iteration=iteration, **run_args)
-    state = {"model": _model_sharded_state_dict(module), "args": args, "checkpoint_version": CHECKPOINT_VERSION,
+    state = {"model": _model_sharded_state_dict(module, keep_extra_state=True), "args": args, "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": iteration}
     dist_checkpointing.save(state, d)
     dist.barrier()

@@ -1,10 +1,12 @@
-"""Where a tool's model comes from: an HF directory or a puzzle checkpoint, at any layout.
+"""Where a tool's model comes from: an HF directory, a Megatron-LM checkpoint or a puzzle
+checkpoint, at any layout.
 
-``SOURCE`` is either an HF model directory (``config.json`` + safetensors: Llama-2/3.x, Mistral,
-Qwen2/2.5, Qwen3) or a puzzle checkpoint root written by ``train_ppo.py --save`` (its
-``latest_checkpointed_iteration.txt``, or ``--ckpt-step``), whose ``metadata.json`` holds every
-role's architecture. Either loads into a model built at the caller's (P, D, T), whatever layout
-wrote it.
+``SOURCE`` is an HF model directory (``config.json`` + safetensors: Llama-2/3.x, Mistral,
+Qwen2/2.5, Qwen3), a Megatron-LM checkpoint root (torch_dist, as pretrain_gpt.py writes it; its
+args hold the architecture: puzzle/models/megatron_checkpoint.py) or a puzzle checkpoint root
+written by ``train_ppo.py --save`` (its ``latest_checkpointed_iteration.txt``, or ``--ckpt-step``),
+whose ``metadata.json`` holds every role's architecture. Each loads into a model built at the
+caller's (P, D, T), whatever layout wrote it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def checkpoint_role_dir(root: str, role: str, step: Optional[int] = None) -> Tup
     it = step if step is not None else read_tracker(root)
     if it is None:
         raise FileNotFoundError(f"{root}: neither an HF directory (config.json) nor a puzzle checkpoint "
-                                f"(latest_checkpointed_iteration.txt)")
+                                f"nor a Megatron-LM one (latest_checkpointed_iteration.txt)")
     d = iter_dir(root, it)
     with open(os.path.join(d, METADATA)) as f:
         meta = json.load(f)
@@ -50,6 +52,9 @@ def source_arch(source: str, role: str, plan, *, step: Optional[int] = None, seq
     from puzzle.config import ModelArch
     from puzzle.models.builders import check_layout
 
+    from puzzle.models.megatron_checkpoint import arch_from_megatron_args, find_megatron_checkpoint, read_common_state
+
+    megatron = find_megatron_checkpoint(source, step)
     if is_hf_dir(source):
         from puzzle.models.hf_checkpoint import arch_from_hf_dir
 
@@ -57,6 +62,9 @@ def source_arch(source: str, role: str, plan, *, step: Optional[int] = None, seq
         if seq_length:
             overrides["seq_length"] = seq_length
         arch = arch_from_hf_dir(source, **overrides)
+    elif megatron is not None:
+        arch = arch_from_megatron_args(read_common_state(megatron)["args"], megatron.dir,
+                                       **({"seq_length": seq_length} if seq_length else {}))
     else:
         arch = ModelArch(**checkpoint_role_dir(source, role, step)[1])
     check_layout(arch, plan, role)
@@ -64,10 +72,10 @@ def source_arch(source: str, role: str, plan, *, step: Optional[int] = None, seq
 
 
 def load_engine(source: str, role: str, plan, arch, *, step: Optional[int] = None, bf16: bool = False,
-                transformer_impl: str = "transformer_engine"):
+                transformer_impl: str = "transformer_engine", allow_missing_head: bool = False):
     """A frozen ModelEngine of ``role`` (``arch``: source_arch's) at ``plan`` with the weights of
     ``source`` (collective). ``transformer_impl`` falls back to the local spec where TE cannot
-    run (as train_ppo.py)."""
+    run (as train_ppo.py). ``allow_missing_head``: a critic/reward from an LM keeps its own head."""
     from puzzle.models.builders import resolve_transformer_impl
     from puzzle.parallel.groups import layout_for
     from puzzle.training.engine import ModelEngine
@@ -75,10 +83,16 @@ def load_engine(source: str, role: str, plan, arch, *, step: Optional[int] = Non
     impl, _ = resolve_transformer_impl(transformer_impl)
     engine = ModelEngine(role, arch, layout_for(plan), trainable=False, bf16=bf16, layout_independent_init=False,
                          transformer_impl=impl)
+    from puzzle.models.megatron_checkpoint import find_megatron_checkpoint
+
     if is_hf_dir(source):
         from puzzle.models.hf_checkpoint import load_hf_into_model
 
-        load_hf_into_model(engine.module, arch, role, source)
+        load_hf_into_model(engine.module, arch, role, source, allow_missing_head=allow_missing_head)
+    elif find_megatron_checkpoint(source, step) is not None:
+        from puzzle.models.megatron_checkpoint import load_megatron_into_model
+
+        load_megatron_into_model(engine.module, role, source, allow_missing_head=allow_missing_head, step=step)
     else:
         from puzzle.checkpointing import load_role_weights
 
@@ -89,7 +103,8 @@ def load_engine(source: str, role: str, plan, arch, *, step: Optional[int] = Non
 def add_source_args(parser) -> None:
     """--load / --role / --ckpt-step and the layout flags shared by the tools."""
     g = parser.add_argument_group("model source and layout")
-    g.add_argument("--load", required=True, help="HF model directory or puzzle checkpoint root")
+    g.add_argument("--load", required=True, help="HF model directory, Megatron-LM checkpoint root or puzzle "
+                                                 "checkpoint root")
     g.add_argument("--role", default="actor", choices=tuple(ROLES),
                    help="the model of a puzzle checkpoint (and of its export)")
     g.add_argument("--ckpt-step", type=int, default=None, help="checkpoint iteration (default: the latest)")

@@ -87,6 +87,23 @@ def test_export_hf(tmp_path, world, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_megatron_tools(tmp_path, world, capsys):
+    from puzzle.tools.export_megatron import main as export
+    from puzzle.tools.make_value_model import main as make
+
+    llama = _hf_dir(tmp_path / "llama", **LLAMA_2_KV_HEADS)
+    world(1)
+    err = _fails(export, ["--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "out")], capsys)
+    assert "nor a Megatron-LM one" in err and err.count("\n") == 1
+    err = _fails(make, ["--load", llama, "--save", str(tmp_path / "out"), "--role", "actor"], capsys)
+    assert err == "error: --role: critic or reward (the model made), not actor\n"
+    err = _fails(make, ["--load", llama, "--save", str(tmp_path / "out"), "--head-init-std", "0.1"], capsys)
+    assert err.startswith("error: --head-init-std: a std > 0 for --head-init normal")
+    err = _fails(make, ["--load", str(tmp_path), "--save", str(tmp_path / "out")], capsys)
+    assert "neither an HF directory (config.json) nor a Megatron-LM checkpoint" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_profile_and_search_plan(tmp_path, capsys):
     from puzzle.plan_search.command import search_main
     from puzzle.tools.profile import main
