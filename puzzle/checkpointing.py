@@ -294,7 +294,8 @@ def _expert_optimizer_problems(cfg, role: str, saved: dict) -> List[str]:
     that (no experts_optimizer mark) hold the experts in the dense optimizer: their optimizer state
     does not resume, their weights do (--no-load-optim). At E > 1 megatron always kept experts apart."""
     spec = cfg.roles[role]
-    if not (spec.trainable and spec.arch.is_moe and getattr(cfg, "load_optim", True) and not cfg.finetune):
+    if not (spec.trainable and spec.arch.is_moe and getattr(cfg, "load_optim", True)
+            and not getattr(cfg, "finetune", False)):
         return []
     was = (saved.get("plan") or {}).get("E", 1)
     if was > 1 or saved.get("experts_optimizer") == EXPERTS_OWN_OPTIMIZER:
