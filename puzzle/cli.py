@@ -11,24 +11,80 @@ from puzzle.parallel import launcher
 #: environment variables through which the tests inject faults into a real run (config.FaultInjection)
 NONFINITE_ENV = "PUZZLE_TEST_NONFINITE_AT"  # "role:iteration[,role:iteration]": a NaN gradient
 FAIL_SAVE_ENV = "PUZZLE_TEST_FAIL_SAVE_AT"  # "rank:iteration": that rank raises half way through the save
+#: set by puzzle.tools.launch: rank 0 writes its ``error:`` line and exit status here (JSON) instead
+#: of printing it, and the launcher prints it last, after torchrun has stopped every rank
+ERROR_FILE_ENV = "PUZZLE_ERROR_FILE"
 
 
 def run(argv) -> int:
+    """train_ppo.py: check everything, then train (or print the --dry-run estimate)."""
+    rank = launcher.rank()
+    if rank != 0 and any(a in ("-h", "--help") for a in argv):
+        return 0  # the usage text once, from rank 0
+    checked = _checked(argv, launcher.world_size())
+    if isinstance(checked, int):  # bad input, or a dry run's verdict
+        return checked
+    cfg, args, tokenizer, dataset, eval_dataset = checked
+    if rank == 0:
+        _print_plan(cfg)
+    return _train(cfg, tokenizer, dataset, eval_dataset)
+
+
+def preflight(argv, world_size: int):
+    """The launcher's check before it starts torchrun (puzzle.tools.launch), in one plain process:
+    the same checks as ``run`` for a job of ``world_size`` ranks (flags, plan, tokenizer, reward
+    function, prompt files, the checkpoint's metadata). Returns None when the job can start, else
+    the exit status: bad input (its one ``error:`` line printed), --help, or a --dry-run's
+    verdict (its output printed). What the checks print on success is dropped: rank 0 prints it
+    again."""
+    import contextlib
+    import io
+
+    if any(a in ("-h", "--help") for a in argv):
+        return _usage(argv)
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        checked = _checked(argv, world_size, report=False)
+    if isinstance(checked, BaseException):
+        return _report(checked)
+    if isinstance(checked, int):  # a dry run: what it printed is its answer
+        sys.stdout.write(quiet.getvalue())
+        sys.stdout.flush()
+        return checked
+    return None
+
+
+def _usage(argv) -> int:
+    """--help: the usage text (argparse prints it and exits), or the flag error met first."""
+    from puzzle.arguments import ArgumentError, parse_args
+
+    try:
+        parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    except ArgumentError as e:
+        return _report(e)
+    return 0
+
+
+def _checked(argv, world_size: int, report: bool = True):
+    """Everything train_ppo.py checks before torch.distributed starts and before any allocation:
+    (cfg, parsed args, tokenizer, dataset, eval dataset); or an exit status (a dry run; bad input,
+    reported once) -- with ``report=False`` bad input is returned as the exception."""
+    from puzzle import checkpointing
     from puzzle.arguments import ArgumentError, parse_args, validate_args
     from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
 
-    rank = launcher.rank()
-    if rank != 0 and any(a in ("-h", "--help") for a in argv):
-        return 0  # the usage text once, from rank 0
-    try:  # everything is checked before torch.distributed starts and before any allocation
+    try:
         args = parse_args(argv)
+        if not args.dry_run and args.world_size is not None and args.world_size != world_size:
+            raise ArgumentError(f"--world-size: {args.world_size} but the job has {world_size} ranks")
+        if args.world_size is None:  # --plan auto and --dry-run plan for the job's ranks
+            args.world_size = world_size
         layouts = _plan_layouts(args)
         if args.dry_run:
-            return _dry_run(args, layouts, rank)
-        world_size = launcher.world_size()
-        if args.world_size is not None and args.world_size != world_size:
-            raise ArgumentError(f"--world-size: {args.world_size} but the job has {world_size} ranks")
+            return _dry_run(args, layouts, launcher.rank())
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         cfg = validate_args(args, world_size, tokenizer.vocab_size, layouts=layouts)
         cfg = replace(cfg, faults=fault_injection_from_env(os.environ))
@@ -40,15 +96,20 @@ def run(argv) -> int:
                                       cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,
                                       overflow=cfg.prompt_overflow, split=cfg.prompt_split,
                                       apply_chat_template=cfg.apply_chat_template,
-                                      skip_bad_records=cfg.skip_bad_records)
+                                      skip_bad_records=cfg.skip_bad_records, answer_key=cfg.answer_key)
         eval_dataset = _eval_dataset(cfg, tokenizer)
-    except (ArgumentError, ValueError, OSError) as e:  # OSError: unreadable tokenizer or data files
-        from puzzle.tools.fail_fast import report_usage_error
+        if cfg.load:  # metadata and file sizes only: a wrong model shape or a missing file fails here
+            checkpointing.check_checkpoint(cfg, cfg.load, cfg.ckpt_step)
+    except (ArgumentError, ValueError, OSError, checkpointing.CheckpointError) as e:
+        # OSError: unreadable tokenizer or data files
+        return _report(e) if report else e
+    return cfg, args, tokenizer, dataset, eval_dataset
 
-        return report_usage_error(e)
-    if rank == 0:
-        _print_plan(cfg)
-    return _train(cfg, tokenizer, dataset, eval_dataset)
+
+def _report(e: BaseException) -> int:
+    from puzzle.tools.fail_fast import USAGE_EXIT_CODE
+
+    return _fail(str(e), USAGE_EXIT_CODE)
 
 
 def _eval_dataset(cfg, tokenizer):
@@ -64,7 +125,7 @@ def _eval_dataset(cfg, tokenizer):
     try:
         data = load_prompt_dataset(ev.prompts, tokenizer, cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,
                                    overflow=cfg.prompt_overflow, apply_chat_template=cfg.apply_chat_template,
-                                   skip_bad_records=cfg.skip_bad_records)
+                                   skip_bad_records=cfg.skip_bad_records, answer_key=cfg.answer_key)
         eval_batches(len(data.prompts), cfg.ppo.rollout_batch_size, ev.iters)
     except (ValueError, OSError) as e:  # the loader's messages name --prompt-data
         raise ArgumentError(f"--eval-prompts: {str(e).replace('--prompt-data ', '')}") from None
@@ -91,9 +152,19 @@ def fault_injection_from_env(environ):
     return FaultInjection(nonfinite_grads=pairs(NONFINITE_ENV, str), fail_save_at=saves[0] if saves else None)
 
 
-def _error_once(message: str) -> None:
-    if launcher.rank() == 0:
+def _fail(message: str, code: int) -> int:
+    """Rank 0's one ``error:`` line (handed to the launcher when it asked for it); returns ``code``."""
+    if launcher.rank() != 0:
+        return code
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"message": f"error: {message}", "code": code}, f)
+    else:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 def _plan_layouts(args):
@@ -213,17 +284,10 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
 
     start = time.time()
     ckpt_step = cfg.ckpt_step
-    if cfg.load:  # metadata and file sizes only: a wrong model shape or a missing file fails here
-        try:
-            checkpointing.check_checkpoint(cfg, cfg.load, ckpt_step)
-        except checkpointing.CheckpointError as e:
-            _error_once(str(e))
-            return 2
     try:
         init_distributed(backend=cfg.ops.distributed_backend, timeout_minutes=cfg.ops.distributed_timeout_minutes)
     except DeviceSharingError as e:
-        _error_once(str(e))
-        return 2
+        return _fail(str(e), 2)
     progress = run_control.Progress()
     exit_control = run_control.ExitControl(cfg.ops, start)
     trainer = None
@@ -242,14 +306,11 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
                                           load_rng=cfg.load_rng, iteration=ckpt_step)
         _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_dataset, tokenizer)
     except checkpointing.CheckpointError as e:
-        _error_once(str(e))
-        return _shutdown(trainer, 2)
+        return _shutdown(trainer, _fail(str(e), 2))
     except NonFiniteError as e:
-        _error_once(str(e))
-        return _shutdown(trainer, 3)
+        return _shutdown(trainer, _fail(str(e), 3))
     except BadRewardError as e:  # raised on every rank alike (--on-bad-reward error)
-        _error_once(str(e))
-        return _shutdown(trainer, 1)
+        return _shutdown(trainer, _fail(str(e), 1))
     except RuntimeError as e:
         if run_control.is_timeout(e):
             run_control.abort(run_control.describe_timeout(progress, e, cfg.ops.distributed_timeout_minutes))
