@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
+from typing import Optional
 
 from puzzle.parallel import launcher
 
@@ -27,6 +28,7 @@ def run(argv) -> int:
     cfg, args, tokenizer, dataset, eval_dataset = checked
     if rank == 0:
         _print_plan(cfg)
+        write_run_config(cfg, argv, args)
     return _train(cfg, tokenizer, dataset, eval_dataset)
 
 
@@ -242,6 +244,63 @@ def _print_plan(cfg) -> None:
               flush=True)
 
 
+CONFIG_FILE = "config.json"
+
+
+def write_run_config(cfg, argv, args) -> Optional[str]:
+    """``--log-dir``/config.json, written at the start of the run (a resumed run rewrites it): the
+    command line, every flag's resolved value, the validated configuration (each role's layouts:
+    the plan), and the versions that ran it -- as Megatron-LM records its args and verl its
+    config. Returns the path (None without --log-dir)."""
+    import dataclasses
+    import json
+
+    if not cfg.log_dir:
+        return None
+    plan = {role: {"layout": str(spec.plan), "ranks": spec.plan.ranks, "trainable": spec.trainable,
+                   **({"generation_layout": str(spec.gen_plan)} if spec.gen_plan is not None else {})}
+            for role, spec in cfg.roles.items()}
+    doc = {"command": list(argv), "world_size": cfg.world_size, "plan": plan,
+           "args": vars(args), "config": dataclasses.asdict(cfg), "versions": _versions()}
+    os.makedirs(cfg.log_dir, exist_ok=True)
+    path = os.path.join(cfg.log_dir, CONFIG_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _versions() -> dict:
+    """Python, torch, megatron-core, transformers, the CUDA device, and puzzle's git commit."""
+    import importlib.metadata
+    import platform
+    import subprocess
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("megatron-core", "transformers", "transformer-engine"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        out["cuda"] = torch.version.cuda
+        out["device"] = torch.cuda.get_device_name()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10)
+        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        if commit.returncode == 0:
+            out["puzzle_commit"] = commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
 def _watch(trainer, cfg, tokenizer, eval_dataset):
     """The run loop's additions to each iteration (trainer.on_iteration_end): learning rates and
     tokens/s in the metrics, --log-samples rows, evaluation when due; a progress bar of each
@@ -266,7 +325,8 @@ def _watch(trainer, cfg, tokenizer, eval_dataset):
             samples.write(rollout_sample_rows(batch, tokenizer, trainer.iteration, cfg.ops.log_samples))
         if evaluator is not None and evaluator.due(trainer.iteration):
             trainer.progress(trainer.iteration, "evaluation")
-            metrics.update(evaluator(trainer, trainer.iteration))
+            with trainer.phase(f"iteration {trainer.iteration} evaluation"):
+                metrics.update(evaluator(trainer, trainer.iteration))
 
     trainer.on_iteration_end = on_iteration_end
     return evaluator, samples
@@ -279,7 +339,7 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
     from puzzle.data.prompts import PromptLoader
     from puzzle.parallel.groups import DeviceSharingError, init_distributed
     from puzzle.reward_functions import BadRewardError
-    from puzzle.trainer import PPOTrainer
+    from puzzle.trainer import PhaseLog, PPOTrainer
     from puzzle.training.nonfinite import NonFiniteError
 
     start = time.time()
@@ -289,21 +349,25 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
     except DeviceSharingError as e:
         return _fail(str(e), 2)
     progress = run_control.Progress()
+    phase = PhaseLog(launcher.rank())
     exit_control = run_control.ExitControl(cfg.ops, start)
     trainer = None
     try:
         if cfg.load:  # checksums, the ranks sharing the work; still before any model is built
             progress(0, "checkpoint verification")
-            ckpt_step = checkpointing.verify_checkpoint(cfg.load, ckpt_step)
+            with phase("checkpoint verification"):
+                ckpt_step = checkpointing.verify_checkpoint(cfg.load, ckpt_step)
         loader = PromptLoader(dataset.prompts, cfg.ppo.rollout_batch_size, dp_rank=0, dp_size=1,
                               seed=cfg.seed)
         progress(0, "model building")
-        trainer = PPOTrainer(cfg, tokenizer, dataset)
+        with phase("model building"):
+            trainer = PPOTrainer(cfg, tokenizer, dataset)
         trainer.progress = progress
         if cfg.load and ckpt_step is not None:
             progress(0, "checkpoint loading")
-            checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
-                                          load_rng=cfg.load_rng, iteration=ckpt_step)
+            with phase(f"checkpoint loading (iteration {ckpt_step})"):
+                checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
+                                              load_rng=cfg.load_rng, iteration=ckpt_step)
         _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_dataset, tokenizer)
     except checkpointing.CheckpointError as e:
         return _shutdown(trainer, _fail(str(e), 2))
@@ -329,7 +393,8 @@ def _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_
     evaluator, samples = _watch(trainer, cfg, tokenizer, eval_dataset)
     if evaluator is not None and trainer.iteration == 0:  # before training (a resumed run has its own)
         progress(0, "evaluation")
-        trainer.logger.log({"iteration": 0, **evaluator(trainer, 0)})
+        with trainer.phase("evaluation (before training)"):
+            trainer.logger.log({"iteration": 0, **evaluator(trainer, 0)})
 
     def next_prompts():  # token ids and the records' other fields (ground truth for rewards)
         pb = next(loader)
@@ -358,7 +423,8 @@ def _save(trainer, loader, cfg, progress) -> None:
     from puzzle import checkpointing
 
     progress(trainer.iteration, "checkpoint saving")
-    checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+    with trainer.phase(f"checkpoint saving (iteration {trainer.iteration})"):
+        checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
 
 
 def _shutdown(trainer, code: int) -> int:

@@ -7,7 +7,9 @@ test_faults.py) goes through the launcher with the exact command line that the s
 (recorded by a ``python3`` stand-in on its PATH), in this process; one refusal runs the script
 itself, and one failure that only the ranks can find (a checksum) runs under torchrun."""
 
+import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -119,3 +121,31 @@ def test_a_failure_found_by_the_ranks_ends_with_rank_0s_line(saved_run, tmp_path
     assert err.splitlines()[-1].startswith(f"error: checkpoint iteration 6 is damaged: {f}: checksum mismatch")
     assert err.count("error:") == 1 and "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
 
+
+def test_the_run_records_its_configuration_and_times_its_phases(saved_run):
+    """The session's saved run (2 ranks, 6 iterations, saves at 2, 4, 6): --log-dir/config.json
+    holds the command line, the resolved flags, the plan and the versions; rank 0 printed a timed
+    line as each phase started and ended."""
+    import torch
+
+    doc = json.loads((saved_run.root / "log" / "config.json").read_text())
+    assert " ".join(SAVED_RUN_FLAGS) in " ".join(doc["command"])
+    assert doc["command"][-2:] == ["--log-dir", str(saved_run.root / "log")]
+    assert doc["world_size"] == SAVED_RUN_NPROC and doc["args"]["train_iters"] == 6
+    assert doc["args"]["world_size"] == SAVED_RUN_NPROC and doc["args"]["lr"] == 2e-3  # defaults resolved
+    assert doc["plan"] == {role: {"layout": "(P=1, D=2, T=1)", "ranks": [0, 1], "trainable": role != "ref",
+                                  **({"generation_layout": "(P=1, D=2, T=1)"} if role == "actor" else {})}
+                           for role in ("actor", "critic", "ref")}
+    assert doc["config"]["roles"]["critic"]["arch"]["hidden_size"] == 64
+    assert doc["config"]["ppo"]["rollout_batch_size"] == 8
+    assert doc["versions"]["torch"] == torch.__version__ and doc["versions"]["megatron-core"].startswith("0.")
+    lines = saved_run.stdout.splitlines()
+    ended = [m.group(1) for m in map(re.compile(r"^\[phase\] (.+): \d+\.\d\d s$").match, lines) if m]
+    started = [line[len("[phase] "):-len(" ...")] for line in lines if line.startswith("[phase] ") and
+               line.endswith(" ...")]
+    stages = [f"iteration {i} {s}" for i in range(1, 7) for s in ("generation", "reward", "scoring", "training")]
+    saves = [f"checkpoint saving (iteration {i})" for i in (2, 4, 6)]
+    assert started == ended == ["model building"] + stages[:8] + saves[:1] + stages[8:16] + saves[1:2] \
+        + stages[16:] + saves[2:], lines[:40]
+    assert lines.index("[phase] iteration 1 training ...") < next(i for i, x in enumerate(lines)
+                                                               if x.startswith(" iteration        1/"))
