@@ -394,7 +394,8 @@ def _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_
     if evaluator is not None and trainer.iteration == 0:  # before training (a resumed run has its own)
         progress(0, "evaluation")
         with trainer.phase("evaluation (before training)"):
-            trainer.logger.log({"iteration": 0, **evaluator(trainer, 0)})
+            before = evaluator(trainer, 0)
+        trainer.logger.log({"iteration": 0, **before})
 
     def next_prompts():  # token ids and the records' other fields (ground truth for rewards)
         pb = next(loader)

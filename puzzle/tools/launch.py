@@ -20,6 +20,7 @@ An elastic node range (``--nnodes MIN:MAX``) has no world size to check for: the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -96,7 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if recorded is not None:
             sys.stdout.flush()
             print(recorded["message"], file=sys.stderr, flush=True)
-        os.remove(error_file)
+        with contextlib.suppress(OSError):
+            os.remove(error_file)
+        os.environ.pop(ERROR_FILE_ENV, None)
 
 
 if __name__ == "__main__":
