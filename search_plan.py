@@ -1,4 +1,5 @@
-"""Plan search: python search_plan.py --world-size 16 --ranks-per-node 8 <model flags> [--save-plan F]."""
+"""Plan search: python search_plan.py --world-size 16 --ranks-per-node 8 <model flags> [--save-plan F]
+(--help: its own options first, and an example)."""
 
 import sys
 

@@ -33,6 +33,7 @@ DATA_ARGS=(
 EVAL_ARGS=(--eval-prompts puzzle/data/bundled/tiny_arithmetic_eval.jsonl --eval-interval 20)
 LOG_ARGS=(--log-interval 1)
 
-exec python3 -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" train_ppo.py \
+# torchrun once train_ppo.py's checks passed in this process; bad input: one error line, exit 2
+exec python3 -m puzzle.tools.launch "${DISTRIBUTED_ARGS[@]}" train_ppo.py \
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${GRPO_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${EVAL_ARGS[@]}" "${LOG_ARGS[@]}" "$@"

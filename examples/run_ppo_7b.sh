@@ -85,6 +85,7 @@ ALL_ARGS=("${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_AR
 if [[ " $* " == *" --dry-run "* ]]; then   # validate + memory estimate on any machine, no GPUs needed
     exec python3 train_ppo.py --world-size $((GPUS_PER_NODE * NNODES)) "${ALL_ARGS[@]}"
 fi
-exec torchrun "${DISTRIBUTED_ARGS[@]}" train_ppo.py \
+# torchrun once train_ppo.py's checks passed in this process; bad input: one error line, exit 2
+exec python3 -m puzzle.tools.launch "${DISTRIBUTED_ARGS[@]}" train_ppo.py \
     "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" \
     "${PPO_ARGS[@]}" "${LOG_ARGS[@]}" "$@"

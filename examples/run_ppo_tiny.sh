@@ -32,5 +32,6 @@ PPO_ARGS=(
 )
 LOG_ARGS=(--log-interval 1)
 
-exec python3 -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" train_ppo.py \
+# torchrun once train_ppo.py's checks passed in this process; bad input: one error line, exit 2
+exec python3 -m puzzle.tools.launch "${DISTRIBUTED_ARGS[@]}" train_ppo.py \
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${PPO_ARGS[@]}" "${LOG_ARGS[@]}" "$@"

@@ -70,15 +70,22 @@ class _Parser(argparse.ArgumentParser):
 RaisingArgumentParser = _Parser
 
 
-def build_parser(prog: Optional[str] = None, raise_errors: bool = False) -> argparse.ArgumentParser:
-    """``raise_errors``: an unknown or malformed flag raises ArgumentError instead of exiting."""
+def build_parser(prog: Optional[str] = None, raise_errors: bool = False, own_options=None,
+                 **texts) -> argparse.ArgumentParser:
+    """``raise_errors``: an unknown or malformed flag raises ArgumentError instead of exiting.
+    Another command built on these flags (search_plan.py) adds ``own_options(parser)`` first, so
+    that --help shows them before the training flags, and its own ``texts`` (usage, description,
+    epilog)."""
     from puzzle.algorithms import KL_KINDS, LOSS_AGG_MODES
     from puzzle.algorithms.advantage_estimators import ESTIMATORS
 
     registered = {"advantage_estimator": list(ESTIMATORS), "kl_loss_type": list(KL_KINDS),
                   "loss_agg_mode": list(LOSS_AGG_MODES)}
     cls = _Parser if raise_errors else argparse.ArgumentParser
-    parser = cls(prog=prog, description="PPO on megatron-core (puzzle)", allow_abbrev=False)
+    texts.setdefault("description", "PPO on megatron-core (puzzle)")
+    parser = cls(prog=prog, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, **texts)
+    if own_options is not None:
+        own_options(parser)
     for config in FLAG_CONFIGS:
         add_dataclass_args(parser, config, choices=registered)
     return parser

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
+from typing import Optional
 
 from puzzle import weight_sources
 from puzzle.parallel import launcher
@@ -12,24 +13,81 @@ from puzzle.parallel import launcher
 #: environment variables through which the tests inject faults into a real run (config.FaultInjection)
 NONFINITE_ENV = "PUZZLE_TEST_NONFINITE_AT"  # "role:iteration[,role:iteration]": a NaN gradient
 FAIL_SAVE_ENV = "PUZZLE_TEST_FAIL_SAVE_AT"  # "rank:iteration": that rank raises half way through the save
+#: set by puzzle.tools.launch: rank 0 writes its ``error:`` line and exit status here (JSON) instead
+#: of printing it, and the launcher prints it last, after torchrun has stopped every rank
+ERROR_FILE_ENV = "PUZZLE_ERROR_FILE"
 
 
 def run(argv) -> int:
+    """train_ppo.py: check everything, then train (or print the --dry-run estimate)."""
+    rank = launcher.rank()
+    if rank != 0 and any(a in ("-h", "--help") for a in argv):
+        return 0  # the usage text once, from rank 0
+    checked = _checked(argv, launcher.world_size())
+    if isinstance(checked, int):  # bad input, or a dry run's verdict
+        return checked
+    cfg, args, tokenizer, dataset, eval_dataset = checked
+    if rank == 0:
+        _print_plan(cfg)
+        write_run_config(cfg, argv, args)
+    return _train(cfg, tokenizer, dataset, eval_dataset)
+
+
+def preflight(argv, world_size: int):
+    """The launcher's check before it starts torchrun (puzzle.tools.launch), in one plain process:
+    the same checks as ``run`` for a job of ``world_size`` ranks (flags, plan, tokenizer, reward
+    function, prompt files, the checkpoint's metadata). Returns None when the job can start, else
+    the exit status: bad input (its one ``error:`` line printed), --help, or a --dry-run's
+    verdict (its output printed). What the checks print on success is dropped: rank 0 prints it
+    again."""
+    import contextlib
+    import io
+
+    if any(a in ("-h", "--help") for a in argv):
+        return _usage(argv)
+    quiet = io.StringIO()
+    with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        checked = _checked(argv, world_size, report=False)
+    if isinstance(checked, BaseException):
+        return _report(checked)
+    if isinstance(checked, int):  # a dry run: what it printed is its answer
+        sys.stdout.write(quiet.getvalue())
+        sys.stdout.flush()
+        return checked
+    return None
+
+
+def _usage(argv) -> int:
+    """--help: the usage text (argparse prints it and exits), or the flag error met first."""
+    from puzzle.arguments import ArgumentError, parse_args
+
+    try:
+        parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    except ArgumentError as e:
+        return _report(e)
+    return 0
+
+
+def _checked(argv, world_size: int, report: bool = True):
+    """Everything train_ppo.py checks before torch.distributed starts and before any allocation:
+    (cfg, parsed args, tokenizer, dataset, eval dataset); or an exit status (a dry run; bad input,
+    reported once) -- with ``report=False`` bad input is returned as the exception."""
+    from puzzle import checkpointing
     from puzzle.arguments import ArgumentError, parse_args, validate_args
     from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
 
-    rank = launcher.rank()
-    if rank != 0 and any(a in ("-h", "--help") for a in argv):
-        return 0  # the usage text once, from rank 0
-    try:  # everything is checked before torch.distributed starts and before any allocation
+    try:
         args = parse_args(argv)
+        if not args.dry_run and args.world_size is not None and args.world_size != world_size:
+            raise ArgumentError(f"--world-size: {args.world_size} but the job has {world_size} ranks")
+        if args.world_size is None:  # --plan auto and --dry-run plan for the job's ranks
+            args.world_size = world_size
         layouts = _plan_layouts(args)
         if args.dry_run:
-            return _dry_run(args, layouts, rank)
-        world_size = launcher.world_size()
-        if args.world_size is not None and args.world_size != world_size:
-            raise ArgumentError(f"--world-size: {args.world_size} but the job has {world_size} ranks")
+            return _dry_run(args, layouts, launcher.rank())
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         cfg = validate_args(args, world_size, tokenizer.vocab_size, layouts=layouts)
         weight_sources.check(cfg)  # a trainable role at random weights needs --init-random
@@ -42,15 +100,20 @@ def run(argv) -> int:
                                       cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,
                                       overflow=cfg.prompt_overflow, split=cfg.prompt_split,
                                       apply_chat_template=cfg.apply_chat_template,
-                                      skip_bad_records=cfg.skip_bad_records)
+                                      skip_bad_records=cfg.skip_bad_records, answer_key=cfg.answer_key)
         eval_dataset = _eval_dataset(cfg, tokenizer)
-    except (ArgumentError, ValueError, OSError) as e:  # OSError: unreadable tokenizer or data files
-        from puzzle.tools.fail_fast import report_usage_error
+        if cfg.load:  # metadata and file sizes only: a wrong model shape or a missing file fails here
+            checkpointing.check_checkpoint(cfg, cfg.load, cfg.ckpt_step)
+    except (ArgumentError, ValueError, OSError, checkpointing.CheckpointError) as e:
+        # OSError: unreadable tokenizer or data files
+        return _report(e) if report else e
+    return cfg, args, tokenizer, dataset, eval_dataset
 
-        return report_usage_error(e)
-    if rank == 0:
-        _print_plan(cfg)
-    return _train(cfg, tokenizer, dataset, eval_dataset)
+
+def _report(e: BaseException) -> int:
+    from puzzle.tools.fail_fast import USAGE_EXIT_CODE
+
+    return _fail(str(e), USAGE_EXIT_CODE)
 
 
 def _eval_dataset(cfg, tokenizer):
@@ -66,7 +129,7 @@ def _eval_dataset(cfg, tokenizer):
     try:
         data = load_prompt_dataset(ev.prompts, tokenizer, cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,
                                    overflow=cfg.prompt_overflow, apply_chat_template=cfg.apply_chat_template,
-                                   skip_bad_records=cfg.skip_bad_records)
+                                   skip_bad_records=cfg.skip_bad_records, answer_key=cfg.answer_key)
         eval_batches(len(data.prompts), cfg.ppo.rollout_batch_size, ev.iters)
     except (ValueError, OSError) as e:  # the loader's messages name --prompt-data
         raise ArgumentError(f"--eval-prompts: {str(e).replace('--prompt-data ', '')}") from None
@@ -93,9 +156,19 @@ def fault_injection_from_env(environ):
     return FaultInjection(nonfinite_grads=pairs(NONFINITE_ENV, str), fail_save_at=saves[0] if saves else None)
 
 
-def _error_once(message: str) -> None:
-    if launcher.rank() == 0:
+def _fail(message: str, code: int) -> int:
+    """Rank 0's one ``error:`` line (handed to the launcher when it asked for it); returns ``code``."""
+    if launcher.rank() != 0:
+        return code
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"message": f"error: {message}", "code": code}, f)
+    else:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 def _plan_layouts(args):
@@ -175,6 +248,63 @@ def _print_plan(cfg) -> None:
     weight_sources.print_sources(cfg)
 
 
+CONFIG_FILE = "config.json"
+
+
+def write_run_config(cfg, argv, args) -> Optional[str]:
+    """``--log-dir``/config.json, written at the start of the run (a resumed run rewrites it): the
+    command line, every flag's resolved value, the validated configuration (each role's layouts:
+    the plan), and the versions that ran it -- as Megatron-LM records its args and verl its
+    config. Returns the path (None without --log-dir)."""
+    import dataclasses
+    import json
+
+    if not cfg.log_dir:
+        return None
+    plan = {role: {"layout": str(spec.plan), "ranks": spec.plan.ranks, "trainable": spec.trainable,
+                   **({"generation_layout": str(spec.gen_plan)} if spec.gen_plan is not None else {})}
+            for role, spec in cfg.roles.items()}
+    doc = {"command": list(argv), "world_size": cfg.world_size, "plan": plan,
+           "args": vars(args), "config": dataclasses.asdict(cfg), "versions": _versions()}
+    os.makedirs(cfg.log_dir, exist_ok=True)
+    path = os.path.join(cfg.log_dir, CONFIG_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _versions() -> dict:
+    """Python, torch, megatron-core, transformers, the CUDA device, and puzzle's git commit."""
+    import importlib.metadata
+    import platform
+    import subprocess
+
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("megatron-core", "transformers", "transformer-engine"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        out["cuda"] = torch.version.cuda
+        out["device"] = torch.cuda.get_device_name()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10)
+        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        if commit.returncode == 0:
+            out["puzzle_commit"] = commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
 def _watch(trainer, cfg, tokenizer, eval_dataset):
     """The run loop's additions to each iteration (trainer.on_iteration_end): learning rates and
     tokens/s in the metrics, --log-samples rows, evaluation when due; a progress bar of each
@@ -199,7 +329,8 @@ def _watch(trainer, cfg, tokenizer, eval_dataset):
             samples.write(rollout_sample_rows(batch, tokenizer, trainer.iteration, cfg.ops.log_samples))
         if evaluator is not None and evaluator.due(trainer.iteration):
             trainer.progress(trainer.iteration, "evaluation")
-            metrics.update(evaluator(trainer, trainer.iteration))
+            with trainer.phase(f"iteration {trainer.iteration} evaluation"):
+                metrics.update(evaluator(trainer, trainer.iteration))
 
     trainer.on_iteration_end = on_iteration_end
     return evaluator, samples
@@ -212,48 +343,42 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
     from puzzle.data.prompts import PromptLoader
     from puzzle.parallel.groups import DeviceSharingError, init_distributed
     from puzzle.reward_functions import BadRewardError
-    from puzzle.trainer import PPOTrainer
+    from puzzle.trainer import PhaseLog, PPOTrainer
     from puzzle.training.nonfinite import NonFiniteError
 
     start = time.time()
     ckpt_step = cfg.ckpt_step
-    if cfg.load:  # metadata and file sizes only: a wrong model shape or a missing file fails here
-        try:
-            checkpointing.check_checkpoint(cfg, cfg.load, ckpt_step)
-        except checkpointing.CheckpointError as e:
-            _error_once(str(e))
-            return 2
     try:
         init_distributed(backend=cfg.ops.distributed_backend, timeout_minutes=cfg.ops.distributed_timeout_minutes)
     except DeviceSharingError as e:
-        _error_once(str(e))
-        return 2
+        return _fail(str(e), 2)
     progress = run_control.Progress()
+    phase = PhaseLog(launcher.rank())
     exit_control = run_control.ExitControl(cfg.ops, start)
     trainer = None
     try:
         if cfg.load:  # checksums, the ranks sharing the work; still before any model is built
             progress(0, "checkpoint verification")
-            ckpt_step = checkpointing.verify_checkpoint(cfg.load, ckpt_step)
+            with phase("checkpoint verification"):
+                ckpt_step = checkpointing.verify_checkpoint(cfg.load, ckpt_step)
         loader = PromptLoader(dataset.prompts, cfg.ppo.rollout_batch_size, dp_rank=0, dp_size=1,
                               seed=cfg.seed)
         progress(0, "model building")
-        trainer = PPOTrainer(cfg, tokenizer, dataset)
+        with phase("model building"):
+            trainer = PPOTrainer(cfg, tokenizer, dataset)
         trainer.progress = progress
         if cfg.load and ckpt_step is not None:
             progress(0, "checkpoint loading")
-            checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
-                                          load_rng=cfg.load_rng, iteration=ckpt_step)
+            with phase(f"checkpoint loading (iteration {ckpt_step})"):
+                checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
+                                              load_rng=cfg.load_rng, iteration=ckpt_step)
         _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_dataset, tokenizer)
     except checkpointing.CheckpointError as e:
-        _error_once(str(e))
-        return _shutdown(trainer, 2)
+        return _shutdown(trainer, _fail(str(e), 2))
     except NonFiniteError as e:
-        _error_once(str(e))
-        return _shutdown(trainer, 3)
+        return _shutdown(trainer, _fail(str(e), 3))
     except BadRewardError as e:  # raised on every rank alike (--on-bad-reward error)
-        _error_once(str(e))
-        return _shutdown(trainer, 1)
+        return _shutdown(trainer, _fail(str(e), 1))
     except RuntimeError as e:
         if run_control.is_timeout(e):
             run_control.abort(run_control.describe_timeout(progress, e, cfg.ops.distributed_timeout_minutes))
@@ -272,7 +397,9 @@ def _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_
     evaluator, samples = _watch(trainer, cfg, tokenizer, eval_dataset)
     if evaluator is not None and trainer.iteration == 0:  # before training (a resumed run has its own)
         progress(0, "evaluation")
-        trainer.logger.log({"iteration": 0, **evaluator(trainer, 0)})
+        with trainer.phase("evaluation (before training)"):
+            before = evaluator(trainer, 0)
+        trainer.logger.log({"iteration": 0, **before})
 
     def next_prompts():  # token ids and the records' other fields (ground truth for rewards)
         pb = next(loader)
@@ -301,7 +428,8 @@ def _save(trainer, loader, cfg, progress) -> None:
     from puzzle import checkpointing
 
     progress(trainer.iteration, "checkpoint saving")
-    checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+    with trainer.phase(f"checkpoint saving (iteration {trainer.iteration})"):
+        checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
 
 
 def _shutdown(trainer, code: int) -> int:

@@ -650,7 +650,10 @@ class RunConfig:
     tokenizer_model: Optional[str] = flag(None, _DATA, type=str)
     prompt_data: Optional[str] = flag(
         None, _DATA, "Prompt file (JSONL/Parquet/Arrow); default: bundled tiny set.", type=str)
-    prompt_key: str = flag("prompt", _DATA)
+    prompt_key: str = flag("prompt", _DATA, "The prompt's field in each record; a dotted path names a nested field.")
+    answer_key: Optional[str] = flag(
+        None, _DATA, "The ground truth's field in each record (the reward functions' 'answer'); a dotted path "
+        "names a nested field, e.g. reward_model.ground_truth in verl's parquet files.", type=str)
     prompt_split: str = flag("train", _DATA, "Split of a hub dataset (--prompt-data NAME).")
     prompt_overflow: str = flag(
         "truncate_left", _DATA, "Prompts longer than the prompt budget: keep the end, keep the start, or drop "

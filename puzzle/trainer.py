@@ -16,7 +16,9 @@ gae, no reference when KL enters neither the reward nor the loss (puzzle.argumen
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
@@ -32,6 +34,30 @@ from puzzle.training.engine import ModelEngine, build_role_engines
 from puzzle.training.offload import StageOffload
 from puzzle.training.scoring_stage import MicroBatching, ScoringStage
 from puzzle.training.training_stage import TrainingStage
+
+
+class PhaseLog:
+    """Rank 0's timed lines, so that a long run is never silent: ``[phase] NAME ...`` as a phase
+    starts and ``[phase] NAME: 1.23 s`` as it ends (rank 0's wall time). ``phase(NAME)`` is the
+    context of one phase; ``phase(NAME, show=False)`` prints nothing (iterations that
+    --log-interval does not log)."""
+
+    def __init__(self, rank: int):
+        self.enabled = rank == 0
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, show: bool = True):
+        show = show and self.enabled
+        if show:
+            print(f"[phase] {name} ...", flush=True)
+        t0 = time.perf_counter()
+        yield
+        if show:
+            self.ended(name, time.perf_counter() - t0)
+
+    def ended(self, name: str, seconds: float) -> None:
+        if self.enabled:
+            print(f"[phase] {name}: {seconds:.2f} s", flush=True)
 
 
 class PPOTrainer:
@@ -70,6 +96,7 @@ class PPOTrainer:
         self.training = TrainingStage(cfg, self.engines, self.micro, self.switch, self.vocab, self.rank)
         self.iteration = 0
         self.progress = lambda iteration, phase: None  # run_control.Progress: where this rank is
+        self.phase = PhaseLog(self.rank)  # rank 0's timed phase lines
         self.logger = MetricsLogger(cfg.log_dir, cfg.log_interval, cfg.train_iters, self.rank, ops=cfg.ops)
         self.on_iteration_end = lambda batch, metrics: None  # the run loop's additions to the metrics
 
@@ -81,17 +108,28 @@ class PPOTrainer:
         self.iteration += 1
         it = self.iteration
         clock = StageClock(self.runtime, it, self.progress, self.offload)
+        shown = it == 1 or it % self.cfg.log_interval == 0 or it == self.cfg.train_iters  # the phase lines
+
+        def phase(name):
+            return self.phase(f"iteration {it} {name}", show=shown)
+
         with clock.stage("generate", "generation"):
-            rollout = self.generation.run(prompt_ids, records, refill, it)
-            stats = {**rollout.stats, **self.rewards.score_rollout(rollout, it)}
+            with phase("generation"):
+                rollout = self.generation.run(prompt_ids, records, refill, it)
+            with phase("reward"):
+                stats = {**rollout.stats, **self.rewards.score_rollout(rollout, it)}
         batch = rollout.batch
-        with clock.stage("score", "scoring"):
+        with clock.stage("score", "scoring"), phase("scoring"):
             stats.update(self.scoring.run(batch, it))
         stats.update(self.advantages.run(batch))
-        with clock.stage("train", "training"):
+        with clock.stage("train", "training"), phase("training"):
             stats.update(self.training.run(batch, it))
+        switch = self._switch_metrics()
+        if switch and shown:  # overlapped with the actor's optimizer step (or before the generation)
+            self.phase.ended(f"iteration {it} switch to the generation layout (slowest rank)",
+                             switch["switch_seconds"])
         data = getattr(getattr(self.prompts, "stats", None), "as_dict", dict)()
-        metrics = {"iteration": it, **stats, **self._switch_metrics(),
+        metrics = {"iteration": it, **stats, **switch,
                    **{f"prompts_{k}": v for k, v in data.items()}, **clock.metrics(batch.size)}
         self.on_iteration_end(batch, metrics)  # collective (puzzle.cli: learning rates, evaluation)
         self.logger.log(metrics)

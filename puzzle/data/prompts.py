@@ -1,10 +1,13 @@
 """Prompt datasets and the deterministic, resumable, data-parallel prompt iterator.
 
-``load_prompt_dataset`` reads local JSONL / Parquet / Arrow files or an HF hub dataset name
-(``--prompt-data PATH|NAME``,
-``--prompt-key KEY``) through HF ``datasets``, tokenizes every prompt once (optionally through
-the tokenizer's chat template) and applies the prompt budget (``max_prompt_len``: truncate left
-or right, or drop), counting what it did in ``PromptDataset.stats``.
+``load_prompt_dataset`` reads local JSONL files itself, and Parquet / Arrow files or an HF hub
+dataset name (``--prompt-data PATH|NAME``, ``--prompt-key KEY``) through HF ``datasets``;
+it tokenizes every prompt once (optionally through the tokenizer's chat template) and applies
+the prompt budget (``max_prompt_len``: truncate left or right, or drop), counting what it did in
+``PromptDataset.stats``. ``--answer-key KEY`` names
+the ground truth the reward functions read as the record's ``answer``. Both keys may name a
+nested field with dots (verl's parquet files: ``--answer-key reward_model.ground_truth``); a
+field whose own name contains the dots is taken first.
 
 A malformed record raises ``PromptDataError`` naming the file and the line (JSONL, 1-based) or
 the row (Parquet/Arrow, 0-based); with ``skip_bad_records=True`` it is skipped and counted.
@@ -69,6 +72,48 @@ class PromptDataset:
 
 
 # ---- reading -----------------------------------------------------------------------------------
+ANSWER_FIELD = "answer"  # the record field the reward functions read (reward_functions.builtin)
+
+
+def nested_field(record: Any, key: str) -> Tuple[bool, Any]:
+    """(found, value) of ``key`` in ``record``: the field of that name, else the dotted path
+    (``reward_model.ground_truth``: the ``ground_truth`` field of the ``reward_model`` object)."""
+    if isinstance(record, dict) and key in record:
+        return True, record[key]
+    head, dot, rest = key.partition(".")
+    if not dot or not isinstance(record, dict) or head not in record:
+        return False, None
+    return nested_field(record[head], rest)
+
+
+def _missing(record: Any, key: str, flag: str) -> str:
+    """Why ``key`` is not in ``record``, naming the level where the path ends."""
+    parts, node, path = key.split("."), record, []
+    for part in parts:  # walk as far as the path goes
+        if not isinstance(node, dict) or part not in node:
+            break
+        node, path = node[part], path + [part]
+    keys = ", ".join(map(str, node)) if isinstance(node, dict) else ""
+    if not path:
+        detail = f"keys: {keys or 'none'}"
+    elif isinstance(node, dict):
+        detail = f"{'.'.join(path)!r} has {keys or 'no fields'}"
+    else:
+        detail = f"{'.'.join(path)!r} is {'null' if node is None else 'a ' + type(node).__name__}"
+    return f"no key {key!r} ({detail}; see {flag})"
+
+
+def _with_answer(others: Dict[str, Any], record: Dict[str, Any], answer_key: Optional[str]) -> Optional[str]:
+    """Sets ``others["answer"]`` from ``answer_key`` (None: the record as it is); why not, if it cannot."""
+    if answer_key is None:
+        return None
+    found, value = nested_field(record, answer_key)
+    if not found or value is None:
+        return _missing(record, answer_key, "--answer-key") if not found else f"{answer_key!r} is null"
+    others[ANSWER_FIELD] = value
+    return None
+
+
 def _check_value(value: Any, chat: bool) -> Optional[str]:
     """None when ``value`` is a usable prompt, else why not."""
     if isinstance(value, str):
@@ -85,7 +130,7 @@ def _check_value(value: Any, chat: bool) -> Optional[str]:
     return f"prompt must be a string{' or a list of messages' if chat else ''}, got {type(value).__name__}"
 
 
-def _read_jsonl(path: str, key: str, chat: bool, skip: bool, stats: PromptStats
+def _read_jsonl(path: str, key: str, chat: bool, skip: bool, stats: PromptStats, answer_key: Optional[str] = None
                 ) -> Tuple[List[Any], List[str], List[Dict[str, Any]]]:
     values, origins, others = [], [], []
     with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is an error of that line
@@ -102,25 +147,28 @@ def _read_jsonl(path: str, key: str, chat: bool, skip: bool, stats: PromptStats
             except json.JSONDecodeError as e:
                 err = f"invalid JSON ({e.msg} at column {e.colno})"
             else:
+                other = {}
                 if not isinstance(rec, dict):
                     err = f"not a JSON object (got {type(rec).__name__})"
-                elif key not in rec:
-                    err = f"no key {key!r} (keys: {', '.join(map(str, rec)) or 'none'}; see --prompt-key)"
+                elif not nested_field(rec, key)[0]:
+                    err = _missing(rec, key, "--prompt-key")
                 else:
-                    err = _check_value(rec[key], chat)
+                    other = {k: v for k, v in rec.items() if k != key}
+                    err = _check_value(nested_field(rec, key)[1], chat) or _with_answer(other, rec, answer_key)
             if err:
                 if skip:
                     stats.bad_records += 1
                     continue
                 raise PromptDataError(f"{path}:{lineno}: {err}")
-            values.append(rec[key])
+            values.append(nested_field(rec, key)[1])
             origins.append(f"{path}:{lineno}")
-            others.append({k: v for k, v in rec.items() if k != key})
+            others.append(other)
     return values, origins, others
 
 
 def _read_table(path: str, fmt: str, key: str, chat: bool, skip: bool, stats: PromptStats,
-                cache_dir: Optional[str], split: str = "train") -> Tuple[List[Any], List[str], List[Dict[str, Any]]]:
+                cache_dir: Optional[str], split: str = "train", answer_key: Optional[str] = None
+                ) -> Tuple[List[Any], List[str], List[Dict[str, Any]]]:
     import datasets
 
     try:
@@ -143,14 +191,19 @@ def _read_table(path: str, fmt: str, key: str, chat: bool, skip: bool, stats: Pr
     except Exception as e:
         what = f"the hub dataset (split {split!r})" if fmt == "hub" else fmt
         raise PromptDataError(f"{path}: cannot read as {what}: {e}") from e
-    if key not in ds.column_names:
-        raise PromptDataError(f"{path}: no column {key!r} (columns: {', '.join(ds.column_names)}; "
+    column = key if key in ds.column_names else key.partition(".")[0]  # a nested key: its top column
+    if column not in ds.column_names:
+        raise PromptDataError(f"{path}: no column {column!r} (columns: {', '.join(ds.column_names)}; "
                               f"see --prompt-key)")
     values, origins, others = [], [], []
-    columns = {c: ds[c] for c in ds.column_names if c != key}
-    for row, value in enumerate(ds[key]):
+    columns = {c: ds[c] for c in ds.column_names if c != column}
+    for row, top in enumerate(ds[column]):
         stats.records += 1
-        err = _check_value(value, chat)
+        record = {column: top, **{c: col[row] for c, col in columns.items()}}
+        found, value = nested_field(record, key)
+        other = {c: col[row] for c, col in columns.items()}
+        err = (_check_value(value, chat) if found else _missing(record, key, "--prompt-key")) \
+            or _with_answer(other, record, answer_key)
         if err:
             if skip:
                 stats.bad_records += 1
@@ -158,29 +211,24 @@ def _read_table(path: str, fmt: str, key: str, chat: bool, skip: bool, stats: Pr
             raise PromptDataError(f"{path}: row {row}: {err}")
         values.append(value)
         origins.append(f"{path}:row{row}")
-        others.append({c: col[row] for c, col in columns.items()})
+        others.append(other)
     return values, origins, others
-
-
-def _hf_dataset(values: List[Any], key: str):
-    """The validated records as an HF ``datasets.Dataset`` (strings, or message lists)."""
-    import datasets
-
-    return datasets.Dataset.from_dict({key: values})
 
 
 def load_prompt_dataset(path: str, tokenizer, prompt_key: str = "prompt", *,
                         max_prompt_len: Optional[int] = None, overflow: str = "truncate_left",
                         apply_chat_template: bool = False, add_bos: bool = False,
                         skip_bad_records: bool = False, cache_dir: Optional[str] = None,
-                        split: str = "train") -> PromptDataset:
+                        split: str = "train", answer_key: Optional[str] = None) -> PromptDataset:
     """Read and tokenize the prompts of a local JSONL / Parquet / Arrow file (or a directory
     written by ``datasets.Dataset.save_to_disk``).
 
     overflow: what to do with a prompt longer than ``max_prompt_len`` tokens:
     'truncate_left' (keep the last tokens: the end of a prompt is what the answer follows),
     'truncate_right' (keep the first tokens) or 'drop'. Counted in ``stats``.
-    A string prompt with ``apply_chat_template`` becomes one user message.
+    A string prompt with ``apply_chat_template`` becomes one user message. ``answer_key``: each
+    record's ground truth, a field or a dotted path, kept as the record's ``answer`` (a record
+    without it is malformed); None keeps the records as they are.
     """
     if overflow not in OVERFLOW:
         raise ValueError(f"overflow must be one of {OVERFLOW}, got {overflow!r}")
@@ -202,15 +250,14 @@ def load_prompt_dataset(path: str, tokenizer, prompt_key: str = "prompt", *,
     if fmt != "hub" and not os.path.isdir(path) and split != "train":
         raise PromptDataError(f"--prompt-split {split!r}: {path} is one file, without splits")
     if fmt == "json":
-        values, origins, others = _read_jsonl(path, prompt_key, apply_chat_template, skip_bad_records, stats)
-        if apply_chat_template:  # one Arrow type per column: strings become one user message
+        values, origins, others = _read_jsonl(path, prompt_key, apply_chat_template, skip_bad_records, stats,
+                                              answer_key)
+        if apply_chat_template:  # as a table's rows come: strings become one user message
             values = [[{"role": "user", "content": v}] if isinstance(v, str) else
                       [{"role": m["role"], "content": m["content"]} for m in v] for v in values]
-        ds = _hf_dataset(values, prompt_key)  # one representation downstream: an HF Dataset
-        values = ds[prompt_key]
     else:
         values, origins, others = _read_table(path, fmt, prompt_key, apply_chat_template, skip_bad_records,
-                                              stats, cache_dir, split)
+                                              stats, cache_dir, split, answer_key)
     prompts, kept, kept_records = [], [], []
     for value, origin, other in zip(values, origins, others):
         if apply_chat_template:

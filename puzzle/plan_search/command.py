@@ -258,8 +258,30 @@ def lever_argv(levers: Dict[str, object]) -> List[str]:
     return out
 
 
+SEARCH_USAGE = ("search_plan.py --world-size N [--ranks-per-node R] [--profile FILE|NAME] [--save-plan FILE] "
+                "[--json] [--exhaustive] <the job's train_ppo.py flags>")
+SEARCH_DESCRIPTION = """\
+Search every model's layout (P, D, T[, E]) and each stage's placement for a job of --world-size
+ranks (--ranks-per-node per node), from the job's own train_ppo.py flags (model shapes, batch
+sizes, lengths, memory levers) and a device profile (--profile: the bundled a100_80gb, or the
+JSON of python -m puzzle.tools.profile). The search's own options come first below, then the
+flags it shares with train_ppo.py (--world-size, --ranks-per-node and --profile among them).
+
+example: LLaMA-2-7B PPO on 2 nodes of 8 GPUs, the plan saved for train_ppo.py --plan-file
+  python search_plan.py --world-size 16 --ranks-per-node 8 \\
+      --num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 \\
+      --seq-length 2048 --max-position-embeddings 4096 --normalization RMSNorm --swiglu \\
+      --untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 32000 --bf16 \\
+      --micro-batch-size 4 --global-batch-size 64 --rollout-batch-size 128 --max-new-tokens 512 \\
+      --save-plan plan.json
+
+The search prices the flags it is given: a run with memory levers (recompute, offload, a KV
+budget) needs them here too. A launch script's plan, from all of its own flags, without GPUs:
+  bash examples/run_ppo_7b.sh --dry-run --plan auto      (--plan auto: the run searches at start)"""
+
+
 def _add_search_args(parser) -> None:
-    g = parser.add_argument_group("plan search")
+    g = parser.add_argument_group("plan search (this command's own options)")
     g.add_argument("--json", action="store_true", help="Print the result as JSON.")
     g.add_argument("--exhaustive", action="store_true", help="Also run the exhaustive search and report the gap.")
     g.add_argument("--save-plan", type=str, default=None, help="Write the plan file for train_ppo.py --plan-file.")
@@ -272,8 +294,8 @@ def search_main(argv: Optional[List[str]] = None) -> int:
     from puzzle.tools.fail_fast import report_usage_error
 
     try:
-        parser = build_parser(prog="search_plan.py", raise_errors=True)
-        _add_search_args(parser)
+        parser = build_parser(prog="search_plan.py", raise_errors=True, own_options=_add_search_args,
+                              usage=SEARCH_USAGE, description=SEARCH_DESCRIPTION)
         args = parser.parse_args(argv)
         cfg = config_for_planning(args)
         profile = load_profile(args.profile or "a100_80gb")

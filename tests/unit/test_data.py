@@ -103,6 +103,48 @@ def test_jsonl_parquet_and_arrow_load_the_same(tmp_path, byte_tok):
         load_prompt_dataset(pq, byte_tok, "prompt", cache_dir=cache)
 
 
+def test_verl_parquet_with_a_nested_answer_key(tmp_path, byte_tok):
+    """verl's layout read as it is: message-list prompts, the ground truth under
+    reward_model.ground_truth (--answer-key) kept as the record's 'answer' that the reward
+    functions read; a record without it is named; without --answer-key the records stay as they are."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from puzzle.arguments import parse_args
+    from puzzle.reward_functions.builtin import exact_match
+
+    sums = [(1, 2), (4, 4), (9, 0)]
+    rows = [{"data_source": "sums", "prompt": [{"role": "user", "content": f"{a}+{b}="}], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+             "extra_info": {"split": "train", "index": i}} for i, (a, b) in enumerate(sums)]
+    path = str(tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    cache = str(tmp_path / "cache")
+    ds = load_prompt_dataset(path, byte_tok, "prompt", apply_chat_template=True, cache_dir=cache,
+                             answer_key="reward_model.ground_truth")
+    assert [byte_tok.decode(p) for p in ds.prompts] == [f"user: {a}+{b}=\nassistant: " for a, b in sums]
+    assert [r["answer"] for r in ds.records] == ["3", "8", "9"]
+    assert ds.records[2]["reward_model"] == {"style": "rule", "ground_truth": "9"}
+    assert exact_match([], ["3", "8", "8"], ds.records) == [1.0, 1.0, 0.0]
+    plain = load_prompt_dataset(path, byte_tok, "prompt", apply_chat_template=True, cache_dir=cache)
+    assert all("answer" not in r for r in plain.records)
+    # the same nested key in JSONL; a record without it is malformed, named with where the path ends
+    lines = [json.dumps({k: rows[i][k] for k in ("prompt", "reward_model")}) for i in range(3)]
+    lines[1] = json.dumps({"prompt": rows[1]["prompt"], "reward_model": {"style": "rule"}})
+    jl = _write_jsonl(tmp_path / "p.jsonl", lines)
+    with pytest.raises(PromptDataError, match=r"p\.jsonl:2: no key 'reward_model\.ground_truth' "
+                                              r"\('reward_model' has style; see --answer-key\)"):
+        load_prompt_dataset(jl, byte_tok, apply_chat_template=True, answer_key="reward_model.ground_truth")
+    ds = load_prompt_dataset(jl, byte_tok, apply_chat_template=True, answer_key="reward_model.ground_truth",
+                             skip_bad_records=True)
+    assert [r["answer"] for r in ds.records] == ["3", "9"] and ds.stats.bad_records == 1
+    pq.write_table(pa.Table.from_pylist([dict(rows[0], reward_model=None)]), path)
+    with pytest.raises(PromptDataError, match=r"row 0: no key 'reward_model.ground_truth' \('reward_model' is null"):
+        load_prompt_dataset(path, byte_tok, apply_chat_template=True, cache_dir=cache,
+                            answer_key="reward_model.ground_truth")
+    assert parse_args(["--answer-key", "reward_model.ground_truth"]).answer_key == "reward_model.ground_truth"
+
+
 def test_prompt_split_is_read_or_refused(tmp_path, byte_tok):
     import datasets
     splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a", "b"]}),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from puzzle.arguments import ArgumentError, parse_args, plan_flags, validate_args
+from puzzle.arguments import ArgumentError, config_for_planning, parse_args, plan_flags, validate_args
 from puzzle.plan_search.command import search_main
 from puzzle.plan_layouts import read_plan_document
 
@@ -48,6 +48,20 @@ def test_search_plan_json_and_plan_file(tmp_path, capsys):
     direct = validate_args(args, 8, 32000, check_paths=False, layouts=read_plan_document(doc))
     assert vars(args) == before
     assert direct == cfg
+
+
+def test_search_help_shows_its_own_options_first_and_a_valid_example(capsys):
+    import shlex
+
+    with pytest.raises(SystemExit) as e:
+        search_main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: search_plan.py --world-size N")
+    assert out.index("--save-plan SAVE_PLAN") < out.index("--num-layers NUM_LAYERS") < out.index("--world-size WORLD")
+    example = out[out.index("  python search_plan.py "):].split("\n\n")[0]
+    argv = shlex.split(example.replace("\\\n", " "))[2:]
+    assert argv[-2:] == ["--save-plan", "plan.json"]  # the rest: valid train_ppo.py flags for 16 ranks
+    assert config_for_planning(parse_args(argv[:-2])).world_size == 16
 
 
 def test_searched_time_sharing_runs_as_searched():
