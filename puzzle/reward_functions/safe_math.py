@@ -22,7 +22,9 @@ import re
 from fractions import Fraction
 from typing import List, Tuple
 
-import sympy
+#: sympy, imported by the first parse: importing it costs ~2 s, which every reward worker process
+#: would pay at start even when its reward function never parses an answer
+sympy = None
 
 MAX_LENGTH = 300
 MAX_POWER_BITS = 100_000
@@ -180,7 +182,16 @@ def parse_math(text: str):
     """The sympy object ``text`` denotes (see the module docstring); MathParseError otherwise."""
     if len(text) > MAX_LENGTH:
         raise MathParseError(f"longer than {MAX_LENGTH} characters")
+    _import_sympy()
     return _Parser(text).parse()
+
+
+def _import_sympy() -> None:
+    global sympy
+    if sympy is None:
+        import sympy as module
+
+        sympy = module
 
 
 def math_equal(a: str, b: str, rel_tol: float = 1e-9) -> bool:
