@@ -36,7 +36,8 @@ SHARED_WORLDS = (
     (4, ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py", "distributed/worlds/moe.py",
          "distributed/worlds/moe_switch.py", "distributed/worlds/long_context.py")),
     (4, ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
-         "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py")),
+         "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py",
+         "distributed/worlds/save_reliability.py")),
     (1, ("distributed/worlds/tiny_runs.py", "distributed/worlds/vocab_rows.py", "distributed/worlds/moe.py")),
 )
 SHARED_TIMEOUT = 1150  # under scripts/test.sh's per-test --timeout
