@@ -62,6 +62,7 @@ from puzzle.config import ROLES
 from puzzle.models.init import is_expert_param
 from puzzle.models.param_names import HEAD_LOCAL_NAME, drop_extra_state
 from puzzle.parallel.device import runtime
+from puzzle.save_failures import SavePhases, first_line as _first_line, summarize as _summarize
 
 FORMAT = 1
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -491,55 +492,98 @@ def _delete_older(root: str, keep: int) -> None:
 
 def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None) -> str:
     """Collective: write every rank's part of iteration ``trainer.iteration`` under ``root``;
-    ``keep_last``: then delete all but the newest ``keep_last`` checkpoints."""
-    from megatron.core import dist_checkpointing
+    ``keep_last``: then delete all but the newest ``keep_last`` checkpoints.
 
+    A failure on any rank is a SaveError on that rank naming it and the phase (a failed write
+    that megatron reports is one on every rank); the previous checkpoint stays the latest.
+    The files are written by threads of this process (megatron_patches.checkpoint_writes_in_process:
+    nothing forks)."""
     t0 = time.perf_counter()
-    rank, it = dist.get_rank(), trainer.iteration
+    phase = SavePhases(getattr(trainer, "progress", None), trainer.iteration, _still_latest(root))
+    rank, it = phase.rank, trainer.iteration
     final = iter_dir(root, it)
     tmp = final + ".tmp"
     trainable = [r for r, e in trainer.engines.items() if e.trainable]
-    if rank == 0:
-        if os.path.exists(tmp):  # left by a save that died
-            shutil.rmtree(tmp)
-        for sub in trainable + ["rng"]:
-            os.makedirs(os.path.join(tmp, sub))
+    with phase(f"creating {tmp}"):
+        if rank == 0:
+            if os.path.exists(tmp):  # left by a save that died
+                shutil.rmtree(tmp)
+            for sub in trainable + ["rng"]:
+                os.makedirs(os.path.join(tmp, sub))
     dist.barrier()
-    for role in trainable:
-        sd = _role_sharded_state_dict(trainer.engines[role], is_loading=False, with_optimizer=True)
-        dist_checkpointing.save(sd, os.path.join(tmp, role))
-        _maybe_fail(trainer.cfg.faults, rank, it)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-    meta = run_metadata(trainer.cfg)
-    meta["fingerprints"] = {r: weight_fingerprint(e) for r, e in trainer.engines.items()
-                            if not e.trainable}
-    if rank == 0:
-        state = {**trainer.state_dict(), "loader": loader.state_dict() if loader is not None else None}
-        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
-            json.dump(state, f, indent=1)
+    fingerprints = _write_parts(trainer, loader, tmp, trainable, phase)
     dist.barrier()  # every rank has written its files: checksum them, then the manifest
-    files = _checksum_files(tmp)
-    if rank == 0:
-        meta["iteration"] = it
-        meta["files"] = files
-        with open(os.path.join(tmp, METADATA), "w") as f:
-            json.dump(meta, f, indent=1)
+    with phase("checksumming the files"):
+        files = _checksum_files(tmp)
+    with phase(f"writing {METADATA}"):
+        if rank == 0:
+            meta = run_metadata(trainer.cfg)
+            meta["fingerprints"], meta["iteration"], meta["files"] = fingerprints, it, files
+            with open(os.path.join(tmp, METADATA), "w") as f:
+                json.dump(meta, f, indent=1)
     dist.barrier()  # every rank has written everything: publish
-    if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        tracker = os.path.join(root, TRACKER)
-        with open(tracker + ".tmp", "w") as f:
-            f.write(f"{it}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker + ".tmp", tracker)
-        if keep_last:
+    with phase("publishing it"):
+        if rank == 0:
+            _publish(root, tmp, final, it)
+    with phase("deleting older checkpoints"):
+        if rank == 0 and keep_last:
             _delete_older(root, keep_last)
     dist.barrier()
     _log(f"saved iteration {it} to {final} in {time.perf_counter() - t0:.2f}s")
     return final
+
+
+def _write_parts(trainer, loader, tmp: str, trainable: List[str], phase: SavePhases) -> dict:
+    """Every rank's files of the checkpoint: each trainable role's dist checkpoint, its RNG file,
+    and (rank 0) the trainer state. Returns the frozen roles' weight fingerprints (collective)."""
+    from megatron.core import dist_checkpointing
+
+    rank, it = phase.rank, phase.iteration
+    for role in trainable:
+        with phase(f"writing {role}"):
+            sd = _role_sharded_state_dict(trainer.engines[role], is_loading=False, with_optimizer=True)
+            dist_checkpointing.save(sd, os.path.join(tmp, role))
+            _maybe_fail(trainer.cfg.faults, rank, it)
+    with phase("writing the RNG states"):
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+    with phase("fingerprinting the frozen models"):
+        fingerprints = {r: weight_fingerprint(e) for r, e in trainer.engines.items() if not e.trainable}
+    with phase(f"writing {TRAINER_STATE}"):
+        if rank == 0:
+            state = {**trainer.state_dict(), "loader": loader.state_dict() if loader is not None else None}
+            with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
+                json.dump(state, f, indent=1)
+    return fingerprints
+
+
+def _still_latest(root: str) -> str:
+    """What a failed save leaves as the latest checkpoint (the one published before it began)."""
+    try:
+        latest = read_tracker(root)
+    except CheckpointError:
+        latest = None
+    if latest is None:
+        return f"no checkpoint under {root} is complete yet"
+    return f"the latest checkpoint is still iteration {latest} ({iter_dir(root, latest)})"
+
+
+def _publish(root: str, tmp: str, final: str, it: int) -> None:
+    """Rank 0: ``tmp`` becomes ``final``, then the tracker names it (written whole, then renamed
+    over the old one): the tracker only ever names a published directory."""
+    if os.path.exists(final):  # a re-save of this iteration: the old copy goes aside, then away
+        aside = final + ".old"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside)
+    else:
+        os.rename(tmp, final)
+    tracker = os.path.join(root, TRACKER)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(f"{it}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker + ".tmp", tracker)
 
 
 # ---- verify and load ------------------------------------------------------------------------------
@@ -603,24 +647,6 @@ def verify_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[in
                               + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
                               + f"; {other}")
     raise CheckpointError(f"{root}: no {TRACKER} and no intact iter_* checkpoint")
-
-
-def _summarize(exc: BaseException) -> str:
-    """One line for an exception of torch's dist checkpoint (its CheckpointException lists every
-    rank's traceback; it derives from BaseException)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) else first  # (exception, stack summary)
-        ranks = ", ".join(map(str, sorted(failures)))
-        return f"{type(inner).__name__}: {_first_line(inner)} (ranks {ranks})"
-    return f"{type(exc).__name__}: {_first_line(exc)}"
-
-
-def _first_line(exc: BaseException, limit: int = 300) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else ""
-    return line if len(line) <= limit else line[:limit] + " ..."
 
 
 def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load_rng: bool = True,

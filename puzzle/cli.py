@@ -339,7 +339,7 @@ def _watch(trainer, cfg, tokenizer, eval_dataset):
 def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
     import time
 
-    from puzzle import checkpointing, run_control
+    from puzzle import checkpointing, run_control, save_failures
     from puzzle.data.prompts import PromptLoader
     from puzzle.parallel.groups import DeviceSharingError, init_distributed
     from puzzle.reward_functions import BadRewardError
@@ -379,6 +379,8 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
         return _shutdown(trainer, _fail(str(e), 3))
     except BadRewardError as e:  # raised on every rank alike (--on-bad-reward error)
         return _shutdown(trainer, _fail(str(e), 1))
+    except save_failures.SaveError as e:  # one rank's message; another rank may be inside the save
+        save_failures.exit_after_failed_save(e)
     except RuntimeError as e:
         if run_control.is_timeout(e):
             run_control.abort(run_control.describe_timeout(progress, e, cfg.ops.distributed_timeout_minutes))

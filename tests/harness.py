@@ -37,7 +37,8 @@ SHARED_WORLDS = (
          "distributed/worlds/moe_switch.py", "distributed/worlds/long_context.py",
          "distributed/worlds/megatron_checkpoint.py")),  # last: it sets megatron's global state up and down
     (4, ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
-         "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py")),
+         "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py",
+         "distributed/worlds/save_reliability.py")),
     (1, ("distributed/worlds/tiny_runs.py", "distributed/worlds/vocab_rows.py", "distributed/worlds/moe.py")),
 )
 SHARED_TIMEOUT = 1150  # under scripts/test.sh's per-test --timeout

@@ -7,8 +7,8 @@ hide an arrow. The layers, from the bottom:
     0  config, config_flags, plan_layouts, parallel       (flags' values, process layouts)
     1  models                                             (GPTModel builders, parameter layout/names)
     2  training, rollout, pipeline, switch, algorithms, data
-    3  trainer, checkpointing, generation_stage, reward_functions, metrics, run_control, evaluation,
-       weight_sources
+    3  trainer, checkpointing, save_failures, generation_stage, reward_functions, metrics, run_control,
+       evaluation, weight_sources
     4  cli, arguments, flag_checks, tools, bench, plan_search  (command line and tools)
 
 A module may import its own layer or any layer below. Below the command line (layers 0-3) nothing
@@ -35,8 +35,8 @@ LAYERS = [
     {"config", "config_flags", "plan_layouts", "parallel"},
     {"models"},
     {"training", "rollout", "pipeline", "switch", "algorithms", "data"},
-    {"trainer", "checkpointing", "generation_stage", "reward_functions", "metrics", "run_control", "evaluation",
-     "weight_sources"},
+    {"trainer", "checkpointing", "save_failures", "generation_stage", "reward_functions", "metrics", "run_control",
+     "evaluation", "weight_sources"},
     {"cli", "arguments", "flag_checks", "tools", "bench", "plan_search"},
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
