@@ -51,8 +51,8 @@ import random
 import re
 import shutil
 import time
-from dataclasses import asdict
-from typing import Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,21 @@ _FINGERPRINT_RTOL = 1e-6
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed by this run; the message names the file and the problem."""
+
+
+@dataclass
+class Checkpointed:
+    """What a checkpoint holds, handed over by its owner (the trainer): the run's configuration
+    (metadata, optimizer kind, --finetune, injected faults), the role engines (weights, optimizer
+    states), ``state`` (a Stateful with an ``iteration``: the run's counters and the stages' small
+    state, trainer_state.json) and the prompt ``loader`` (a Stateful, or None). ``progress``
+    (iteration, phase) hears each phase of a save."""
+
+    cfg: object
+    engines: Dict[str, object]
+    state: object
+    loader: Optional[object] = None
+    progress: Optional[Callable[[int, str], None]] = None
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -490,8 +505,8 @@ def _delete_older(root: str, keep: int) -> None:
         print(f"[checkpoint] deleted {iter_dir(root, it)} (--keep-last-checkpoints {keep})", flush=True)
 
 
-def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None) -> str:
-    """Collective: write every rank's part of iteration ``trainer.iteration`` under ``root``;
+def save_checkpoint(parts: "Checkpointed", root: str, keep_last: Optional[int] = None) -> str:
+    """Collective: write every rank's part of iteration ``parts.state.iteration`` under ``root``;
     ``keep_last``: then delete all but the newest ``keep_last`` checkpoints.
 
     A failure on any rank is a SaveError on that rank naming it and the phase (a failed write
@@ -499,11 +514,11 @@ def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None)
     The files are written by threads of this process (megatron_patches.checkpoint_writes_in_process:
     nothing forks)."""
     t0 = time.perf_counter()
-    phase = SavePhases(getattr(trainer, "progress", None), trainer.iteration, _still_latest(root))
-    rank, it = phase.rank, trainer.iteration
+    phase = SavePhases(parts.progress, parts.state.iteration, _still_latest(root))
+    rank, it = phase.rank, parts.state.iteration
     final = iter_dir(root, it)
     tmp = final + ".tmp"
-    trainable = [r for r, e in trainer.engines.items() if e.trainable]
+    trainable = [r for r, e in parts.engines.items() if e.trainable]
     with phase(f"creating {tmp}"):
         if rank == 0:
             if os.path.exists(tmp):  # left by a save that died
@@ -511,13 +526,13 @@ def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None)
             for sub in trainable + ["rng"]:
                 os.makedirs(os.path.join(tmp, sub))
     dist.barrier()
-    fingerprints = _write_parts(trainer, loader, tmp, trainable, phase)
+    fingerprints = _write_parts(parts, tmp, trainable, phase)
     dist.barrier()  # every rank has written its files: checksum them, then the manifest
     with phase("checksumming the files"):
         files = _checksum_files(tmp)
     with phase(f"writing {METADATA}"):
         if rank == 0:
-            meta = run_metadata(trainer.cfg)
+            meta = run_metadata(parts.cfg)
             meta["fingerprints"], meta["iteration"], meta["files"] = fingerprints, it, files
             with open(os.path.join(tmp, METADATA), "w") as f:
                 json.dump(meta, f, indent=1)
@@ -533,7 +548,7 @@ def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None)
     return final
 
 
-def _write_parts(trainer, loader, tmp: str, trainable: List[str], phase: SavePhases) -> dict:
+def _write_parts(parts: "Checkpointed", tmp: str, trainable: List[str], phase: SavePhases) -> dict:
     """Every rank's files of the checkpoint: each trainable role's dist checkpoint, its RNG file,
     and (rank 0) the trainer state. Returns the frozen roles' weight fingerprints (collective)."""
     from megatron.core import dist_checkpointing
@@ -541,16 +556,17 @@ def _write_parts(trainer, loader, tmp: str, trainable: List[str], phase: SavePha
     rank, it = phase.rank, phase.iteration
     for role in trainable:
         with phase(f"writing {role}"):
-            sd = _role_sharded_state_dict(trainer.engines[role], is_loading=False, with_optimizer=True)
+            sd = _role_sharded_state_dict(parts.engines[role], is_loading=False, with_optimizer=True)
             dist_checkpointing.save(sd, os.path.join(tmp, role))
-            _maybe_fail(trainer.cfg.faults, rank, it)
+            _maybe_fail(parts.cfg.faults, rank, it)
     with phase("writing the RNG states"):
         torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     with phase("fingerprinting the frozen models"):
-        fingerprints = {r: weight_fingerprint(e) for r, e in trainer.engines.items() if not e.trainable}
+        fingerprints = {r: weight_fingerprint(e) for r, e in parts.engines.items() if not e.trainable}
     with phase(f"writing {TRAINER_STATE}"):
         if rank == 0:
-            state = {**trainer.state_dict(), "loader": loader.state_dict() if loader is not None else None}
+            state = {**parts.state.state_dict(),
+                     "loader": parts.loader.state_dict() if parts.loader is not None else None}
             with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
                 json.dump(state, f, indent=1)
     return fingerprints
@@ -649,9 +665,9 @@ def verify_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[in
     raise CheckpointError(f"{root}: no {TRACKER} and no intact iter_* checkpoint")
 
 
-def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load_rng: bool = True,
+def load_checkpoint(parts: "Checkpointed", root: str, *, load_optim: bool = True, load_rng: bool = True,
                     iteration: Optional[int] = None) -> int:
-    """Collective: restore the latest checkpoint under ``root`` into ``trainer`` (and ``loader``).
+    """Collective: restore the latest checkpoint under ``root`` into ``parts``.
 
     Returns the restored iteration (0 when ``root`` has no checkpoint yet: a fresh start).
     Models and optimizers reshard to this run's layouts; with ``load_optim=False`` only weights
@@ -662,16 +678,16 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
     from megatron.core import dist_checkpointing
 
     t0 = time.perf_counter()
-    it = check_checkpoint(trainer.cfg, root, iteration)
+    it = check_checkpoint(parts.cfg, root, iteration)
     if it is None:
         _log(f"no {TRACKER} under {root}: starting from scratch")
         return 0
-    if trainer.cfg.finetune:
-        return _load_weights_only(trainer, root, it, t0)
+    if parts.cfg.finetune:
+        return _load_weights_only(parts, root, it, t0)
     d = iter_dir(root, it)
     meta = json.load(open(os.path.join(d, METADATA)))
-    same_opt = meta["optimizer"]["use_distributed_optimizer"] == trainer.cfg.optim.use_distributed_optimizer
-    for role, eng in trainer.engines.items():
+    same_opt = meta["optimizer"]["use_distributed_optimizer"] == parts.cfg.optim.use_distributed_optimizer
+    for role, eng in parts.engines.items():
         if not eng.trainable:
             continue
         try:  # torch's CheckpointException derives from BaseException, not Exception
@@ -690,10 +706,10 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
             hint = ("" if same_opt or not load_optim else
                     " (saved with use_distributed_optimizer="
                     f"{meta['optimizer']['use_distributed_optimizer']}, this run uses "
-                    f"{trainer.cfg.optim.use_distributed_optimizer}: retry with --no-load-optim)")
+                    f"{parts.cfg.optim.use_distributed_optimizer}: retry with --no-load-optim)")
             raise CheckpointError(f"iteration {it}: loading {role} from {os.path.join(d, role)} failed"
                                   f"{hint}: {_summarize(e)}") from None
-    for role, eng in trainer.engines.items():  # frozen roles: rebuilt from their source; verify
+    for role, eng in parts.engines.items():  # frozen roles: rebuilt from their source; verify
         if eng.trainable:
             continue
         saved = meta.get("fingerprints", {}).get(role)
@@ -704,11 +720,11 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
                                   f"saved run's (fingerprint {saved} vs {now})")
     state = json.load(open(os.path.join(d, TRAINER_STATE)))
     try:
-        trainer.load_state_dict(state)  # also drops the actor's generation copy: it follows the new weights
+        parts.state.load_state_dict(state)  # also drops the actor's generation copy: it follows the new weights
     except ValueError as e:
         raise CheckpointError(f"{os.path.join(d, TRAINER_STATE)}: {e}") from e
-    if loader is not None and state.get("loader") is not None:
-        loader.load_state_dict(state["loader"])
+    if parts.loader is not None and state.get("loader") is not None:
+        parts.loader.load_state_dict(state["loader"])
     if load_rng:
         path = os.path.join(d, "rng", f"rank_{dist.get_rank():05d}.pt")
         if meta["world_size"] != dist.get_world_size():
@@ -719,13 +735,13 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
     dist.barrier()
     _log(f"resumed iteration {it} from {d} in {time.perf_counter() - t0:.2f}s"
          + ("" if load_optim else " (weights only: --no-load-optim)"))
-    return trainer.iteration
+    return parts.state.iteration
 
 
-def _load_weights_only(trainer, root: str, it: int, t0: float) -> int:
+def _load_weights_only(parts: "Checkpointed", root: str, it: int, t0: float) -> int:
     """--finetune: the trainable models' weights of iteration ``it``, at this run's layouts."""
     d = iter_dir(root, it)
-    for role, eng in trainer.engines.items():
+    for role, eng in parts.engines.items():
         if eng.trainable:
             try:
                 load_role_weights(eng, os.path.join(d, role))
@@ -736,7 +752,7 @@ def _load_weights_only(trainer, root: str, it: int, t0: float) -> int:
     dist.barrier()
     _log(f"read the weights of iteration {it} from {d} in {time.perf_counter() - t0:.2f}s "
          f"(--finetune: no optimizer, RNG or run state; starting at iteration 0)")
-    return trainer.iteration
+    return parts.state.iteration
 
 
 def _restore_rng(path: str) -> None:

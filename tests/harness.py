@@ -215,6 +215,14 @@ def assert_same_metrics(actual, expected, keys=None, iterations=None, rel=None, 
 
 
 # ---- a run in this world's processes (world scripts) -----------------------------------------
+def checkpointed(trainer, loader=None):
+    """What a checkpoint of ``trainer`` holds (puzzle.checkpointing.Checkpointed), for the tests
+    that save and load outside ``PPOTrainer.train``."""
+    from puzzle.checkpointing import Checkpointed
+
+    return Checkpointed(trainer.cfg, trainer.engines, trainer.state, loader)
+
+
 def train_in_world(argv, *, print_plan: bool = False) -> dict:
     """What train_ppo.py does with ``argv`` (its flag checks, --plan auto, the prompt loader, the
     loop, --save/--save-interval and --load/--ckpt-step), in this already started world instead of
@@ -259,7 +267,7 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
     rows = []
     try:
         if cfg.load and step is not None:
-            checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
+            checkpointing.load_checkpoint(checkpointed(trainer, loader), cfg.load, load_optim=cfg.load_optim,
                                           load_rng=cfg.load_rng, iteration=step)
         saved = trainer.iteration
         while trainer.iteration < cfg.train_iters:
@@ -267,10 +275,12 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
             rows.append({k: v for k, v in m.items() if not k.startswith(("time_", "switch_seconds"))
                          and k != "samples_per_sec"})
             if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
-                checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+                checkpointing.save_checkpoint(checkpointed(trainer, loader), cfg.save,
+                                              keep_last=cfg.ops.keep_last_checkpoints)
                 saved = trainer.iteration
         if cfg.save and saved != trainer.iteration:
-            checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+            checkpointing.save_checkpoint(checkpointed(trainer, loader), cfg.save,
+                                          keep_last=cfg.ops.keep_last_checkpoints)
     finally:
         trainer.close()
     dist.barrier()

@@ -119,6 +119,13 @@ class ScoringStage:
                 "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
         return [(role, jobs[role]) for role in ROLES if role in self.engines]
 
+    def reward_model_scores(self, batch: RolloutBatch) -> torch.Tensor:
+        """Collective: the reward model's raw scores of every row of ``batch`` (unchecked, kept
+        nowhere; evaluation scores its rows through here)."""
+        outs = run_stage(self.micro.contexts(batch, [("reward", steps.reward_score_step())]), forward_only=True,
+                         placement="sequential")
+        return gather_outputs(outs[0], "scores", self.engines["reward"], batch)
+
     def run(self, batch: RolloutBatch, iteration: int) -> dict:
         """Collective: the scored fields on every rank; raises NonFiniteError on a NaN/inf output."""
         ppo, f = self.cfg.ppo, batch.fields

@@ -28,7 +28,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from tests.harness import tiny_flags, world_main
+from tests.harness import checkpointed, tiny_flags, world_main
 
 WATCHDOG_S = 60
 ONE_RANK = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
@@ -148,7 +148,7 @@ def check_twenty_saves():
                 if it > SAVES:
                     failed = _failed_save(trainer, root, checkpointing, SaveError)
                     break
-                checkpointing.save_checkpoint(trainer, None, root, keep_last=2)
+                checkpointing.save_checkpoint(checkpointed(trainer), root, keep_last=2)
             published.append({"tracker": checkpointing.read_tracker(root), "dirs": sorted(os.listdir(root))})
             dist.barrier()  # every rank has looked before rank 0 starts the next save
         after = {"tracker": checkpointing.read_tracker(root), "dirs": sorted(os.listdir(root)),
@@ -157,7 +157,7 @@ def check_twenty_saves():
             for p in trainer.engines["actor"].module.parameters():
                 p.add_(1.0)
         trainer.iteration = 0
-        after["loaded"] = checkpointing.load_checkpoint(trainer, None, root)
+        after["loaded"] = checkpointing.load_checkpoint(checkpointed(trainer), root)
         after["same_weights"] = checkpointing.weight_fingerprint(trainer.engines["actor"]) == weights
     finally:
         trainer.close()
@@ -188,7 +188,7 @@ def _failed_save(trainer, root, checkpointing, SaveError) -> dict:
 
     with _writer_wrapped(disk_full):
         try:
-            checkpointing.save_checkpoint(trainer, None, root, keep_last=2)
+            checkpointing.save_checkpoint(checkpointed(trainer), root, keep_last=2)
         except SaveError as e:
             return {"message": str(e), "informative": e.informative}
     return {"message": None}
