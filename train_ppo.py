@@ -7,7 +7,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    from puzzle.tools.fail_fast import quiet_startup_warnings
+    from puzzle.fail_fast import quiet_startup_warnings
 
     quiet_startup_warnings()  # megatron-core's TE/Apex notes dropped; warnings once, from rank 0
     import megatron_patches

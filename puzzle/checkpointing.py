@@ -138,7 +138,7 @@ def run_metadata(cfg) -> dict:
                        "gen_plan": _plan_dict(spec.gen_plan), "trainable": bool(spec.trainable)}
         if not spec.trainable:
             roles[role]["source"] = _role_source(cfg, role)
-        elif spec.arch.is_moe:  # puzzle.training.engine: the experts' optimizer apart at every E
+        elif spec.arch.is_moe:  # puzzle.engine.model_engine: the experts' optimizer apart at every E
             roles[role]["experts_optimizer"] = EXPERTS_OWN_OPTIMIZER
     return {"format": FORMAT, "puzzle_version": puzzle.__version__, "world_size": cfg.world_size,
             "seed": cfg.seed, "roles": roles,
@@ -306,7 +306,7 @@ EXPERTS_OWN_OPTIMIZER = "own"
 
 def _expert_optimizer_problems(cfg, role: str, saved: dict) -> List[str]:
     """Trained MoE models keep their experts' optimizer state in an optimizer of their own at
-    every E (puzzle.training.engine), so it resumes at any E. Checkpoints saved at E = 1 before
+    every E (puzzle.engine.model_engine), so it resumes at any E. Checkpoints saved at E = 1 before
     that (no experts_optimizer mark) hold the experts in the dense optimizer: their optimizer state
     does not resume, their weights do (--no-load-optim). At E > 1 megatron always kept experts apart."""
     spec = cfg.roles[role]

@@ -111,7 +111,7 @@ def _checked(argv, world_size: int, report: bool = True):
 
 
 def _report(e: BaseException) -> int:
-    from puzzle.tools.fail_fast import USAGE_EXIT_CODE
+    from puzzle.fail_fast import USAGE_EXIT_CODE
 
     return _fail(str(e), USAGE_EXIT_CODE)
 
@@ -121,7 +121,7 @@ def _eval_dataset(cfg, tokenizer):
     or with --eval-iters 0."""
     from puzzle.arguments import ArgumentError
     from puzzle.data.prompts import load_prompt_dataset
-    from puzzle.evaluation import eval_batches
+    from puzzle.dataflow.evaluation import eval_batches
 
     ev = cfg.evaluation
     if not ev.enabled:
@@ -311,8 +311,8 @@ def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
     from puzzle import checkpointing, run_control, save_failures
     from puzzle.parallel.groups import DeviceSharingError, init_distributed
     from puzzle.reward_functions import BadRewardError
-    from puzzle.trainer import PPOTrainer
-    from puzzle.training.nonfinite import NonFiniteError
+    from puzzle.dataflow.trainer import PPOTrainer
+    from puzzle.engine.nonfinite import NonFiniteError
 
     start = time.time()
     try:

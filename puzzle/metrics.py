@@ -238,7 +238,7 @@ def rollout_sample_rows(batch, tokenizer, iteration: int, count: int) -> List[di
     """``count`` rows of a scored rollout batch (``sample_rows``) as JSON-ready dicts: the prompt
     and response texts (without EOS), the response length and the reward (the score before any
     shaping or normalisation)."""
-    from puzzle.reward_functions.rewards import decode_rows
+    from puzzle.dataflow.reward_stage import decode_rows
 
     picked = sample_rows(count, batch.size)
     rlens, scores = batch.response_lengths.tolist(), batch.fields["scores"].tolist()

@@ -239,7 +239,7 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
     from puzzle.arguments import parse_args, validate_args
     from puzzle.data.prompts import PromptLoader, bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
-    from puzzle.trainer import PPOTrainer
+    from puzzle.dataflow.trainer import PPOTrainer
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out) if print_plan else contextlib.nullcontext():

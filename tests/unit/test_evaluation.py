@@ -8,7 +8,7 @@ import torch
 from puzzle.config import EvalConfig
 from puzzle.config_flags import ArgumentError
 from puzzle.data.arithmetic import make_records
-from puzzle.evaluation import eval_batches, evaluation_due, pass_at_k, pass_at_k_values, summarize
+from puzzle.dataflow.evaluation import eval_batches, evaluation_due, pass_at_k, pass_at_k_values, summarize
 
 
 def _pass_at_k_by_enumeration(n, c, k):
@@ -98,9 +98,9 @@ def test_fill_rows_are_neither_scored_nor_counted_as_bad():
     import types
     from types import SimpleNamespace
 
-    from puzzle.evaluation import Evaluator
+    from puzzle.dataflow.evaluation import Evaluator
     from puzzle.reward_functions.distributed import RolloutRewarder
-    from puzzle.reward_functions.rewards import Rewards
+    from puzzle.dataflow.reward_stage import Rewards
 
     asked = []
 

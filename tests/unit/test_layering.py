@@ -4,11 +4,11 @@ Every ``import`` / ``from ... import`` of every module under puzzle/ counts, whe
 (module level, inside a function, under ``if TYPE_CHECKING``): a function-local import does not
 hide an arrow. The layers, from the bottom:
 
-    0  config, config_flags, plan_layouts, parallel       (flags' values, process layouts)
+    0  config, config_flags, plan_layouts, parallel, fail_fast  (flags' values, process layouts, bad input)
     1  models                                             (GPTModel builders, parameter layout/names)
-    2  training, rollout, pipeline, switch, algorithms, data
-    3  trainer, checkpointing, save_failures, generation_stage, reward_functions, metrics, run_control,
-       evaluation, weight_sources
+    2  engine, rollout, pipeline, switch, algorithms, data  (model engines, generation, schedules, math)
+    3  dataflow, checkpointing, save_failures, reward_functions, metrics, run_control, weight_sources
+       (dataflow: the trainer, the five stages, the rollout batch, micro-batching, evaluation)
     4  cli, arguments, flag_checks, tools, bench, plan_search  (command line and tools)
 
 A module may import its own layer or any layer below. Below the command line (layers 0-3) nothing
@@ -32,11 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "puzzle"
 
 LAYERS = [
-    {"config", "config_flags", "plan_layouts", "parallel"},
+    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast"},
     {"models"},
-    {"training", "rollout", "pipeline", "switch", "algorithms", "data"},
-    {"trainer", "checkpointing", "save_failures", "generation_stage", "reward_functions", "metrics", "run_control",
-     "evaluation", "weight_sources"},
+    {"engine", "rollout", "pipeline", "switch", "algorithms", "data"},
+    {"dataflow", "checkpointing", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},
     {"cli", "arguments", "flag_checks", "tools", "bench", "plan_search"},
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
@@ -46,8 +45,8 @@ ENV_READERS = {"puzzle.parallel.launcher"}
 #: below the command line, the only module that imports argparse: it turns config fields into flags
 ARGPARSE_USERS = {"puzzle.config_flags"}
 
-PLAN_FORBIDDEN = ("puzzle.models", "puzzle.training", "puzzle.rollout", "puzzle.pipeline", "puzzle.switch",
-                  "torch.distributed")
+PLAN_FORBIDDEN = ("puzzle.models", "puzzle.engine", "puzzle.dataflow", "puzzle.rollout", "puzzle.pipeline",
+                  "puzzle.switch", "torch.distributed")
 PLAN_PURE_CORE = ("puzzle.plan_search.cost_model", "puzzle.plan_search.memory_model", "puzzle.plan_search.search",
                   "puzzle.plan_search.profile_data", "puzzle.plan_search.bundled_profile")
 PLAN_PURE_ALLOWED = ("puzzle.config", "puzzle.parallel", "puzzle.plan_search")
@@ -221,7 +220,7 @@ def test_plan_is_pure():
 
 # ---- the trainer owns its run: nothing outside its module reaches into it ---------------------
 #: the module of PPOTrainer, and what others may call on a trainer (build it, run it, close it)
-TRAINER_MODULE = "puzzle.trainer"
+TRAINER_MODULE = "puzzle.dataflow.trainer"
 TRAINER_INTERFACE = {"for_run", "train", "close"}
 
 

@@ -119,7 +119,7 @@ def _tiny_trainer():
     from puzzle.arguments import parse_args, validate_args
     from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
-    from puzzle.trainer import PPOTrainer
+    from puzzle.dataflow.trainer import PPOTrainer
 
     args = parse_args(tiny_flags() + (ONE_RANK if dist.get_world_size() == 1 else []))
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)

@@ -1,13 +1,13 @@
 """PPOTrainer: one process group, up to four role models, one iteration through five parts.
 
-    generate   GenerationStage  (puzzle/generation_stage.py): the actor in its generation layout,
+    generate   GenerationStage  (puzzle/dataflow/generation_stage.py): the actor in its generation layout,
                                 N samples per prompt, DAPO filter, ReMax greedy baseline
-    reward     Rewards          (puzzle/reward_functions/rewards.py): the one owner of the scores
-    score      ScoringStage     (puzzle/training/scoring_stage.py): actor old log-probs, ref,
+    reward     Rewards          (puzzle/dataflow/reward_stage.py): the one owner of the scores
+    score      ScoringStage     (puzzle/dataflow/scoring_stage.py): actor old log-probs, ref,
                                 critic values, reward model
-    advantages AdvantageStage   (puzzle/algorithms/advantage_stage.py): KL-penalised rewards,
+    advantages AdvantageStage   (puzzle/dataflow/advantage_stage.py): KL-penalised rewards,
                                 --advantage-estimator
-    train      TrainingStage    (puzzle/training/training_stage.py): actor and critic PPO updates,
+    train      TrainingStage    (puzzle/dataflow/training_stage.py): actor and critic PPO updates,
                                 the NaN/inf policy, the switch to the generation layout
 
 The roles that exist (cfg.roles) follow the estimator and the KL settings: no critic unless
@@ -24,19 +24,19 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from puzzle import checkpointing, run_control
-from puzzle.algorithms.advantage_stage import AdvantageStage
+from puzzle.dataflow.advantage_stage import AdvantageStage
 from puzzle.config import RunConfig
 from puzzle.data.prompts import PromptLoader
-from puzzle.generation_stage import GenerationStage
+from puzzle.dataflow.generation_stage import GenerationStage
 from puzzle.metrics import (GenerationProgress, MetricsLogger, SampleLog, StageClock, learning_rates,
                             rollout_sample_rows, tokens_per_second)
 from puzzle.parallel.device import runtime
-from puzzle.reward_functions.rewards import Rewards
-from puzzle.training.batch import RolloutBatch
-from puzzle.training.engine import ModelEngine, build_role_engines
-from puzzle.training.offload import StageOffload
-from puzzle.training.scoring_stage import MicroBatching, ScoringStage
-from puzzle.training.training_stage import TrainingStage
+from puzzle.dataflow.reward_stage import Rewards
+from puzzle.dataflow.batch import RolloutBatch
+from puzzle.engine.model_engine import ModelEngine, build_role_engines
+from puzzle.engine.offload import StageOffload
+from puzzle.dataflow.scoring_stage import MicroBatching, ScoringStage
+from puzzle.dataflow.training_stage import TrainingStage
 
 
 class PhaseLog:
@@ -125,7 +125,7 @@ class PPOTrainer:
         gen_plan = cfg.roles["actor"].gen_plan
         self.switch = None
         if gen_plan != cfg.roles["actor"].plan:
-            from puzzle.training.actor_switch import ActorSwitch
+            from puzzle.dataflow.actor_switch import ActorSwitch
 
             self.switch = ActorSwitch(self.engines["actor"], gen_plan, cfg.switch_segments,
                                       ranks_per_node=cfg.ranks_per_node)
@@ -226,7 +226,7 @@ class PPOTrainer:
         (once the resumed iteration is known: the files keep the rows up to it)."""
         cfg, it = self.cfg, self.iteration
         if self.eval_prompts is not None:
-            from puzzle.evaluation import Evaluator
+            from puzzle.dataflow.evaluation import Evaluator
 
             self.evaluator = Evaluator(cfg, self.tokenizer, self.eval_prompts, self.generation, self.scoring,
                                        self.rewards, self.runtime, self.rank, resumed_from=it)

@@ -155,7 +155,7 @@ class Evaluator:
     def _write_samples(self, batch, records, prompt_indices, scores, iteration: int) -> None:
         if self.samples is None or self.samples.file is None:
             return
-        from puzzle.reward_functions.rewards import batch_samples
+        from puzzle.dataflow.reward_stage import batch_samples
 
         samples = batch_samples(batch, self.tokenizer, records, 0, len(prompt_indices) * self.n)
         rows = []

@@ -1,5 +1,5 @@
 """Stage 1, generation: the actor (in its generation layout) samples N responses of every prompt
-and the stage assembles them into the world's ``RolloutBatch`` (puzzle/training/batch.py), the
+and the stage assembles them into the world's ``RolloutBatch`` (puzzle/dataflow/batch.py), the
 form every later stage reads. With ``--filter-groups`` (DAPO dynamic sampling) it asks the run's
 ``Rewards`` for each round's scores to keep the informative groups; with ReMax it also samples
 the greedy baseline of every prompt (same engine, same stage).
@@ -16,7 +16,7 @@ import torch
 
 from puzzle.algorithms.advantage_estimators import ESTIMATORS
 from puzzle.algorithms.dapo import informative_groups
-from puzzle.training.batch import RolloutBatch, concat_rollouts, rollout_from_generation
+from puzzle.dataflow.batch import RolloutBatch, concat_rollouts, rollout_from_generation
 
 
 @dataclass
