@@ -18,5 +18,7 @@ def main(argv=None) -> int:
     return run(sys.argv[1:] if argv is None else argv)
 
 
-if __name__ == "__main__":  # guard: dist-checkpoint async saving spawns processes
-    sys.exit(main())
+if __name__ == "__main__":  # guard: the reward worker pool spawns processes that import this module
+    from puzzle.parallel import launcher
+
+    launcher.exit_process(main())

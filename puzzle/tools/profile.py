@@ -694,4 +694,6 @@ def _profile(argv: Optional[List[str]]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from puzzle.parallel import launcher
+
+    launcher.exit_process(main())
