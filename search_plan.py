@@ -11,4 +11,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from puzzle.parallel import launcher
+
+    launcher.exit_process(main())

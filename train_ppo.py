@@ -7,7 +7,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    from puzzle.tools.fail_fast import quiet_startup_warnings
+    from puzzle.fail_fast import quiet_startup_warnings
 
     quiet_startup_warnings()  # megatron-core's TE/Apex notes dropped; warnings once, from rank 0
     import megatron_patches
@@ -18,5 +18,7 @@ def main(argv=None) -> int:
     return run(sys.argv[1:] if argv is None else argv)
 
 
-if __name__ == "__main__":  # guard: dist-checkpoint async saving spawns processes
-    sys.exit(main())
+if __name__ == "__main__":  # guard: the reward worker pool spawns processes that import this module
+    from puzzle.parallel import launcher
+
+    launcher.exit_process(main())

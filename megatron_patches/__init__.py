@@ -28,6 +28,8 @@ Patches:
 - ``gloo_cuda_tensors``: sends and receives of CUDA tensors over gloo groups go through host memory,
   and DDP's coalesced bucket collectives run one by one on gloo groups, so several ranks can share
   one GPU (``--distributed-backend gloo``; GPU only).
+- ``checkpoint_writes_in_process``: dist-checkpoint saves write their files from threads of the
+  saving process instead of forked writer processes (a fork after threads can deadlock); CPU and GPU.
 - ``rope_thd_cached``: megatron's unfused RoPE on packed (THD) sequences builds its cos/sin once per
   micro-batch, not in every attention call; CPU and GPU.
 """
@@ -74,7 +76,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     """
     global _applied
     check_version()
-    from megatron_patches import (cpu_backend, cpu_backward_devices, distrib_optimizer_step, gloo_cuda_tensors,
+    from megatron_patches import (checkpoint_writes_in_process, cpu_backend, cpu_backward_devices,
+                                  distrib_optimizer_step, gloo_cuda_tensors,
                                   moe_allgather_token_counts, moe_alltoall_cpu, moe_gloo_split_gather,
                                   moe_router_without_te, moe_tensor_parallel_without_sp, rope_thd_cached,
                                   tied_embedding_checkpoint)
@@ -106,6 +109,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     result["moe_allgather_token_counts"] = True
     moe_gloo_split_gather.apply()
     result["moe_gloo_split_gather"] = True
+    checkpoint_writes_in_process.apply()
+    result["checkpoint_writes_in_process"] = True
     _applied = True
     return result
 

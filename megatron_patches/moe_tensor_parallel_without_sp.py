@@ -23,7 +23,7 @@ tokens, masked out of the load-balancing loss, whose outputs are dropped. Router
 share of the tokens, so their weight gradients are partial sums; as megatron does for
 sequence-parallel routers, ``finalize_model_grads`` sums them over the tensor-parallel group.
 Experts at E = ETP = 1 are whole on every tensor-parallel rank: their gradients are summed over
-those ranks because puzzle.training.engine puts them in megatron's expert gradient buffers
+those ranks because puzzle.engine.model_engine puts them in megatron's expert gradient buffers
 (reduced over the expert data-parallel group, which spans them) at every E. Layers that do not
 train, T = 1, and models built with sequence parallelism run megatron's code unchanged.
 

@@ -66,7 +66,7 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(f"{message} (see {self.prog} --help)")
 
 
-#: the tools' parsers: an unknown or malformed flag raises ArgumentError (see puzzle.tools.fail_fast)
+#: the tools' parsers: an unknown or malformed flag raises ArgumentError (see puzzle.fail_fast)
 RaisingArgumentParser = _Parser
 
 
@@ -614,7 +614,7 @@ def _check_transformer_impl(args, roles):
 
 
 def _check_token_budget(ppo):
-    """--use-dynamic-bsz and its budgets (puzzle/training/token_budget.py): packed micro-batches
+    """--use-dynamic-bsz and its budgets (puzzle/dataflow/token_budget.py): packed micro-batches
     only, each budget at least the longest sequence; the scoring budget defaults to the
     training one. Returns ``ppo`` with it filled in."""
     budgets = {"--ppo-max-token-len-per-gpu": ppo.ppo_max_token_len_per_gpu,

@@ -51,8 +51,8 @@ import random
 import re
 import shutil
 import time
-from dataclasses import asdict
-from typing import Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ from puzzle.config import ROLES
 from puzzle.models.init import is_expert_param
 from puzzle.models.param_names import HEAD_LOCAL_NAME, drop_extra_state
 from puzzle.parallel.device import runtime
+from puzzle.save_failures import SavePhases, first_line as _first_line, summarize as _summarize
 
 FORMAT = 1
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -72,6 +73,21 @@ _FINGERPRINT_RTOL = 1e-6
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed by this run; the message names the file and the problem."""
+
+
+@dataclass
+class Checkpointed:
+    """What a checkpoint holds, handed over by its owner (the trainer): the run's configuration
+    (metadata, optimizer kind, --finetune, injected faults), the role engines (weights, optimizer
+    states), ``state`` (a Stateful with an ``iteration``: the run's counters and the stages' small
+    state, trainer_state.json) and the prompt ``loader`` (a Stateful, or None). ``progress``
+    (iteration, phase) hears each phase of a save."""
+
+    cfg: object
+    engines: Dict[str, object]
+    state: object
+    loader: Optional[object] = None
+    progress: Optional[Callable[[int, str], None]] = None
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -122,7 +138,7 @@ def run_metadata(cfg) -> dict:
                        "gen_plan": _plan_dict(spec.gen_plan), "trainable": bool(spec.trainable)}
         if not spec.trainable:
             roles[role]["source"] = _role_source(cfg, role)
-        elif spec.arch.is_moe:  # puzzle.training.engine: the experts' optimizer apart at every E
+        elif spec.arch.is_moe:  # puzzle.engine.model_engine: the experts' optimizer apart at every E
             roles[role]["experts_optimizer"] = EXPERTS_OWN_OPTIMIZER
     return {"format": FORMAT, "puzzle_version": puzzle.__version__, "world_size": cfg.world_size,
             "seed": cfg.seed, "roles": roles,
@@ -290,7 +306,7 @@ EXPERTS_OWN_OPTIMIZER = "own"
 
 def _expert_optimizer_problems(cfg, role: str, saved: dict) -> List[str]:
     """Trained MoE models keep their experts' optimizer state in an optimizer of their own at
-    every E (puzzle.training.engine), so it resumes at any E. Checkpoints saved at E = 1 before
+    every E (puzzle.engine.model_engine), so it resumes at any E. Checkpoints saved at E = 1 before
     that (no experts_optimizer mark) hold the experts in the dense optimizer: their optimizer state
     does not resume, their weights do (--no-load-optim). At E > 1 megatron always kept experts apart."""
     spec = cfg.roles[role]
@@ -489,57 +505,101 @@ def _delete_older(root: str, keep: int) -> None:
         print(f"[checkpoint] deleted {iter_dir(root, it)} (--keep-last-checkpoints {keep})", flush=True)
 
 
-def save_checkpoint(trainer, loader, root: str, keep_last: Optional[int] = None) -> str:
-    """Collective: write every rank's part of iteration ``trainer.iteration`` under ``root``;
-    ``keep_last``: then delete all but the newest ``keep_last`` checkpoints."""
-    from megatron.core import dist_checkpointing
+def save_checkpoint(parts: "Checkpointed", root: str, keep_last: Optional[int] = None) -> str:
+    """Collective: write every rank's part of iteration ``parts.state.iteration`` under ``root``;
+    ``keep_last``: then delete all but the newest ``keep_last`` checkpoints.
 
+    A failure on any rank is a SaveError on that rank naming it and the phase (a failed write
+    that megatron reports is one on every rank); the previous checkpoint stays the latest.
+    The files are written by threads of this process (megatron_patches.checkpoint_writes_in_process:
+    nothing forks)."""
     t0 = time.perf_counter()
-    rank, it = dist.get_rank(), trainer.iteration
+    phase = SavePhases(parts.progress, parts.state.iteration, _still_latest(root))
+    rank, it = phase.rank, parts.state.iteration
     final = iter_dir(root, it)
     tmp = final + ".tmp"
-    trainable = [r for r, e in trainer.engines.items() if e.trainable]
-    if rank == 0:
-        if os.path.exists(tmp):  # left by a save that died
-            shutil.rmtree(tmp)
-        for sub in trainable + ["rng"]:
-            os.makedirs(os.path.join(tmp, sub))
+    trainable = [r for r, e in parts.engines.items() if e.trainable]
+    with phase(f"creating {tmp}"):
+        if rank == 0:
+            if os.path.exists(tmp):  # left by a save that died
+                shutil.rmtree(tmp)
+            for sub in trainable + ["rng"]:
+                os.makedirs(os.path.join(tmp, sub))
     dist.barrier()
-    for role in trainable:
-        sd = _role_sharded_state_dict(trainer.engines[role], is_loading=False, with_optimizer=True)
-        dist_checkpointing.save(sd, os.path.join(tmp, role))
-        _maybe_fail(trainer.cfg.faults, rank, it)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
-    meta = run_metadata(trainer.cfg)
-    meta["fingerprints"] = {r: weight_fingerprint(e) for r, e in trainer.engines.items()
-                            if not e.trainable}
-    if rank == 0:
-        state = {**trainer.state_dict(), "loader": loader.state_dict() if loader is not None else None}
-        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
-            json.dump(state, f, indent=1)
+    fingerprints = _write_parts(parts, tmp, trainable, phase)
     dist.barrier()  # every rank has written its files: checksum them, then the manifest
-    files = _checksum_files(tmp)
-    if rank == 0:
-        meta["iteration"] = it
-        meta["files"] = files
-        with open(os.path.join(tmp, METADATA), "w") as f:
-            json.dump(meta, f, indent=1)
+    with phase("checksumming the files"):
+        files = _checksum_files(tmp)
+    with phase(f"writing {METADATA}"):
+        if rank == 0:
+            meta = run_metadata(parts.cfg)
+            meta["fingerprints"], meta["iteration"], meta["files"] = fingerprints, it, files
+            with open(os.path.join(tmp, METADATA), "w") as f:
+                json.dump(meta, f, indent=1)
     dist.barrier()  # every rank has written everything: publish
-    if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        tracker = os.path.join(root, TRACKER)
-        with open(tracker + ".tmp", "w") as f:
-            f.write(f"{it}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker + ".tmp", tracker)
-        if keep_last:
+    with phase("publishing it"):
+        if rank == 0:
+            _publish(root, tmp, final, it)
+    with phase("deleting older checkpoints"):
+        if rank == 0 and keep_last:
             _delete_older(root, keep_last)
     dist.barrier()
     _log(f"saved iteration {it} to {final} in {time.perf_counter() - t0:.2f}s")
     return final
+
+
+def _write_parts(parts: "Checkpointed", tmp: str, trainable: List[str], phase: SavePhases) -> dict:
+    """Every rank's files of the checkpoint: each trainable role's dist checkpoint, its RNG file,
+    and (rank 0) the trainer state. Returns the frozen roles' weight fingerprints (collective)."""
+    from megatron.core import dist_checkpointing
+
+    rank, it = phase.rank, phase.iteration
+    for role in trainable:
+        with phase(f"writing {role}"):
+            sd = _role_sharded_state_dict(parts.engines[role], is_loading=False, with_optimizer=True)
+            dist_checkpointing.save(sd, os.path.join(tmp, role))
+            _maybe_fail(parts.cfg.faults, rank, it)
+    with phase("writing the RNG states"):
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
+    with phase("fingerprinting the frozen models"):
+        fingerprints = {r: weight_fingerprint(e) for r, e in parts.engines.items() if not e.trainable}
+    with phase(f"writing {TRAINER_STATE}"):
+        if rank == 0:
+            state = {**parts.state.state_dict(),
+                     "loader": parts.loader.state_dict() if parts.loader is not None else None}
+            with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
+                json.dump(state, f, indent=1)
+    return fingerprints
+
+
+def _still_latest(root: str) -> str:
+    """What a failed save leaves as the latest checkpoint (the one published before it began)."""
+    try:
+        latest = read_tracker(root)
+    except CheckpointError:
+        latest = None
+    if latest is None:
+        return f"no checkpoint under {root} is complete yet"
+    return f"the latest checkpoint is still iteration {latest} ({iter_dir(root, latest)})"
+
+
+def _publish(root: str, tmp: str, final: str, it: int) -> None:
+    """Rank 0: ``tmp`` becomes ``final``, then the tracker names it (written whole, then renamed
+    over the old one): the tracker only ever names a published directory."""
+    if os.path.exists(final):  # a re-save of this iteration: the old copy goes aside, then away
+        aside = final + ".old"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside)
+    else:
+        os.rename(tmp, final)
+    tracker = os.path.join(root, TRACKER)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(f"{it}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker + ".tmp", tracker)
 
 
 # ---- verify and load ------------------------------------------------------------------------------
@@ -605,27 +665,9 @@ def verify_checkpoint(root: str, iteration: Optional[int] = None) -> Optional[in
     raise CheckpointError(f"{root}: no {TRACKER} and no intact iter_* checkpoint")
 
 
-def _summarize(exc: BaseException) -> str:
-    """One line for an exception of torch's dist checkpoint (its CheckpointException lists every
-    rank's traceback; it derives from BaseException)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) else first  # (exception, stack summary)
-        ranks = ", ".join(map(str, sorted(failures)))
-        return f"{type(inner).__name__}: {_first_line(inner)} (ranks {ranks})"
-    return f"{type(exc).__name__}: {_first_line(exc)}"
-
-
-def _first_line(exc: BaseException, limit: int = 300) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else ""
-    return line if len(line) <= limit else line[:limit] + " ..."
-
-
-def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load_rng: bool = True,
+def load_checkpoint(parts: "Checkpointed", root: str, *, load_optim: bool = True, load_rng: bool = True,
                     iteration: Optional[int] = None) -> int:
-    """Collective: restore the latest checkpoint under ``root`` into ``trainer`` (and ``loader``).
+    """Collective: restore the latest checkpoint under ``root`` into ``parts``.
 
     Returns the restored iteration (0 when ``root`` has no checkpoint yet: a fresh start).
     Models and optimizers reshard to this run's layouts; with ``load_optim=False`` only weights
@@ -636,16 +678,16 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
     from megatron.core import dist_checkpointing
 
     t0 = time.perf_counter()
-    it = check_checkpoint(trainer.cfg, root, iteration)
+    it = check_checkpoint(parts.cfg, root, iteration)
     if it is None:
         _log(f"no {TRACKER} under {root}: starting from scratch")
         return 0
-    if trainer.cfg.finetune:
-        return _load_weights_only(trainer, root, it, t0)
+    if parts.cfg.finetune:
+        return _load_weights_only(parts, root, it, t0)
     d = iter_dir(root, it)
     meta = json.load(open(os.path.join(d, METADATA)))
-    same_opt = meta["optimizer"]["use_distributed_optimizer"] == trainer.cfg.optim.use_distributed_optimizer
-    for role, eng in trainer.engines.items():
+    same_opt = meta["optimizer"]["use_distributed_optimizer"] == parts.cfg.optim.use_distributed_optimizer
+    for role, eng in parts.engines.items():
         if not eng.trainable:
             continue
         try:  # torch's CheckpointException derives from BaseException, not Exception
@@ -664,10 +706,10 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
             hint = ("" if same_opt or not load_optim else
                     " (saved with use_distributed_optimizer="
                     f"{meta['optimizer']['use_distributed_optimizer']}, this run uses "
-                    f"{trainer.cfg.optim.use_distributed_optimizer}: retry with --no-load-optim)")
+                    f"{parts.cfg.optim.use_distributed_optimizer}: retry with --no-load-optim)")
             raise CheckpointError(f"iteration {it}: loading {role} from {os.path.join(d, role)} failed"
                                   f"{hint}: {_summarize(e)}") from None
-    for role, eng in trainer.engines.items():  # frozen roles: rebuilt from their source; verify
+    for role, eng in parts.engines.items():  # frozen roles: rebuilt from their source; verify
         if eng.trainable:
             continue
         saved = meta.get("fingerprints", {}).get(role)
@@ -678,11 +720,11 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
                                   f"saved run's (fingerprint {saved} vs {now})")
     state = json.load(open(os.path.join(d, TRAINER_STATE)))
     try:
-        trainer.load_state_dict(state)  # also drops the actor's generation copy: it follows the new weights
+        parts.state.load_state_dict(state)  # also drops the actor's generation copy: it follows the new weights
     except ValueError as e:
         raise CheckpointError(f"{os.path.join(d, TRAINER_STATE)}: {e}") from e
-    if loader is not None and state.get("loader") is not None:
-        loader.load_state_dict(state["loader"])
+    if parts.loader is not None and state.get("loader") is not None:
+        parts.loader.load_state_dict(state["loader"])
     if load_rng:
         path = os.path.join(d, "rng", f"rank_{dist.get_rank():05d}.pt")
         if meta["world_size"] != dist.get_world_size():
@@ -693,13 +735,13 @@ def load_checkpoint(trainer, loader, root: str, *, load_optim: bool = True, load
     dist.barrier()
     _log(f"resumed iteration {it} from {d} in {time.perf_counter() - t0:.2f}s"
          + ("" if load_optim else " (weights only: --no-load-optim)"))
-    return trainer.iteration
+    return parts.state.iteration
 
 
-def _load_weights_only(trainer, root: str, it: int, t0: float) -> int:
+def _load_weights_only(parts: "Checkpointed", root: str, it: int, t0: float) -> int:
     """--finetune: the trainable models' weights of iteration ``it``, at this run's layouts."""
     d = iter_dir(root, it)
-    for role, eng in trainer.engines.items():
+    for role, eng in parts.engines.items():
         if eng.trainable:
             try:
                 load_role_weights(eng, os.path.join(d, role))
@@ -710,7 +752,7 @@ def _load_weights_only(trainer, root: str, it: int, t0: float) -> int:
     dist.barrier()
     _log(f"read the weights of iteration {it} from {d} in {time.perf_counter() - t0:.2f}s "
          f"(--finetune: no optimizer, RNG or run state; starting at iteration 0)")
-    return trainer.iteration
+    return parts.state.iteration
 
 
 def _restore_rng(path: str) -> None:

@@ -111,7 +111,7 @@ def _checked(argv, world_size: int, report: bool = True):
 
 
 def _report(e: BaseException) -> int:
-    from puzzle.tools.fail_fast import USAGE_EXIT_CODE
+    from puzzle.fail_fast import USAGE_EXIT_CODE
 
     return _fail(str(e), USAGE_EXIT_CODE)
 
@@ -121,7 +121,7 @@ def _eval_dataset(cfg, tokenizer):
     or with --eval-iters 0."""
     from puzzle.arguments import ArgumentError
     from puzzle.data.prompts import load_prompt_dataset
-    from puzzle.evaluation import eval_batches
+    from puzzle.dataflow.evaluation import eval_batches
 
     ev = cfg.evaluation
     if not ev.enabled:
@@ -305,131 +305,38 @@ def _versions() -> dict:
     return out
 
 
-def _watch(trainer, cfg, tokenizer, eval_dataset):
-    """The run loop's additions to each iteration (trainer.on_iteration_end): learning rates and
-    tokens/s in the metrics, --log-samples rows, evaluation when due; a progress bar of each
-    generation on a terminal. Returns the Evaluator (or None) and the sample log."""
-    from puzzle.metrics import GenerationProgress, SampleLog, learning_rates, rollout_sample_rows, tokens_per_second
-
-    rank = trainer.rank
-    evaluator = None
-    if eval_dataset is not None:
-        from puzzle.evaluation import Evaluator
-
-        evaluator = Evaluator(cfg, tokenizer, eval_dataset, rank, resumed_from=trainer.iteration)
-    samples = SampleLog(cfg.log_dir, cfg.ops.log_samples, rank, trainer.iteration) if cfg.ops.log_samples else None
-    where = trainer.progress  # run_control.Progress: "generation stage" or "evaluation"
-    trainer.generation_progress = GenerationProgress.for_terminal(
-        rank, lambda: f"iteration {where.iteration} {getattr(where, 'phase', 'generation')}")
-
-    def on_iteration_end(batch, metrics):
-        metrics.update(learning_rates(trainer.engines, trainer.runtime))
-        metrics["tokens_per_sec"] = tokens_per_second(batch, metrics)
-        if samples is not None and rank == 0:
-            samples.write(rollout_sample_rows(batch, tokenizer, trainer.iteration, cfg.ops.log_samples))
-        if evaluator is not None and evaluator.due(trainer.iteration):
-            trainer.progress(trainer.iteration, "evaluation")
-            with trainer.phase(f"iteration {trainer.iteration} evaluation"):
-                metrics.update(evaluator(trainer, trainer.iteration))
-
-    trainer.on_iteration_end = on_iteration_end
-    return evaluator, samples
-
-
 def _train(cfg, tokenizer, dataset, eval_dataset=None) -> int:
     import time
 
-    from puzzle import checkpointing, run_control
-    from puzzle.data.prompts import PromptLoader
+    from puzzle import checkpointing, run_control, save_failures
     from puzzle.parallel.groups import DeviceSharingError, init_distributed
     from puzzle.reward_functions import BadRewardError
-    from puzzle.trainer import PhaseLog, PPOTrainer
-    from puzzle.training.nonfinite import NonFiniteError
+    from puzzle.dataflow.trainer import PPOTrainer
+    from puzzle.engine.nonfinite import NonFiniteError
 
     start = time.time()
-    ckpt_step = cfg.ckpt_step
     try:
         init_distributed(backend=cfg.ops.distributed_backend, timeout_minutes=cfg.ops.distributed_timeout_minutes)
     except DeviceSharingError as e:
         return _fail(str(e), 2)
-    progress = run_control.Progress()
-    phase = PhaseLog(launcher.rank())
-    exit_control = run_control.ExitControl(cfg.ops, start)
+    progress = run_control.Progress()  # where this rank is, for the message of a timed-out collective
     trainer = None
     try:
-        if cfg.load:  # checksums, the ranks sharing the work; still before any model is built
-            progress(0, "checkpoint verification")
-            with phase("checkpoint verification"):
-                ckpt_step = checkpointing.verify_checkpoint(cfg.load, ckpt_step)
-        loader = PromptLoader(dataset.prompts, cfg.ppo.rollout_batch_size, dp_rank=0, dp_size=1,
-                              seed=cfg.seed)
-        progress(0, "model building")
-        with phase("model building"):
-            trainer = PPOTrainer(cfg, tokenizer, dataset)
-        trainer.progress = progress
-        if cfg.load and ckpt_step is not None:
-            progress(0, "checkpoint loading")
-            with phase(f"checkpoint loading (iteration {ckpt_step})"):
-                checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
-                                              load_rng=cfg.load_rng, iteration=ckpt_step)
-        _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_dataset, tokenizer)
+        trainer = PPOTrainer.for_run(cfg, tokenizer, dataset, eval_dataset, progress=progress, start_time=start)
+        trainer.train()
     except checkpointing.CheckpointError as e:
         return _shutdown(trainer, _fail(str(e), 2))
     except NonFiniteError as e:
         return _shutdown(trainer, _fail(str(e), 3))
     except BadRewardError as e:  # raised on every rank alike (--on-bad-reward error)
         return _shutdown(trainer, _fail(str(e), 1))
+    except save_failures.SaveError as e:  # one rank's message; another rank may be inside the save
+        save_failures.exit_after_failed_save(e)
     except RuntimeError as e:
         if run_control.is_timeout(e):
             run_control.abort(run_control.describe_timeout(progress, e, cfg.ops.distributed_timeout_minutes))
         raise
-    finally:
-        exit_control.close()
     return _shutdown(trainer, 0)
-
-
-def _run_iterations(trainer, loader, dataset, cfg, progress, exit_control, eval_dataset, tokenizer) -> None:
-    """The training loop: evaluation at iteration 0, the PPO steps, saves at --save-interval and
-    at the end, and the exit checks (--exit-interval, --exit-duration-in-mins, signals)."""
-    import torch.distributed as dist
-
-    saved = trainer.iteration
-    evaluator, samples = _watch(trainer, cfg, tokenizer, eval_dataset)
-    if evaluator is not None and trainer.iteration == 0:  # before training (a resumed run has its own)
-        progress(0, "evaluation")
-        with trainer.phase("evaluation (before training)"):
-            before = evaluator(trainer, 0)
-        trainer.logger.log({"iteration": 0, **before})
-
-    def next_prompts():  # token ids and the records' other fields (ground truth for rewards)
-        pb = next(loader)
-        return pb.prompts, [dataset.records[i] if dataset.records else {} for i in pb.indices]
-
-    while trainer.iteration < cfg.train_iters:
-        trainer.step(*next_prompts(), refill=next_prompts)
-        if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
-            _save(trainer, loader, cfg, progress)
-            saved = trainer.iteration
-        progress(trainer.iteration, "exit check")
-        reason = exit_control.reason_to_exit(trainer.iteration)
-        if reason:
-            if dist.get_rank() == 0:
-                print(f"exiting after iteration {trainer.iteration}: {reason}"
-                      + ("" if cfg.save else " (no --save: nothing saved)"), flush=True)
-            break
-    if cfg.save and saved != trainer.iteration:  # the final state, as Megatron-LM does
-        _save(trainer, loader, cfg, progress)
-    for log in (evaluator, samples):
-        if log is not None:
-            log.close()
-
-
-def _save(trainer, loader, cfg, progress) -> None:
-    from puzzle import checkpointing
-
-    progress(trainer.iteration, "checkpoint saving")
-    with trainer.phase(f"checkpoint saving (iteration {trainer.iteration})"):
-        checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
 
 
 def _shutdown(trainer, code: int) -> int:

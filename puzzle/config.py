@@ -535,7 +535,7 @@ _EVAL = "evaluation on held-out prompts (metrics under eval/)"
 class EvalConfig:
     """Evaluation during training (Megatron-LM's --eval-interval / --eval-iters): the actor's
     responses to held-out prompts, scored by the run's reward, at iteration 0, every interval and
-    at the end (puzzle.evaluation)."""
+    at the end (puzzle.dataflow.evaluation)."""
 
     prompts: Optional[str] = flag(
         None, _EVAL, "Held-out prompt file (the formats of --prompt-data): turns evaluation on; its "
@@ -643,7 +643,7 @@ class RunConfig:
     world_size: int
     roles: dict                    # role -> RoleSpec
     ppo: PPOParams
-    optim: "object"                # puzzle.training.engine.OptimConfig (actor; critic lr in RoleSpec)
+    optim: "object"                # puzzle.engine.model_engine.OptimConfig (actor; critic lr in RoleSpec)
     train_iters: int = flag(10, "training", "PPO iterations.")
     seed: int = flag(1234, "training")
     tokenizer_type: str = flag("ByteLevelTokenizer", _DATA)

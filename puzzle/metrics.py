@@ -238,7 +238,7 @@ def rollout_sample_rows(batch, tokenizer, iteration: int, count: int) -> List[di
     """``count`` rows of a scored rollout batch (``sample_rows``) as JSON-ready dicts: the prompt
     and response texts (without EOS), the response length and the reward (the score before any
     shaping or normalisation)."""
-    from puzzle.reward_functions.rewards import decode_rows
+    from puzzle.dataflow.reward_stage import decode_rows
 
     picked = sample_rows(count, batch.size)
     rlens, scores = batch.response_lengths.tolist(), batch.fields["scores"].tolist()
@@ -258,10 +258,10 @@ class StageClock:
     """The wall time of each stage of an iteration (``time_<stage>``, the accelerator synchronised
     at each stage's end) and, on an accelerator, the busiest rank's peak memory per stage
     (``mem_peak_gib_<stage>``, one collective in ``metrics``). Entering a stage tells
-    ``progress(iteration, "<phase> stage")`` and ``offload`` (--rl-offload-optimizer-during-inference)."""
+    ``progress(iteration, "<phase> stage")``."""
 
-    def __init__(self, runtime, iteration: int, progress, offload):
-        self.runtime, self.iteration, self.progress, self.offload = runtime, iteration, progress, offload
+    def __init__(self, runtime, iteration: int, progress):
+        self.runtime, self.iteration, self.progress = runtime, iteration, progress
         self.seconds, self.peaks = {}, {}
         self.start = time.perf_counter()
 
@@ -271,7 +271,6 @@ class StageClock:
         @contextlib.contextmanager
         def timed():
             self.progress(self.iteration, f"{phase} stage")
-            self.offload.before(phase)
             self.runtime.reset_peak_memory()
             t0 = time.perf_counter()
             yield

@@ -37,7 +37,8 @@ SHARED_WORLDS = (
          "distributed/worlds/moe_switch.py", "distributed/worlds/long_context.py",
          "distributed/worlds/megatron_checkpoint.py")),  # last: it sets megatron's global state up and down
     (4, ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
-         "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py")),
+         "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py",
+         "distributed/worlds/save_reliability.py")),
     (1, ("distributed/worlds/tiny_runs.py", "distributed/worlds/vocab_rows.py", "distributed/worlds/moe.py")),
 )
 SHARED_TIMEOUT = 1150  # under scripts/test.sh's per-test --timeout
@@ -172,12 +173,12 @@ def launch_script(script: Path, args, log_dir, nproc=None, env=None) -> subproce
 
 
 def run_script(script: Path, args, log_dir, nproc=None, env=None, check=True, timeout=600):
-    """Run a launch script to its end: (CompletedProcess, metrics rows); ``check``: exit 0."""
+    """Run a launch script to its end: (CompletedProcess, metrics rows); ``check``: exit 0, no abort."""
     extra = dict(env or {}, **({"NPROC": str(nproc)} if nproc is not None else {}))
     proc = subprocess.run(["bash", str(script), *args, "--log-dir", str(log_dir)], cwd=REPO,
                           env=script_env(**extra), capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    if check:  # (an abort at exit of a finished run: tests/e2e/test_clean_exit.py)
+        assert proc.returncode == 0 and "terminate called" not in proc.stderr, (proc.stdout + proc.stderr)[-6000:]
     return proc, read_metrics(log_dir)
 
 
@@ -214,6 +215,14 @@ def assert_same_metrics(actual, expected, keys=None, iterations=None, rel=None, 
 
 
 # ---- a run in this world's processes (world scripts) -----------------------------------------
+def checkpointed(trainer, loader=None):
+    """What a checkpoint of ``trainer`` holds (puzzle.checkpointing.Checkpointed), for the tests
+    that save and load outside ``PPOTrainer.train``."""
+    from puzzle.checkpointing import Checkpointed
+
+    return Checkpointed(trainer.cfg, trainer.engines, trainer.state, loader)
+
+
 def train_in_world(argv, *, print_plan: bool = False) -> dict:
     """What train_ppo.py does with ``argv`` (its flag checks, --plan auto, the prompt loader, the
     loop, --save/--save-interval and --load/--ckpt-step), in this already started world instead of
@@ -230,7 +239,7 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
     from puzzle.arguments import parse_args, validate_args
     from puzzle.data.prompts import PromptLoader, bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
-    from puzzle.trainer import PPOTrainer
+    from puzzle.dataflow.trainer import PPOTrainer
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out) if print_plan else contextlib.nullcontext():
@@ -258,7 +267,7 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
     rows = []
     try:
         if cfg.load and step is not None:
-            checkpointing.load_checkpoint(trainer, loader, cfg.load, load_optim=cfg.load_optim,
+            checkpointing.load_checkpoint(checkpointed(trainer, loader), cfg.load, load_optim=cfg.load_optim,
                                           load_rng=cfg.load_rng, iteration=step)
         saved = trainer.iteration
         while trainer.iteration < cfg.train_iters:
@@ -266,10 +275,12 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
             rows.append({k: v for k, v in m.items() if not k.startswith(("time_", "switch_seconds"))
                          and k != "samples_per_sec"})
             if cfg.save and cfg.save_interval and trainer.iteration % cfg.save_interval == 0:
-                checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+                checkpointing.save_checkpoint(checkpointed(trainer, loader), cfg.save,
+                                              keep_last=cfg.ops.keep_last_checkpoints)
                 saved = trainer.iteration
         if cfg.save and saved != trainer.iteration:
-            checkpointing.save_checkpoint(trainer, loader, cfg.save, keep_last=cfg.ops.keep_last_checkpoints)
+            checkpointing.save_checkpoint(checkpointed(trainer, loader), cfg.save,
+                                          keep_last=cfg.ops.keep_last_checkpoints)
     finally:
         trainer.close()
     dist.barrier()

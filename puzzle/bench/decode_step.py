@@ -120,7 +120,7 @@ def main(argv=None):
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.rollout import SamplingParams, generate
     from puzzle.rollout.sampling import sample_tokens
-    from puzzle.training.engine import ModelEngine
+    from puzzle.engine.model_engine import ModelEngine
 
     cuda = dev.type == "cuda"
     if args.num_experts:

@@ -159,8 +159,8 @@ def _stage_ratios(repeats, dev):
     from puzzle.bench.calibration import tiny_arch
     from puzzle.parallel.groups import layout_for
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.training.engine import ModelEngine, OptimConfig
-    from puzzle.training.steps import lm_nll_step
+    from puzzle.engine.model_engine import ModelEngine, OptimConfig
+    from puzzle.dataflow.steps import lm_nll_step
 
     arch = tiny_arch()
     batch, seq, mbs = 16, 48, 2
@@ -197,7 +197,7 @@ def _worker(args):
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.rollout import SamplingParams
-    from puzzle.training.engine import ModelEngine
+    from puzzle.engine.model_engine import ModelEngine
 
     from puzzle.parallel.device import runtime
 

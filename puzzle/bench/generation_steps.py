@@ -49,7 +49,7 @@ def _worker(layouts: List[str], pairs: int, out: str) -> None:
     from puzzle.parallel.groups import destroy_layouts, init_distributed, layout_for
     from puzzle.rollout.generation import generate
     from puzzle.rollout.sampling import SamplingParams
-    from puzzle.training.engine import ModelEngine
+    from puzzle.engine.model_engine import ModelEngine
 
     rank, _ = init_distributed()
     arch = tiny_arch()

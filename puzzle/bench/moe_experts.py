@@ -39,8 +39,8 @@ def main(argv=None):
 
     from puzzle.parallel.groups import layout_for
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.training.engine import ModelEngine, OptimConfig
-    from puzzle.training.steps import lm_nll_step
+    from puzzle.engine.model_engine import ModelEngine, OptimConfig
+    from puzzle.dataflow.steps import lm_nll_step
 
     cuda = dev.type == "cuda"
     k = args.moe_router_topk

@@ -49,7 +49,7 @@ def response_lengths(kind: str, rows: int, cap: int, seed: int = 0):
 def _rollout(kind: str, vocab: int, max_new: int):
     import torch
 
-    from puzzle.training.batch import RolloutBatch
+    from puzzle.dataflow.batch import RolloutBatch
 
     R = response_lengths(kind, ROWS, max_new)
     g = torch.Generator().manual_seed(1)
@@ -71,9 +71,9 @@ def _worker(args) -> None:
     from puzzle.config import ModelArch
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.training import steps
-    from puzzle.training.engine import ModelEngine
-    from puzzle.training.scoring_stage import schedule_shape
+    from puzzle.dataflow import steps
+    from puzzle.engine.model_engine import ModelEngine
+    from puzzle.dataflow.scoring_stage import schedule_shape
 
     rank, world = init_distributed()
     torch.manual_seed(0)

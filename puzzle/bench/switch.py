@@ -96,7 +96,7 @@ def _worker(args):
 
     dist.init_process_group(backend="gloo", timeout=timedelta(seconds=args.timeout))
     from puzzle.parallel.groups import init_distributed, layout_for
-    from puzzle.training.engine import ModelEngine, OptimConfig
+    from puzzle.engine.model_engine import ModelEngine, OptimConfig
 
     rank, world = init_distributed()
     cases = _cases(args.only)
@@ -131,7 +131,7 @@ def _switch_row(args, arch, eng, kind, src, dst, tokens, world) -> dict:
     from puzzle.models.param_names import table_params
     from puzzle.switch.routing_executor import execute_routing
     from puzzle.switch.shadow import build_shadow, routing_table_for, switch_to_generation
-    from puzzle.training.steps import lm_nll_step
+    from puzzle.dataflow.steps import lm_nll_step
 
     table = routing_table_for(arch, "actor", src, dst)
     shadow = build_shadow(arch, "actor", dst)

@@ -117,7 +117,7 @@ def _worker(args) -> None:
 
     from puzzle.parallel.groups import init_distributed, layout_for
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.training.engine import ModelEngine, OptimConfig
+    from puzzle.engine.model_engine import ModelEngine, OptimConfig
 
     rank, world = init_distributed()
     P = world

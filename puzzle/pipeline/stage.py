@@ -25,7 +25,7 @@ PLACEMENTS = ("sequential", "disjoint", "time-sharing")
 class StageContext:
     """One model's share of a stage: what megatron's forward_backward_func would be given."""
 
-    engine: Any  # puzzle.training.engine.ModelEngine
+    engine: Any  # puzzle.engine.model_engine.ModelEngine
     forward_step_func: Callable
     data_iterator: Iterator
     num_microbatches: int

@@ -291,7 +291,7 @@ def search_main(argv: Optional[List[str]] = None) -> int:
     from puzzle.arguments import ArgumentError, build_parser, config_for_planning
     from puzzle.plan_search.search import InfeasibleError
 
-    from puzzle.tools.fail_fast import report_usage_error
+    from puzzle.fail_fast import report_usage_error
 
     try:
         parser = build_parser(prog="search_plan.py", raise_errors=True, own_options=_add_search_args,

@@ -13,7 +13,7 @@ Active (only during a stage; the peak of a rank is static + the largest stage):
     while it is recomputed; selective recompute (core attention) saves nothing under flash
     attention, which keeps no score matrix. Last stage with an LM head: bf16 logits and their
     gradient, 4*tokens*V/T bytes, plus the fp32 working set of one chunk of the sequence
-    (puzzle.training.vocab_parallel computes log-probs a chunk at a time);
+    (puzzle.engine.vocab_parallel computes log-probs a chunk at a time);
   * scoring: two layers' worth of one micro-batch's activations + bf16 logits + a chunk's fp32
     working set;
   * generation: the shadow generation model (bf16 weights in the generation layout; absent when
@@ -46,7 +46,7 @@ from puzzle.plan_search.cost_model import BF16, ModelRole, PPOWorkload, expert_p
 from puzzle.plan_search.profile_data import Profile
 
 GiB = float(1 << 30)
-#: fp32 bytes of one chunk of the logits (puzzle.training.vocab_parallel.LOGITS_CHUNK_BYTES) and
+#: fp32 bytes of one chunk of the logits (puzzle.engine.vocab_parallel.LOGITS_CHUNK_BYTES) and
 #: how many such tensors its computation holds at once (fp32 copy, shifted, exp, probabilities, grad)
 LOGITS_CHUNK_BYTES = 256 << 20
 CHUNK_WORKING_SET = 5

@@ -20,7 +20,7 @@ the same result bit for bit, and a result does not depend on T:
 
 Ids >= ``true_vocab`` are never selected. Callers pass ``ModelArch.valid_vocab_size``, the
 tokenizer's ids: the rows beyond it (a checkpoint's unused rows, the padding) get -inf logits
-here exactly as in scoring and training (puzzle/training/vocab_parallel.py), so every sampled
+here exactly as in scoring and training (puzzle/engine/vocab_parallel.py), so every sampled
 token is one the tokenizer can decode and its log-prob is the one scoring computes.
 """
 
@@ -32,8 +32,8 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from puzzle.training.vocab_parallel import mask_padding as mask_vocab_rows
-from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+from puzzle.engine.vocab_parallel import mask_padding as mask_vocab_rows
+from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
 
 _M32 = 0xFFFFFFFF
 _NEG_INF = float("-inf")
@@ -300,7 +300,7 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Samplin
     p is softmax(logits / temperature) over the tokenizer's ids (temperature 1 when greedy),
     WITHOUT the top-k/top-p filter: the distribution scoring and training compute the old and new
     log-probs under. It is computed by the same function as theirs
-    (puzzle/training/vocab_parallel.py ``vocab_parallel_logprobs``), so where the logits of a
+    (puzzle/engine/vocab_parallel.py ``vocab_parallel_logprobs``), so where the logits of a
     token are the same in generation and in scoring, the two log-probs are the same bit for bit,
     and their difference (the ``gen_score_logprob_*`` metrics) measures only what the kernels and
     layouts change. The filtered distribution tokens are drawn from would add log(1 / kept mass)

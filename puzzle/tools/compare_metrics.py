@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Dict, Optional
 
 #: fields that measure the machine, not the run
@@ -87,4 +86,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from puzzle.parallel import launcher
+
+    launcher.exit_process(main())

@@ -57,10 +57,12 @@ def _export(argv) -> int:
 
 def main(argv=None) -> int:
     """Bad input: one ``error:`` line from rank 0 and exit status 2 (as train_ppo.py)."""
-    from puzzle.tools.fail_fast import run_failing_fast
+    from puzzle.fail_fast import run_failing_fast
 
     return run_failing_fast(_export, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from puzzle.parallel import launcher
+
+    launcher.exit_process(main())

@@ -54,7 +54,7 @@ def _preflight(targs) -> Optional[int]:
         return 2
     if world_size is None:
         return None
-    from puzzle.tools.fail_fast import quiet_startup_warnings
+    from puzzle.fail_fast import quiet_startup_warnings
 
     quiet_startup_warnings()
     from puzzle import cli

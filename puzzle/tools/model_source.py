@@ -78,7 +78,7 @@ def load_engine(source: str, role: str, plan, arch, *, step: Optional[int] = Non
     run (as train_ppo.py). ``allow_missing_head``: a critic/reward from an LM keeps its own head."""
     from puzzle.models.builders import resolve_transformer_impl
     from puzzle.parallel.groups import layout_for
-    from puzzle.training.engine import ModelEngine
+    from puzzle.engine.model_engine import ModelEngine
 
     impl, _ = resolve_transformer_impl(transformer_impl)
     engine = ModelEngine(role, arch, layout_for(plan), trainable=False, bf16=bf16, layout_independent_init=False,
@@ -139,7 +139,7 @@ def plan_from_flags(args):
 
 def apply_patches() -> None:
     """megatron_patches.apply(), first thing, as train_ppo.py does (before megatron-core is imported)."""
-    from puzzle.tools.fail_fast import quiet_startup_warnings
+    from puzzle.fail_fast import quiet_startup_warnings
 
     quiet_startup_warnings()
     import megatron_patches

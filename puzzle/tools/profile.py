@@ -12,7 +12,7 @@ of the (P, D, T) = (1, procs/T, T) layout at once):
 
 * ``fwd_s[T]`` / ``bwd_s[T]`` per (micro-batch size x sequence length = tokens): one micro-batch
   forward / backward of the whole model as PPO runs it (embedding, layers, head, the vocab-parallel
-  log-prob + entropy of ``puzzle.training.vocab_parallel``), minus what the cost model adds back
+  log-prob + entropy of ``puzzle.engine.vocab_parallel``), minus what the cost model adds back
   (its LM-head estimate; its 2 TP all-reduces per layer from the fitted latency/bandwidth),
   divided by the number of layers. The tables therefore hold the layers' kernels *and* their share
   of the per-micro-batch fixed costs the cost model has no term for (Python/launch overheads, the
@@ -481,7 +481,7 @@ class _TPoints:
         from puzzle.config import ModelArch
         from puzzle.parallel.groups import layout_for
         from puzzle.parallel.plan import ParallelPlan
-        from puzzle.training.engine import ModelEngine
+        from puzzle.engine.model_engine import ModelEngine
 
         sh = spec["shape"]
         self.spec, self.sh, self.dev, self.comm = spec, sh, dev, comm
@@ -508,7 +508,7 @@ class _TPoints:
 
     def train_sample(self, i: int, keep: bool) -> None:
         """One forward + backward of training point i (the PPO log-prob + entropy loss path)."""
-        from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+        from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
 
         _, _, ids, pos = self.train_inputs[i]
         eng, comm = self.eng, self.comm
@@ -678,7 +678,7 @@ def worker(spec_path: str) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Bad input: one ``error:`` line and exit status 2 (as train_ppo.py), before any worker starts."""
-    from puzzle.tools.fail_fast import run_failing_fast
+    from puzzle.fail_fast import run_failing_fast
 
     return run_failing_fast(_profile, argv)
 
@@ -694,4 +694,6 @@ def _profile(argv: Optional[List[str]]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from puzzle.parallel import launcher
+
+    launcher.exit_process(main())

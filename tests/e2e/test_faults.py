@@ -108,7 +108,7 @@ def test_nonfinite_without_allowance_stops_naming_model_stage_iteration(tmp_path
     assert err.count("error: non-finite gradient norm (pipeline stage 0) of the actor model at iteration 1 "
                      "(training stage, PPO epoch 1, mini-batch 1 of 1); --skip-nonfinite-iterations N "
                      "skips up to N such steps") == 1, err[-3000:]
-    assert "puzzle/trainer.py" not in err  # no traceback of ours, nor torchrun's report
+    assert "puzzle/dataflow/trainer.py" not in err  # no traceback of ours, nor torchrun's report
 
 
 def test_sigterm_finishes_the_iteration_saves_and_resumes_identically(straight, tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from puzzle.parallel.device import Runtime, check_on_device
 from puzzle.tools.compare_metrics import compare, main as compare_main
-from puzzle.training.batch import right_padded_rows, rollout_from_generation
+from puzzle.dataflow.batch import right_padded_rows, rollout_from_generation
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ import torch
 from puzzle.config import EvalConfig
 from puzzle.config_flags import ArgumentError
 from puzzle.data.arithmetic import make_records
-from puzzle.evaluation import eval_batches, evaluation_due, pass_at_k, pass_at_k_values, summarize
+from puzzle.dataflow.evaluation import eval_batches, evaluation_due, pass_at_k, pass_at_k_values, summarize
 
 
 def _pass_at_k_by_enumeration(n, c, k):
@@ -95,10 +95,12 @@ def test_eval_iters_zero_turns_evaluation_off():
 def test_fill_rows_are_neither_scored_nor_counted_as_bad():
     """3 eval prompts on a generation layout of D = 4: one fill row makes the batch divisible; a
     reward function that finds every sample bad is asked for 3 rows and reports 3, not 4."""
+    import types
     from types import SimpleNamespace
 
-    from puzzle.evaluation import Evaluator
+    from puzzle.dataflow.evaluation import Evaluator
     from puzzle.reward_functions.distributed import RolloutRewarder
+    from puzzle.dataflow.reward_stage import Rewards
 
     asked = []
 
@@ -109,20 +111,21 @@ def test_fill_rows_are_neither_scored_nor_counted_as_bad():
             asked.append(size)
             return torch.zeros(size), size
 
-    class Fake(Evaluator):
-        def _generate(self, trainer, engine, ids, iteration, offset):
-            rows = len(ids)
-            return SimpleNamespace(size=rows, tokens=torch.ones(rows, 3, dtype=torch.long),
-                                   prompt_lengths=torch.ones(rows, dtype=torch.long),
-                                   response_lengths=torch.full((rows,), 2))
+    def sample(engine, ids, seed, greedy, first_sample):  # the generation stage's sampling
+        rows = len(ids)
+        return SimpleNamespace(size=rows, tokens=torch.ones(rows, 3, dtype=torch.long),
+                               prompt_lengths=torch.ones(rows, dtype=torch.long),
+                               response_lengths=torch.full((rows,), 2))
 
-    cfg = SimpleNamespace(evaluation=EvalConfig(prompts="held-out.jsonl"), log_dir=None, train_iters=1,
-                          ppo=SimpleNamespace(rollout_batch_size=8, micro_batch_size=1))
+    cfg = SimpleNamespace(evaluation=EvalConfig(prompts="held-out.jsonl"), log_dir=None, train_iters=1, seed=1,
+                          roles={}, ppo=SimpleNamespace(rollout_batch_size=8, micro_batch_size=1, greedy=False))
     dataset = SimpleNamespace(prompts=[[1], [2], [3]], records=[])
     engine = SimpleNamespace(layout=SimpleNamespace(plan=SimpleNamespace(D=4)))
     tok = SimpleNamespace(decode=lambda ids: "x", eos_id=0)
-    trainer = SimpleNamespace(generation=SimpleNamespace(engine=lambda: engine), engines={},
-                              rewards=SimpleNamespace(function=AllBad()),
-                              runtime=SimpleNamespace(synchronize=lambda: None))
-    metrics = Fake(cfg, tok, dataset, rank=0)(trainer, 0)
+    generation = SimpleNamespace(engine=lambda: engine, sample=sample)
+    function = AllBad()
+    rewards = SimpleNamespace(function=function, tokenizer=tok)  # the run's Rewards' scoring path
+    rewards.function_scores = types.MethodType(Rewards.function_scores, rewards)
+    metrics = Evaluator(cfg, tok, dataset, generation, None, rewards, SimpleNamespace(synchronize=lambda: None),
+                        rank=0)(0)
     assert asked == [3] and metrics["eval/bad_rewards"] == 3

@@ -4,11 +4,11 @@ Every ``import`` / ``from ... import`` of every module under puzzle/ counts, whe
 (module level, inside a function, under ``if TYPE_CHECKING``): a function-local import does not
 hide an arrow. The layers, from the bottom:
 
-    0  config, config_flags, plan_layouts, parallel       (flags' values, process layouts)
+    0  config, config_flags, plan_layouts, parallel, fail_fast  (flags' values, process layouts, bad input)
     1  models                                             (GPTModel builders, parameter layout/names)
-    2  training, rollout, pipeline, switch, algorithms, data
-    3  trainer, checkpointing, generation_stage, reward_functions, metrics, run_control, evaluation,
-       weight_sources
+    2  engine, rollout, pipeline, switch, algorithms, data  (model engines, generation, schedules, math)
+    3  dataflow, checkpointing, save_failures, reward_functions, metrics, run_control, weight_sources
+       (dataflow: the trainer, the five stages, the rollout batch, micro-batching, evaluation)
     4  cli, arguments, flag_checks, tools, bench, plan_search  (command line and tools)
 
 A module may import its own layer or any layer below. Below the command line (layers 0-3) nothing
@@ -32,11 +32,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "puzzle"
 
 LAYERS = [
-    {"config", "config_flags", "plan_layouts", "parallel"},
+    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast"},
     {"models"},
-    {"training", "rollout", "pipeline", "switch", "algorithms", "data"},
-    {"trainer", "checkpointing", "generation_stage", "reward_functions", "metrics", "run_control", "evaluation",
-     "weight_sources"},
+    {"engine", "rollout", "pipeline", "switch", "algorithms", "data"},
+    {"dataflow", "checkpointing", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},
     {"cli", "arguments", "flag_checks", "tools", "bench", "plan_search"},
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
@@ -46,8 +45,8 @@ ENV_READERS = {"puzzle.parallel.launcher"}
 #: below the command line, the only module that imports argparse: it turns config fields into flags
 ARGPARSE_USERS = {"puzzle.config_flags"}
 
-PLAN_FORBIDDEN = ("puzzle.models", "puzzle.training", "puzzle.rollout", "puzzle.pipeline", "puzzle.switch",
-                  "torch.distributed")
+PLAN_FORBIDDEN = ("puzzle.models", "puzzle.engine", "puzzle.dataflow", "puzzle.rollout", "puzzle.pipeline",
+                  "puzzle.switch", "torch.distributed")
 PLAN_PURE_CORE = ("puzzle.plan_search.cost_model", "puzzle.plan_search.memory_model", "puzzle.plan_search.search",
                   "puzzle.plan_search.profile_data", "puzzle.plan_search.bundled_profile")
 PLAN_PURE_ALLOWED = ("puzzle.config", "puzzle.parallel", "puzzle.plan_search")
@@ -217,3 +216,60 @@ def test_plan_is_pure():
                 bad.append(f"{m}:{line} (pure core) imports {target}")
     assert all(m in GRAPH for m in PLAN_PURE_CORE)
     assert not bad, "\n".join(bad)
+
+
+# ---- the trainer owns its run: nothing outside its module reaches into it ---------------------
+#: the module of PPOTrainer, and what others may call on a trainer (build it, run it, close it)
+TRAINER_MODULE = "puzzle.dataflow.trainer"
+TRAINER_INTERFACE = {"for_run", "train", "close"}
+
+
+def trainer_reads(source: str) -> List[Tuple[int, str]]:
+    """(line, attribute) of every attribute read or written on a trainer outside its interface:
+    ``x.attr`` and ``getattr(x, "attr")`` / ``setattr(x, "attr", ...)`` where ``x`` is a name
+    that says it is a trainer (``trainer``, ``ppo_trainer``, ...) or was bound to ``PPOTrainer(...)``
+    / ``PPOTrainer.for_run(...)``."""
+    tree = ast.parse(source)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            func = node.value.func
+            called = func.attr if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) \
+                and func.value.id == "PPOTrainer" else getattr(func, "id", None)
+            if called in ("PPOTrainer", "for_run"):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+
+    def is_trainer(node) -> bool:
+        return isinstance(node, ast.Name) and (node.id in names or "trainer" in node.id.lower())
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_trainer(node.value) and node.attr not in TRAINER_INTERFACE:
+            out.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "setattr", "hasattr")
+              and len(node.args) >= 2 and is_trainer(node.args[0]) and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value not in TRAINER_INTERFACE):
+            out.append((node.lineno, node.args[1].value))
+    return sorted(out)
+
+
+def test_nothing_outside_the_trainer_reads_its_attributes():
+    """The trainer owns its run (loop, loader, checkpointer, evaluator, loggers): the CLI builds it,
+    calls train() and close(); no other puzzle module reads or replaces a trainer attribute."""
+    found = {m: trainer_reads(PATHS[m].read_text()) for m in sorted(PATHS) if m != TRAINER_MODULE}
+    found = {m: hits for m, hits in found.items() if hits}
+    assert not found, f"modules reaching into the trainer: {found}"
+
+
+def test_trainer_reads_finds_a_planted_read():
+    """Negative control: each way of reaching into a trainer is found."""
+    planted = ("def f(trainer, cfg):\n"
+               "    trainer.train()\n"
+               "    x = trainer.engines['actor']\n"
+               "    trainer.on_iteration_end = print\n"
+               "    getattr(trainer, 'generation_progress', None)\n"
+               "    t = PPOTrainer.for_run(cfg)\n"
+               "    return t.iteration\n")
+    assert trainer_reads(planted) == [(3, "engines"), (4, "on_iteration_end"), (5, "generation_progress"),
+                                      (7, "iteration")]
+    assert trainer_reads("def f(trainer):\n    trainer.train()\n    trainer.close()\n") == []

@@ -36,7 +36,7 @@ def test_recompute_flags():
 
 
 def _logprobs_and_grads(logits, targets, chunk, with_entropy=True, temperature=0.7):
-    from puzzle.training.vocab_parallel import logprobs_in_chunks, vocab_parallel_logprobs
+    from puzzle.engine.vocab_parallel import logprobs_in_chunks, vocab_parallel_logprobs
 
     x = logits.detach().clone().requires_grad_(True)
     if chunk is None:
@@ -68,7 +68,7 @@ def test_chunked_logprobs_equal_the_whole(dtype):
 
 
 def test_chunk_size_follows_the_budget():
-    from puzzle.training.vocab_parallel import LOGITS_CHUNK_BYTES, sequence_chunk
+    from puzzle.engine.vocab_parallel import LOGITS_CHUNK_BYTES, sequence_chunk
 
     assert sequence_chunk((1, 64, 200)) == 64  # small logits: whole
     # 8k positions x 152k vocabulary on one rank: chunks of 441 positions (256 MiB of fp32 each)
@@ -85,7 +85,7 @@ def test_memory_model_knows_the_levers():
     from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles
     from puzzle.plan_search.memory_model import LOGITS_CHUNK_BYTES, MemoryModel
     from puzzle.plan_search.profile_data import load_profile
-    from puzzle.training import vocab_parallel
+    from puzzle.engine import vocab_parallel
 
     assert LOGITS_CHUNK_BYTES == vocab_parallel.LOGITS_CHUNK_BYTES  # the planner's copy of the chunk
     shape = ModelShape(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,

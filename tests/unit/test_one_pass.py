@@ -11,12 +11,12 @@ from puzzle.algorithms.dapo import overlong_penalty
 from puzzle.algorithms.token_rewards import RunningMoments
 from puzzle.data.tokenizers import build_tokenizer
 from puzzle.reward_functions import BadRewardError
-from puzzle.reward_functions.rewards import Rewards
+from puzzle.dataflow.reward_stage import Rewards
 from puzzle.rollout.generation import Results, _assemble
 from puzzle.rollout.sampling import SamplingParams
-from puzzle.training.batch import rollout_from_generation
-from puzzle.training.nonfinite import NonFiniteError, SkipPolicy
-from puzzle.training.training_stage import ACTOR_SUMS, CRITIC_SUMS, SUM_NAMES, NamedSums
+from puzzle.dataflow.batch import rollout_from_generation
+from puzzle.engine.nonfinite import NonFiniteError, SkipPolicy
+from puzzle.dataflow.training_stage import ACTOR_SUMS, CRITIC_SUMS, SUM_NAMES, NamedSums
 
 LAYOUT = SimpleNamespace(plan=SimpleNamespace(D=1), member=True, p=0, t=0, d=0,
                          generation_share=lambda: (0, 1, True))
@@ -126,9 +126,9 @@ def test_the_trainer_moves_no_data():
     import ast
     from pathlib import Path
 
-    import puzzle.trainer
+    import puzzle.dataflow.trainer
 
-    tree = ast.parse(Path(puzzle.trainer.__file__).read_text())
+    tree = ast.parse(Path(puzzle.dataflow.trainer.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "torch" not in imported

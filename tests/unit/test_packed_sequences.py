@@ -8,7 +8,7 @@ import torch
 
 from puzzle.models.packed_attention import PackedSequences, packed_attention
 from puzzle.models.sdpa_attention import sdpa_attention
-from puzzle.training.batch import pack_rows, packed_response_index
+from puzzle.dataflow.batch import pack_rows, packed_response_index
 
 
 def _causal(q, k, v):
@@ -93,8 +93,8 @@ def test_thd_rope_with_cached_cos_sin_equals_megatrons_bit_for_bit():
 
 
 def test_schedule_shape_runs_equal_packed_sequences_as_a_dense_batch():
-    from puzzle.training.batch import RolloutBatch
-    from puzzle.training.scoring_stage import schedule_shape
+    from puzzle.dataflow.batch import RolloutBatch
+    from puzzle.dataflow.scoring_stage import schedule_shape
 
     tokens = torch.arange(4 * 8).reshape(4, 8)
     equal = RolloutBatch(tokens, torch.full((4,), 3), torch.full((4,), 5), 5)

@@ -10,7 +10,7 @@ from puzzle.algorithms import policy_loss
 from puzzle.algorithms.rollout_correction import logprob_diff_stats, mismatch_metrics, truncated_is_weights
 from puzzle.arguments import ArgumentError, parse_args, validate_args
 from puzzle.rollout.sampling import SamplingParams, sample_tokens, sampled_logprobs
-from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
 from tests.unit.test_arguments import BASE
 
 V_TRUE, V_PAD = 200, 256

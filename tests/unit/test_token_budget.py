@@ -1,4 +1,4 @@
-"""Token-budget micro-batches and DP balancing by tokens (puzzle/training/token_budget.py), the
+"""Token-budget micro-batches and DP balancing by tokens (puzzle/dataflow/token_budget.py), the
 batch carrier's use of them, and the flags' checks (--use-dynamic-bsz)."""
 
 import random
@@ -8,8 +8,8 @@ import torch
 
 from puzzle.arguments import parse_args, validate_args
 from puzzle.flag_checks import ArgumentError
-from puzzle.training.batch import RolloutBatch, world_assemble
-from puzzle.training.token_budget import balance_rows, budget_micro_batches, split_to_count
+from puzzle.dataflow.batch import RolloutBatch, world_assemble
+from puzzle.dataflow.token_budget import balance_rows, budget_micro_batches, split_to_count
 
 
 def _random_lengths(seed: int, n: int):

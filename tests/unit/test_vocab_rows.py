@@ -12,7 +12,7 @@ import torch
 from puzzle.arguments import ArgumentError, parse_args, validate_args
 from puzzle.config import ModelArch
 from puzzle.rollout.sampling import SamplingParams, mask_padding, sample_tokens
-from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
 from tests.unit.test_arguments import BASE
 
 TOKENS, ROWS = 300, 400

@@ -6,8 +6,8 @@ import torch.distributed as dist
 from puzzle.config import ModelArch
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.training.engine import ModelEngine, OptimConfig
-from puzzle.training.steps import lm_nll_step
+from puzzle.engine.model_engine import ModelEngine, OptimConfig
+from puzzle.dataflow.steps import lm_nll_step
 from tests.harness import world_main
 
 ARCH = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,

@@ -28,7 +28,7 @@ _ENGINES = {}
 def _engine(plan, backend="auto"):
     from dataclasses import replace
 
-    from puzzle.training.engine import ModelEngine
+    from puzzle.engine.model_engine import ModelEngine
 
     if (plan, backend) not in _ENGINES:
         _ENGINES[plan, backend] = ModelEngine("actor", replace(ARCH, attention_backend=backend),
@@ -251,7 +251,7 @@ def check_lean_decode():
 
     from puzzle.models.decode_layer import DecodeTransformerLayer
     from puzzle.rollout import generation as G
-    from puzzle.training.engine import ModelEngine
+    from puzzle.engine.model_engine import ModelEngine
 
     res = {}
     prompts = PROMPTS + [[8], [2, 7, 1, 8, 2, 8]]
@@ -354,7 +354,7 @@ def check_moe_static_decode():
     max difference); an expert-parallel model is refused by DecodeGraphs.for_model."""
     from puzzle.models.decode_layer import DecodeTransformerLayer
     from puzzle.rollout.cuda_graphs import DecodeGraphs
-    from puzzle.training.engine import ModelEngine
+    from puzzle.engine.model_engine import ModelEngine
 
     prompts = PROMPTS + [[8], [2, 7, 1, 8, 2, 8]]
     res = {}

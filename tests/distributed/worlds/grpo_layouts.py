@@ -12,7 +12,7 @@ from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
 from puzzle.data.tokenizers import build_tokenizer
 from puzzle.reward_functions import BadRewardError, Sample
 from puzzle.reward_functions.distributed import RolloutRewarder
-from puzzle.trainer import PPOTrainer
+from puzzle.dataflow.trainer import PPOTrainer
 from tests.harness import world_main
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",

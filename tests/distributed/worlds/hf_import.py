@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.training.engine import ModelEngine
-from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+from puzzle.engine.model_engine import ModelEngine
+from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
 from tests.harness import world_main
 
 B, S, V = 2, 12, 200

@@ -7,8 +7,8 @@ import torch
 from puzzle.config import ModelArch, Recompute
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.training.engine import ModelEngine, OptimConfig
-from puzzle.training.steps import lm_nll_step
+from puzzle.engine.model_engine import ModelEngine, OptimConfig
+from puzzle.dataflow.steps import lm_nll_step
 from tests.harness import world_main
 
 ARCH = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
@@ -49,7 +49,7 @@ def check_recompute_gradients():
 def check_chunked_logprobs_tp2():
     """At T=2 (each rank a vocabulary half, padding ids on rank 1): log-probs, entropy and their
     gradients a chunk of the sequence at a time equal the whole computation."""
-    from puzzle.training.vocab_parallel import logprobs_in_chunks, vocab_parallel_logprobs
+    from puzzle.engine.vocab_parallel import logprobs_in_chunks, vocab_parallel_logprobs
 
     layout = layout_for(T2D2)
     g = torch.Generator().manual_seed(5)
@@ -77,7 +77,7 @@ def _train_twice(plan, offload, distributed_optimizer):
     """Actor and a frozen reference in ``plan``: two training steps; with ``offload``, the
     stage offload runs its whole cycle between them. Returns (actor params, frozen state seen
     while offloaded, reference log-probs after)."""
-    from puzzle.training.offload import StageOffload
+    from puzzle.engine.offload import StageOffload
 
     layout = layout_for(plan)
     optim = OptimConfig(lr=1e-2, use_distributed_optimizer=distributed_optimizer)

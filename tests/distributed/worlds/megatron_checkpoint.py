@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.training.engine import ModelEngine
+from puzzle.engine.model_engine import ModelEngine
 from tests.harness import world_main
 
 B, S, V = 2, 12, 200  # V: the valid ids; Megatron-LM pads the rows to 128 * T = 256

@@ -125,7 +125,7 @@ def _arch(fam, critic=False):
 
 def _engine(fam, plan, role="actor", load=True):
     from puzzle.models.hf_checkpoint import load_hf_into_model
-    from puzzle.training.engine import ModelEngine
+    from puzzle.engine.model_engine import ModelEngine
 
     arch = _arch(fam, critic=role != "actor")
     eng = ModelEngine(role, arch, layout_for(plan), trainable=False, seed=5)
@@ -146,7 +146,7 @@ def _forward(module, layout, values=False):
     """Log-probs (or values) of _tokens() through ``module`` at ``layout``, on every rank."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from puzzle.training.steps import lm_nll_step
+    from puzzle.dataflow.steps import lm_nll_step
 
     res = None
     if module is not None:

@@ -65,7 +65,7 @@ def _make_models():
 
 def _engine(fam, plan, role, **overrides):
     from puzzle.models.hf_checkpoint import arch_from_hf_dir, load_hf_into_model
-    from puzzle.training.engine import ModelEngine
+    from puzzle.engine.model_engine import ModelEngine
 
     src = os.path.join(_DIRS["root"], fam + ("" if role == "actor" else "-critic"))
     arch = arch_from_hf_dir(src, make_vocab_size_divisible_by=64, seq_length=32, **overrides)

@@ -25,8 +25,8 @@ from puzzle.parallel.device import runtime
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan as P
 from puzzle.switch.shadow import routing_table_for, switch_to_generation
-from puzzle.training.engine import ModelEngine, OptimConfig
-from puzzle.training.steps import lm_nll_step
+from puzzle.engine.model_engine import ModelEngine, OptimConfig
+from puzzle.dataflow.steps import lm_nll_step
 from tests.harness import tiny_flags, train_in_world, world_main
 
 # 4 experts of ffn 32, top-2; layer 1 dense (Qwen3-MoE's mlp_only_layers)
@@ -103,8 +103,8 @@ def _packed_nll_step(store: dict):
     predictions within each row; ``store`` gets each row's log-probs (batch row -> list)."""
     from functools import partial
 
-    from puzzle.training.steps import _run, _unwrap
-    from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+    from puzzle.dataflow.steps import _run, _unwrap
+    from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
 
     def loss_func(mb, tp_group, output):
         lp = vocab_parallel_logprobs(output[:, :-1], mb["tokens"][:, 1:], tp_group, ARCH.vocab_size)[0]
@@ -128,7 +128,7 @@ def _packed_train_step(plan, dispatcher: str, grouped_gemm: bool = False):
 
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    from puzzle.training.batch import pack_rows
+    from puzzle.dataflow.batch import pack_rows
 
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, ARCH.vocab_size, (len(PACKED_LENGTHS), max(PACKED_LENGTHS)), generator=g)
@@ -190,7 +190,7 @@ def check_grouped_gemm_experts():
 def _rollout(seed: int = 5):
     """12 rows of prompts (4 tokens) and responses of different lengths, with PPO's fields: under a
     20-token budget two of four balanced DP shares fit one micro-batch, two need two."""
-    from puzzle.training.batch import RolloutBatch
+    from puzzle.dataflow.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     R, responses = 12, torch.tensor([1, 2, 1, 12, 3, 3, 1, 1, 1, 1, 3, 12])
@@ -209,8 +209,8 @@ def check_token_budget_experts():
     from dataclasses import replace
 
     from puzzle.pipeline.stage import run_stage
-    from puzzle.training import steps
-    from puzzle.training.scoring_stage import MicroBatching
+    from puzzle.dataflow import steps
+    from puzzle.dataflow.scoring_stage import MicroBatching
 
     arch = replace(ARCH, moe_token_dispatcher_type="allgather")  # no load-balancing loss: it is per micro-batch
     eng = ModelEngine("actor", arch, layout_for(P(1, 4, 1, E=2)), trainable=True, seed=SEED,
@@ -241,7 +241,7 @@ def check_aux_loss_metric_with_unequal_micro_batch_counts():
 
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, save_to_aux_losses_tracker
 
-    from puzzle.training.moe_metrics import moe_aux_loss_metrics
+    from puzzle.engine.moe_metrics import moe_aux_loss_metrics
 
     me = dist.get_rank()
     arch = ModelArch(**{**vars(ARCH), "moe_aux_loss_coeff": 0.01})

@@ -15,9 +15,9 @@ from puzzle.arguments import parse_args, validate_args
 from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
 from puzzle.data.tokenizers import build_tokenizer
 from puzzle.pipeline.stage import run_stage
-from puzzle.trainer import PPOTrainer
-from puzzle.training import steps
-from puzzle.training.batch import RolloutBatch
+from puzzle.dataflow.trainer import PPOTrainer
+from puzzle.dataflow import steps
+from puzzle.dataflow.batch import RolloutBatch
 from tests.harness import world_main
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",

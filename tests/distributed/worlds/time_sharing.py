@@ -14,8 +14,8 @@ from puzzle.parallel.plan import ParallelPlan
 from puzzle.pipeline import time_sharing_executor
 from puzzle.pipeline.stage import StageContext, run_stage
 from puzzle.pipeline.time_sharing_schedule import ContextSpec
-from puzzle.training.engine import ModelEngine, OptimConfig
-from puzzle.training.steps import lm_nll_step
+from puzzle.engine.model_engine import ModelEngine, OptimConfig
+from puzzle.dataflow.steps import lm_nll_step
 from tests.harness import world_main
 
 SEQ = 12
@@ -236,7 +236,7 @@ MIXED = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", 
 def _uneven_budget(lengths) -> int:
     """The smallest token budget at which the two balanced DP shares of these rows need different
     numbers of micro-batches (0: none up to four times the longest row)."""
-    from puzzle.training.token_budget import balance_rows, budget_micro_batches
+    from puzzle.dataflow.token_budget import balance_rows, budget_micro_batches
 
     for budget in range(max(lengths), 4 * max(lengths)):
         if len({len(budget_micro_batches([lengths[i] for i in s], budget)) for s in balance_rows(lengths, 2)}) > 1:
@@ -258,7 +258,7 @@ def _mixed_score(trainer, batch, placement: str, budget) -> dict:
 def _mixed_gradients(trainer, mini, placement: str, budget) -> tuple:
     """Each trained model's gradient buffers and loss sums after one training mini-batch under
     ``placement``; each model's micro-batch count on this rank; the stream's mode."""
-    from puzzle.training import steps
+    from puzzle.dataflow import steps
 
     ppo, R = trainer.cfg.ppo, mini.max_new_tokens
     jobs = [("actor", steps.actor_train_step(trainer.vocab, ppo.temperature, R, ppo.clip_eps, ppo.entropy_coef)),
@@ -287,7 +287,7 @@ def check_mixed_plans_ppo():
     from puzzle.arguments import parse_args, validate_args
     from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
     from puzzle.data.tokenizers import build_tokenizer
-    from puzzle.trainer import PPOTrainer
+    from puzzle.dataflow.trainer import PPOTrainer
     from tests.distributed.worlds.packing import CONFIGS, MODEL, _largest
 
     tok = build_tokenizer("ByteLevelTokenizer", None)

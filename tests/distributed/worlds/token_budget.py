@@ -16,8 +16,8 @@ from puzzle.arguments import parse_args, validate_args
 from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
 from puzzle.data.tokenizers import build_tokenizer
 from puzzle.pipeline.stage import run_stage
-from puzzle.trainer import PPOTrainer
-from puzzle.training import steps
+from puzzle.dataflow.trainer import PPOTrainer
+from puzzle.dataflow import steps
 from tests.distributed.worlds.packing import CONFIGS, LAYOUTS, MODEL, SCORED, _largest
 from tests.harness import world_main
 

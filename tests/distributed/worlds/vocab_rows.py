@@ -120,7 +120,7 @@ def _bias_unused_rows(engine, scale=0.3):
 
 
 def _run(argv, tokenizer_dir, after=None):
-    from puzzle.trainer import PPOTrainer
+    from puzzle.dataflow.trainer import PPOTrainer
 
     tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_dir)
     cfg = validate_args(parse_args(COMMON + ["--tokenizer-model", tokenizer_dir] + argv), dist.get_world_size(),

@@ -15,10 +15,10 @@ import torch
 
 from puzzle.parallel.device import runtime
 from puzzle.pipeline.stage import run_stage
-from puzzle.training import steps
-from puzzle.training.batch import RolloutBatch
-from puzzle.training.moe_metrics import moe_aux_loss_metrics
-from puzzle.training.nonfinite import SkipPolicy
+from puzzle.dataflow import steps
+from puzzle.dataflow.batch import RolloutBatch
+from puzzle.engine.moe_metrics import moe_aux_loss_metrics
+from puzzle.engine.nonfinite import SkipPolicy
 
 #: per trained model: the sums its micro-batch outputs add (output key -> sum name)
 ACTOR_SUMS = {"policy_loss_sum": "policy_loss", "clip_sum": "clip", "approx_kl_sum": "approx_kl",

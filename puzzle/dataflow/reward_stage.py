@@ -86,11 +86,18 @@ class Rewards:
         per prompt, row b is of prompt b // N, or None); returns how many were bad."""
         size = batch.size
         rows = [records[b // self.n_samples] if records is not None else {} for b in range(size)]
-        lo, hi = self.function.share(size)
-        samples = batch_samples(batch, self.tokenizer, rows, lo, hi)
-        scores, bad = self.function.score(lambda b: samples[b - lo], size, iteration, what)
+        scores, bad = self.function_scores(batch, rows, size, iteration, what)
         batch.fields["scores"] = scores.to(batch.device)
         return bad
+
+    def function_scores(self, batch, row_records: List[dict], size: int, iteration: int,
+                        what: str = "sample") -> Tuple[torch.Tensor, int]:
+        """The reward function's scores of the first ``size`` rows (``row_records[b]``: row b's
+        record; the ranks share the rows) and how many were bad, on every rank. Nothing is kept:
+        evaluation scores its rows through here."""
+        lo, hi = self.function.share(size)
+        samples = batch_samples(batch, self.tokenizer, row_records, lo, hi)
+        return self.function.score(lambda b: samples[b - lo], size, iteration, what)
 
     def score_baseline(self, batch, greedy, records: List[dict], iteration: int) -> int:
         """ReMax: the greedy sample of every prompt scored and shaped into
@@ -102,8 +109,13 @@ class Rewards:
     def take_model_scores(self, batch, scores: torch.Tensor, iteration: int) -> int:
         """The reward model's scores into ``fields['scores']``, non-finite ones replaced or
         refused (``--on-bad-reward``) like a function's; returns how many were bad."""
-        batch.fields["scores"], bad = self.policy.check_scores(scores, f"reward model {self.model_name}", iteration)
+        batch.fields["scores"], bad = self.check_model_scores(scores, iteration)
         return bad
+
+    def check_model_scores(self, scores: torch.Tensor, iteration: int, what: str = "") -> Tuple[torch.Tensor, int]:
+        """The reward model's scores with non-finite ones replaced or refused (``--on-bad-reward``),
+        and how many were bad; ``what`` is added to the model's name in the message."""
+        return self.policy.check_scores(scores, f"reward model {self.model_name}{what}", iteration)
 
     # ---- shaping -----------------------------------------------------------------------------
     def _overlong(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

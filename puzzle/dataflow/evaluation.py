@@ -85,13 +85,17 @@ def _padded(rows: int, unit: int) -> int:
 
 
 class Evaluator:
-    """Evaluates a PPOTrainer's actor on ``dataset`` (a PromptDataset of the eval prompts).
+    """Evaluates the actor on ``dataset`` (a PromptDataset of the eval prompts) through the run's
+    own stages: ``generation`` (its engine and layout, its sampling) and the scoring path
+    (``rewards``'s function, else ``scoring``'s reward model, checked by ``rewards``).
     Call on every rank; every rank gets the same metrics, rank 0 writes the samples."""
 
-    def __init__(self, cfg, tokenizer, dataset, rank: int, resumed_from: int = 0):
+    def __init__(self, cfg, tokenizer, dataset, generation, scoring, rewards, runtime, rank: int,
+                 resumed_from: int = 0):
         from puzzle.metrics import SampleLog
 
         self.cfg, self.tokenizer, self.dataset = cfg, tokenizer, dataset
+        self.generation, self.scoring, self.rewards, self.runtime = generation, scoring, rewards, runtime
         ev = cfg.evaluation
         self.n = ev.samples_per_prompt
         self.batches = eval_batches(len(dataset.prompts), cfg.ppo.rollout_batch_size, ev.iters)
@@ -101,89 +105,57 @@ class Evaluator:
     def due(self, iteration: int) -> bool:
         return evaluation_due(iteration, self.cfg.evaluation.interval, self.cfg.train_iters)
 
-    def __call__(self, trainer, iteration: int) -> dict:
+    def __call__(self, iteration: int) -> dict:
         t0 = time.perf_counter()
-        engine = trainer.generation.engine()
+        engine = self.generation.engine()
         scores, lengths, bad, offset = [], [], 0, 0
         for rows in self.batches:
             ids = [self.dataset.prompts[i] for i in rows for _ in range(self.n)]
             records = [self.dataset.records[i] if self.dataset.records else {} for i in rows for _ in range(self.n)]
-            size = _padded(len(ids), self._unit(trainer, engine))
+            size = _padded(len(ids), self._unit(engine))
             ids = ids + [ids[0]] * (size - len(ids))  # rows to fill the layouts' shares, dropped after
             records = records + [records[0]] * (size - len(records))
-            batch = self._generate(trainer, engine, ids, iteration, offset)
+            batch = self.generation.sample(engine, ids, seed=self.cfg.seed * 100003 + iteration + EVAL_SEED_OFFSET,
+                                           greedy=self.n == 1 or self.cfg.ppo.greedy, first_sample=offset)
             keep = len(rows) * self.n
-            batch_scores, batch_bad = self._score(trainer, batch, records, iteration, keep)
+            batch_scores, batch_bad = self._score(batch, records, iteration, keep)
             scores.append(batch_scores.cpu())
             lengths.append(batch.response_lengths[:keep].cpu())
             bad += batch_bad
-            self._write_samples(trainer, batch, records, list(rows), batch_scores, iteration)
+            self._write_samples(batch, records, list(rows), batch_scores, iteration)
             offset += size
         metrics = summarize(torch.cat(scores).view(-1, self.n), torch.cat(lengths).view(-1, self.n),
-                            with_accuracy=trainer.rewards.function is not None)
+                            with_accuracy=self.rewards.function is not None)
         if bad:
             metrics["eval/bad_rewards"] = bad
-        trainer.runtime.synchronize()
+        self.runtime.synchronize()
         metrics["time_eval"] = time.perf_counter() - t0
         return metrics
 
-    def _unit(self, trainer, engine) -> int:
+    def _unit(self, engine) -> int:
         """Rows of an eval batch are a multiple of this: the generation layout's D, and the reward
         model's D x micro-batch when a reward model scores."""
         unit = engine.layout.plan.D
-        if "reward" in trainer.engines:
-            unit = math.lcm(unit, trainer.engines["reward"].layout.plan.D * self.cfg.ppo.micro_batch_size)
+        reward_plan = self.cfg.roles["reward"].plan if "reward" in self.cfg.roles else None
+        if reward_plan is not None:
+            unit = math.lcm(unit, reward_plan.D * self.cfg.ppo.micro_batch_size)
         return unit
 
-    def _generate(self, trainer, engine, ids: List[List[int]], iteration: int, offset: int):
-        from puzzle.rollout.generation import SamplingParams, generate
-        from puzzle.training.batch import rollout_from_generation
-
-        ppo, tok = self.cfg.ppo, self.tokenizer
-        layout, R = engine.layout, ppo.max_new_tokens
-        share = len(ids) // layout.plan.D
-        responses = lengths = None
-        if engine.member:
-            params = SamplingParams(max_new_tokens=R, temperature=ppo.temperature, top_k=ppo.top_k, top_p=ppo.top_p,
-                                    greedy=self.n == 1 or ppo.greedy, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                    eos_ids=tuple(tok.eos_ids))
-            out = generate(engine, ids[layout.d * share:(layout.d + 1) * share], params,
-                           seed=self.cfg.seed * 100003 + iteration + EVAL_SEED_OFFSET,
-                           micro_batch_size=ppo.generation_micro_batch_size,
-                           cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
-                           sample_offset=offset + layout.d * share,
-                           progress=getattr(trainer, "generation_progress", None))
-            responses, lengths = out.response_tokens, out.response_lengths
-        return rollout_from_generation(ids, responses, lengths, layout, R, tok.pad_id, trainer.runtime.device,
-                                       seq_multiple=trainer.seq_multiple)
-
-    def _score(self, trainer, batch, records: List[dict], iteration: int, keep: int):
+    def _score(self, batch, records: List[dict], iteration: int, keep: int):
         """The run's reward for the first ``keep`` rows (the fill rows after them are neither
         scored by a function nor counted as bad): its reward function, else its reward model
         (each checked by the run's ``Rewards``, the eval rows' scores kept out of the rollout's
         state)."""
-        rewards = trainer.rewards
-        if rewards.function is not None:
-            from puzzle.reward_functions.rewards import batch_samples
-
-            lo, hi = rewards.function.share(keep)
-            samples = batch_samples(batch, self.tokenizer, records, lo, hi)
-            scores, bad = rewards.function.score(lambda b: samples[b - lo], keep, iteration, "eval sample")
+        if self.rewards.function is not None:
+            scores, bad = self.rewards.function_scores(batch, records, keep, iteration, "eval sample")
             return scores.float(), bad
-        from puzzle.pipeline.stage import run_stage
-        from puzzle.training import steps
-        from puzzle.training.batch import gather_outputs
+        scores = self.scoring.reward_model_scores(batch)[:keep]
+        return self.rewards.check_model_scores(scores.float(), iteration, " (eval)")
 
-        outs = run_stage(trainer.micro.contexts(batch, [("reward", steps.reward_score_step())]), forward_only=True,
-                         placement="sequential")
-        scores = gather_outputs(outs[0], "scores", trainer.engines["reward"], batch)[:keep]
-        return rewards.policy.check_scores(scores.float(), f"reward model {self.cfg.reward_model} (eval)",
-                                           iteration)
-
-    def _write_samples(self, trainer, batch, records, prompt_indices, scores, iteration: int) -> None:
+    def _write_samples(self, batch, records, prompt_indices, scores, iteration: int) -> None:
         if self.samples is None or self.samples.file is None:
             return
-        from puzzle.reward_functions.rewards import batch_samples
+        from puzzle.dataflow.reward_stage import batch_samples
 
         samples = batch_samples(batch, self.tokenizer, records, 0, len(prompt_indices) * self.n)
         rows = []

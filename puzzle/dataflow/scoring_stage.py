@@ -1,7 +1,7 @@
 """Stage 2, scoring: forward passes of the roles that exist over the rollout batch.
 
 ``MicroBatching`` is where a stage's data moves: it cuts each model's data-parallel share of the
-batch into micro-batches (puzzle/training/batch.py ``RolloutBatch.micro_batches``, packed without
+batch into micro-batches (puzzle/dataflow/batch.py ``RolloutBatch.micro_batches``, packed without
 padding by default) and wraps them in the ``StageContext`` a stage schedule runs. The outputs come
 back to every rank through ``gather_outputs`` (one world all-reduce per field), so the batch
 leaves the stage complete and identical on every rank.
@@ -16,8 +16,9 @@ import torch
 from puzzle.algorithms.rollout_correction import mismatch_metrics
 from puzzle.config import ROLES
 from puzzle.pipeline.stage import StageContext, one_program_roles, run_stage
-from puzzle.training import nonfinite, steps
-from puzzle.training.batch import RolloutBatch, gather_outputs
+from puzzle.engine import nonfinite
+from puzzle.dataflow import steps
+from puzzle.dataflow.batch import RolloutBatch, gather_outputs
 
 #: each scoring role's outputs: (key in its micro-batch outputs, field of the batch)
 SCORED_FIELDS = {"actor": (("logprobs", "old_logprobs"), ("entropy", "entropy")),
@@ -118,6 +119,13 @@ class ScoringStage:
                 "ref": steps.logprob_score_step(self.vocab, temp, R),
                 "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
         return [(role, jobs[role]) for role in ROLES if role in self.engines]
+
+    def reward_model_scores(self, batch: RolloutBatch) -> torch.Tensor:
+        """Collective: the reward model's raw scores of every row of ``batch`` (unchecked, kept
+        nowhere; evaluation scores its rows through here)."""
+        outs = run_stage(self.micro.contexts(batch, [("reward", steps.reward_score_step())]), forward_only=True,
+                         placement="sequential")
+        return gather_outputs(outs[0], "scores", self.engines["reward"], batch)
 
     def run(self, batch: RolloutBatch, iteration: int) -> dict:
         """Collective: the scored fields on every rank; raises NonFiniteError on a NaN/inf output."""

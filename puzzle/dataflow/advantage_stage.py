@@ -13,7 +13,7 @@ from puzzle.algorithms.token_rewards import compute_token_rewards
 
 class AdvantageStage:
     """``run(batch)`` writes ``fields['advantages']`` and ``fields['returns']`` ([B, R]); the
-    scores come from ``rewards.shaped(batch)`` (puzzle/reward_functions/rewards.py)."""
+    scores come from ``rewards.shaped(batch)`` (puzzle/dataflow/reward_stage.py)."""
 
     def __init__(self, ppo, rewards, with_reference: bool):
         self.ppo, self.rewards, self.with_reference = ppo, rewards, with_reference

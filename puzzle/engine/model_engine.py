@@ -66,7 +66,7 @@ class ModelEngine:
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             use_distributed_optimizer=optim.use_distributed_optimizer,
-            check_for_nan_in_grad=False,  # puzzle.training.nonfinite checks, names and may skip
+            check_for_nan_in_grad=False,  # puzzle.engine.nonfinite checks, names and may skip
         )
         _experts_in_their_own_optimizer(self.module)
         self.model = DistributedDataParallel(self.config, ddp_config, self.module,

@@ -72,7 +72,7 @@ class RolloutBatch:
         if not balance:
             n = self.size // D
             return torch.arange(d * n, (d + 1) * n, device=self.device)
-        from puzzle.training.token_budget import balance_rows
+        from puzzle.dataflow.token_budget import balance_rows
 
         return torch.tensor(balance_rows(self.sequence_lengths, D)[d], dtype=torch.long, device=self.device)
 
@@ -83,7 +83,7 @@ class RolloutBatch:
         micro-batches when given (token_budget.split_to_count)."""
         if token_budget is None:
             return [list(range(s, min(s + mbs, self.size))) for s in range(0, self.size, mbs)]
-        from puzzle.training.token_budget import budget_micro_batches, split_to_count
+        from puzzle.dataflow.token_budget import budget_micro_batches, split_to_count
 
         groups = budget_micro_batches(self.sequence_lengths, token_budget)
         return groups if count is None else split_to_count(self.sequence_lengths, groups, count)
@@ -92,7 +92,7 @@ class RolloutBatch:
         """The most token-budget micro-batches any of ``D`` data-parallel ranks needs for its
         balanced share (``share_rows(..., balance=True)``): MoE models with experts split over E > 1
         ranks run that many on every DP rank (token_budget.split_to_count)."""
-        from puzzle.training.token_budget import balance_rows, budget_micro_batches
+        from puzzle.dataflow.token_budget import balance_rows, budget_micro_batches
 
         lengths = self.sequence_lengths
         return max(len(budget_micro_batches([lengths[i] for i in share], token_budget))

@@ -1,5 +1,5 @@
 """Stage 1, generation: the actor (in its generation layout) samples N responses of every prompt
-and the stage assembles them into the world's ``RolloutBatch`` (puzzle/training/batch.py), the
+and the stage assembles them into the world's ``RolloutBatch`` (puzzle/dataflow/batch.py), the
 form every later stage reads. With ``--filter-groups`` (DAPO dynamic sampling) it asks the run's
 ``Rewards`` for each round's scores to keep the informative groups; with ReMax it also samples
 the greedy baseline of every prompt (same engine, same stage).
@@ -16,7 +16,7 @@ import torch
 
 from puzzle.algorithms.advantage_estimators import ESTIMATORS
 from puzzle.algorithms.dapo import informative_groups
-from puzzle.training.batch import RolloutBatch, concat_rollouts, rollout_from_generation
+from puzzle.dataflow.batch import RolloutBatch, concat_rollouts, rollout_from_generation
 
 
 @dataclass
@@ -61,31 +61,39 @@ class GenerationStage:
                 greedy: bool = False) -> RolloutBatch:
         """Generate N samples of every prompt (prompt-major); the noise is keyed by the global
         sample index (+ round x batch size for later rounds)."""
+        N = self.ppo.n_samples_per_prompt
+        rows = [p for p in prompt_ids for _ in range(N)]
+        batch = self.sample(engine, rows, seed=self.cfg.seed * 100003 + iteration, greedy=self.ppo.greedy or greedy,
+                            first_sample=round_ * len(rows), with_logprobs=True)
+        if N > 1:
+            batch.fields["group_index"] = torch.arange(len(rows), device=batch.device) // N
+        return batch
+
+    def sample(self, engine, rows: List[List[int]], seed: int, greedy: bool, first_sample: int = 0,
+               with_logprobs: bool = False) -> RolloutBatch:
+        """One response to each of ``rows`` (prompt token ids, one per row) from ``engine`` at the
+        run's sampling settings (``greedy``: argmax), assembled into the world's batch; the noise of
+        row b is keyed by (``seed``, ``first_sample`` + b). Evaluation samples through here too."""
         from puzzle.rollout.generation import SamplingParams, generate
 
-        ppo, N = self.ppo, self.ppo.n_samples_per_prompt
-        prompt_ids = [p for p in prompt_ids for _ in range(N)]
-        B, layout, R = len(prompt_ids), engine.layout, ppo.max_new_tokens
+        ppo = self.ppo
+        B, layout, R = len(rows), engine.layout, ppo.max_new_tokens
         responses = lengths = logprobs = None
         if engine.member:
             part, parts, _ = layout.generation_share()  # E > 1: an expert-parallel group generates together
             share = B // parts
             params = SamplingParams(max_new_tokens=R, temperature=ppo.temperature, top_k=ppo.top_k,
-                                    top_p=ppo.top_p, greedy=ppo.greedy or greedy,
+                                    top_p=ppo.top_p, greedy=greedy,
                                     eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
                                     eos_ids=tuple(self.tokenizer.eos_ids))
-            out = generate(engine, prompt_ids[part * share:(part + 1) * share], params,
-                           seed=self.cfg.seed * 100003 + iteration,
+            out = generate(engine, rows[part * share:(part + 1) * share], params, seed=seed,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
-                           sample_offset=round_ * B + part * share, progress=self.progress)
+                           sample_offset=first_sample + part * share, progress=self.progress)
             responses, lengths, logprobs = out.response_tokens, out.response_lengths, out.logprobs
-        batch = rollout_from_generation(prompt_ids, responses, lengths, layout, R, self.tokenizer.pad_id,
-                                        self.device, seq_multiple=self.seq_multiple, logprobs=logprobs,
-                                        with_logprobs=True)
-        if N > 1:
-            batch.fields["group_index"] = torch.arange(B, device=batch.device) // N
-        return batch
+        return rollout_from_generation(rows, responses, lengths, layout, R, self.tokenizer.pad_id,
+                                       self.device, seq_multiple=self.seq_multiple, logprobs=logprobs,
+                                       with_logprobs=with_logprobs)
 
     def _dynamic_sampling(self, engine, prompt_ids: List[List[int]], records: List[dict],
                           refill: Optional[Callable], iteration: int) -> Rollout:

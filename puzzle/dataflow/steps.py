@@ -14,8 +14,8 @@ import torch
 from puzzle.algorithms import agg_loss, entropy_bonus, kl_penalty, policy_loss, value_loss
 from puzzle.algorithms.rollout_correction import truncated_is_weights
 from puzzle.parallel.device import check_on_device
-from puzzle.training.batch import gather_response, packed_response_index
-from puzzle.training.vocab_parallel import vocab_parallel_logprobs
+from puzzle.dataflow.batch import gather_response, packed_response_index
+from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
 
 
 def _unwrap(model):
