@@ -14,20 +14,11 @@ Plain ``python -m puzzle.tools.export_hf ...`` runs a world of one (T = P = 1).
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-from puzzle.tools.model_source import add_source_args
+from puzzle.tools.model_source import tool_parser
 
 
-def _parser() -> argparse.ArgumentParser:
-    from puzzle.arguments import RaisingArgumentParser
-
-    p = RaisingArgumentParser(prog="python -m puzzle.tools.export_hf", description=__doc__.split("\n\n")[0],
-                              allow_abbrev=False)
-    add_source_args(p)
-    g = p.add_argument_group("destination")
-    g.add_argument("--save", required=True, help="destination HF directory")
+def _parser():
+    p, g = tool_parser("python -m puzzle.tools.export_hf", __doc__, "destination", "destination HF directory")
     g.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="dtype of the saved tensors (default: the model's)")
     g.add_argument("--max-shard-size-mb", type=int, default=5 * 1024)
@@ -35,18 +26,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _export(argv) -> int:
-    from puzzle.tools.model_source import (apply_patches, end_world, load_engine, plan_from_flags, source_arch,
-                                           start_world)
+    from puzzle.tools.model_source import apply_patches, end_world, load_source
 
     apply_patches()
     args = _parser().parse_args(argv)
-    plan = plan_from_flags(args)  # every input is checked before the process group starts
-    arch = source_arch(args.load, args.role, plan, step=args.ckpt_step,
-                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    rank, owns_world, plan, engine = load_source(args)
     from puzzle.models.hf_checkpoint import export_hf
 
-    rank, owns_world = start_world(args.distributed_backend)
-    engine = load_engine(args.load, args.role, plan, arch, step=args.ckpt_step, transformer_impl=args.transformer_impl)
     files = export_hf(engine.module, engine.arch, args.role, args.save, dtype=args.dtype,
                       max_shard_bytes=args.max_shard_size_mb * 2 ** 20)
     if rank == 0:

@@ -19,38 +19,25 @@ Plain ``python -m puzzle.tools.export_megatron ...`` runs a world of one (T = P 
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-from puzzle.tools.model_source import add_source_args
+from puzzle.tools.model_source import tool_parser
 
 
-def _parser() -> argparse.ArgumentParser:
-    from puzzle.arguments import RaisingArgumentParser
-
-    p = RaisingArgumentParser(prog="python -m puzzle.tools.export_megatron", description=__doc__.split("\n\n")[0],
-                              allow_abbrev=False)
-    add_source_args(p)
-    g = p.add_argument_group("destination")
-    g.add_argument("--save", required=True, help="destination Megatron-LM checkpoint root")
+def _parser():
+    p, g = tool_parser("python -m puzzle.tools.export_megatron", __doc__, "destination",
+                       "destination Megatron-LM checkpoint root")
     g.add_argument("--bf16", action="store_true", help="save bf16 tensors (default: fp32)")
     return p
 
 
 def _export(argv) -> int:
-    from puzzle.tools.model_source import (apply_patches, end_world, load_engine, plan_from_flags, source_arch,
-                                           start_world)
+    from puzzle.tools.model_source import apply_patches, end_world, load_source
 
     apply_patches()
     args = _parser().parse_args(argv)
-    plan = plan_from_flags(args)  # every input is checked before the process group starts
-    arch = source_arch(args.load, args.role, plan, step=args.ckpt_step,
-                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    rank, owns_world, plan, engine = load_source(args, bf16=args.bf16)
     from puzzle.models.megatron_checkpoint import save_megatron_checkpoint
 
-    rank, owns_world = start_world(args.distributed_backend)
-    engine = load_engine(args.load, args.role, plan, arch, step=args.ckpt_step, bf16=args.bf16,
-                         transformer_impl=args.transformer_impl)
+    arch = engine.arch
     d = save_megatron_checkpoint(engine.module, arch, args.save, bf16=args.bf16, fp16=False)
     if rank == 0:
         print(f"export_megatron: {args.load} -> {d} at {plan}: {arch.padded_vocab_size} vocabulary rows "
@@ -67,4 +54,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from puzzle.parallel import launcher
+
+    launcher.exit_process(main())

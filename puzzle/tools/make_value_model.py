@@ -22,21 +22,12 @@ an LM checkpoint a fresh head by itself).
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-from puzzle.tools.model_source import add_source_args
+from puzzle.tools.model_source import tool_parser
 
 
-def _parser() -> argparse.ArgumentParser:
-    from puzzle.arguments import RaisingArgumentParser
-
-    p = RaisingArgumentParser(prog="python -m puzzle.tools.make_value_model", description=__doc__.split("\n\n")[0],
-                              allow_abbrev=False)
-    add_source_args(p)
+def _parser():
+    p, g = tool_parser("python -m puzzle.tools.make_value_model", __doc__, "value model", "destination directory")
     p.set_defaults(role="critic")  # --role: the model made (critic or reward)
-    g = p.add_argument_group("value model")
-    g.add_argument("--save", required=True, help="destination directory")
     g.add_argument("--save-format", choices=("hf", "megatron"), default=None,
                    help="default: the source's")
     g.add_argument("--head-init", choices=("zero", "normal"), default="zero")
@@ -113,4 +104,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from puzzle.parallel import launcher
+
+    launcher.exit_process(main())

@@ -137,6 +137,30 @@ def plan_from_flags(args):
         raise ArgumentError(f"--expert-model-parallel-size/--expert-tensor-parallel-size: {e}") from None
 
 
+def tool_parser(prog: str, doc: str, title: str, save_help: str):
+    """A model tool's parser: the source flags (``add_source_args``) and ``--save`` in the group
+    ``title``; returns (parser, that group) for the tool's own options."""
+    from puzzle.arguments import RaisingArgumentParser
+
+    p = RaisingArgumentParser(prog=prog, description=doc.split("\n\n")[0], allow_abbrev=False)
+    add_source_args(p)
+    g = p.add_argument_group(title)
+    g.add_argument("--save", required=True, help=save_help)
+    return p, g
+
+
+def load_source(args, **load_kwargs):
+    """``--load``'s model at the flags' layout, every input checked before the process group
+    starts: (rank, owns_world, plan, engine)."""
+    plan = plan_from_flags(args)
+    arch = source_arch(args.load, args.role, plan, step=args.ckpt_step,
+                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    rank, owns_world = start_world(args.distributed_backend)
+    engine = load_engine(args.load, args.role, plan, arch, step=args.ckpt_step,
+                         transformer_impl=args.transformer_impl, **load_kwargs)
+    return rank, owns_world, plan, engine
+
+
 def apply_patches() -> None:
     """megatron_patches.apply(), first thing, as train_ppo.py does (before megatron-core is imported)."""
     from puzzle.fail_fast import quiet_startup_warnings
