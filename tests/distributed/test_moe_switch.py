@@ -37,14 +37,15 @@ def test_tiny_moe_run_resumed_at_other_layouts_through_the_switch(world):
     """Saved after iteration 1 with the actor, reference and critic at (1,4,1,E=2); resumed with the
     actor training at (2,2,1,E=2) and generating at (1,4,1,E=1) through the switch, the critic at
     (1,4,1,E=4), the reference at (1,4,1,E=1): iteration 2 repeats the straight run's exactly, the
-    gradient norms up to fp32 reduction order (other D, other E)."""
+    gradient norms and the load-balancing loss up to fp32 reduction order (other D, other E, other
+    P: each rank sums its layers' losses over its micro-batches in fp32 before the world sum)."""
     run = world[0]["tiny_run"]
     assert run["plans"] == {"actor": "(P=2, D=2, T=1, E=2)", "critic": "(P=1, D=4, T=1, E=4)",
                             "ref": "(P=1, D=4, T=1)", "actor_gen": "(P=1, D=4, T=1)"}
     assert run["switch"] and [r["iteration"] for r in run["straight"]] == [1, 2]
     assert [r["iteration"] for r in run["resumed"]] == [2]
     straight, resumed = {2: run["straight"][1]}, {2: run["resumed"][0]}
-    norms = ("actor_grad_norm", "critic_grad_norm")
+    norms = ("actor_grad_norm", "critic_grad_norm", "moe_aux_loss")
     assert_same_metrics(resumed, straight, skip=norms + ("switch_bytes_max_rank",) + LOGPROB_DIFF)
     assert_same_metrics(resumed, straight, keys=norms, rel=1e-6)
     assert resumed[2]["switch_bytes_max_rank"] == run["lower_bound"] > 0
