@@ -16,7 +16,7 @@ FAIL_SAVE_ENV = "PUZZLE_TEST_FAIL_SAVE_AT"  # "rank:iteration": that rank raises
 def run(argv) -> int:
     from puzzle.arguments import ArgumentError, parse_args, validate_args
     from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
-    from puzzle.data.tokenizers import build_tokenizer
+    from puzzle.data.tokenizers import build_tokenizer, fit_to_rows
 
     rank = launcher.rank()
     if rank != 0 and any(a in ("-h", "--help") for a in argv):
@@ -42,6 +42,9 @@ def run(argv) -> int:
                                       apply_chat_template=cfg.apply_chat_template,
                                       skip_bad_records=cfg.skip_bad_records)
         eval_dataset = _eval_dataset(cfg, tokenizer)
+        for data, source in ((dataset, cfg.prompt_data or "the bundled prompts"), (eval_dataset, "--eval-prompts")):
+            if data is not None:  # ids beyond the model's rows: never fed (a pad beyond them: padding feeds eos)
+                fit_to_rows(tokenizer, cfg.roles["actor"].arch.vocab_size, data.prompts, source=source)
     except (ArgumentError, ValueError, OSError) as e:  # OSError: unreadable tokenizer or data files
         from puzzle.tools.fail_fast import report_usage_error
 
