@@ -256,9 +256,8 @@ def _checked_against_flags(args, role: str, vocab_size: int, arch, cfg_path: str
                                            f"{arch.max_position_embeddings} of {cfg_path}")
     if "vocab_size" in given and args.vocab_size != arch.vocab_size:
         _fail("--vocab-size", f"{args.vocab_size} conflicts with {cfg_path} (vocab_size={arch.vocab_size})")
-    if vocab_size > arch.vocab_size:
-        _fail("--tokenizer-model", f"the tokenizer has {vocab_size} tokens, more than the {arch.vocab_size} "
-                                   f"rows of {cfg_path} (vocab_size)")
+    # a tokenizer with more ids than the checkpoint's rows (an added pad) is fine while no id the run
+    # feeds lies beyond them: puzzle.data.tokenizers.fit_to_rows checks that once the prompts are read
     # the run's choices apply on top of the checkpoint (dropout, attention kernel, init of fresh heads)
     return replace(arch, **{field: field_value(ModelArch, args, field) for field in _RUN_FIELDS
                             if field in given or field != "init_method_std"})

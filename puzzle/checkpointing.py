@@ -26,6 +26,9 @@ A save writes ``iter_N.tmp`` on every rank, barriers, then rank 0 renames it to 
 only then rewrites the tracker file (write + ``os.replace``), so a checkpoint becomes visible
 only once every rank has finished writing it; a save killed half way leaves the previous
 checkpoint as the latest one (and a stale ``.tmp`` that the next save of that iteration replaces).
+The files are written by threads of each rank's process (megatron_patches.checkpoint_writes_in_process:
+nothing forks); a save runs in named phases, and a failure in one is a SaveError naming the rank,
+the iteration and the phase (puzzle.save_failures).
 
 Frozen models (ref, reward) are saved **by reference**: their weights are a pure function of
 (arch, seed) or of their HF checkpoint (``RoleSpec.hf_path``), so metadata.json records that
@@ -510,9 +513,7 @@ def save_checkpoint(parts: "Checkpointed", root: str, keep_last: Optional[int] =
     ``keep_last``: then delete all but the newest ``keep_last`` checkpoints.
 
     A failure on any rank is a SaveError on that rank naming it and the phase (a failed write
-    that megatron reports is one on every rank); the previous checkpoint stays the latest.
-    The files are written by threads of this process (megatron_patches.checkpoint_writes_in_process:
-    nothing forks)."""
+    that megatron reports is one on every rank); the previous checkpoint stays the latest."""
     t0 = time.perf_counter()
     phase = SavePhases(parts.progress, parts.state.iteration, _still_latest(root))
     rank, it = phase.rank, parts.state.iteration

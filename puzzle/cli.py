@@ -77,7 +77,7 @@ def _checked(argv, world_size: int, report: bool = True):
     from puzzle import checkpointing
     from puzzle.arguments import ArgumentError, parse_args, validate_args
     from puzzle.data.prompts import bundled_prompts_path, load_prompt_dataset
-    from puzzle.data.tokenizers import build_tokenizer
+    from puzzle.data.tokenizers import build_tokenizer, fit_to_rows
 
     try:
         args = parse_args(argv)
@@ -102,6 +102,9 @@ def _checked(argv, world_size: int, report: bool = True):
                                       apply_chat_template=cfg.apply_chat_template,
                                       skip_bad_records=cfg.skip_bad_records, answer_key=cfg.answer_key)
         eval_dataset = _eval_dataset(cfg, tokenizer)
+        for data, source in ((dataset, cfg.prompt_data or "the bundled prompts"), (eval_dataset, "--eval-prompts")):
+            if data is not None:  # ids beyond the model's rows: never fed (a pad beyond them: padding feeds eos)
+                fit_to_rows(tokenizer, cfg.roles["actor"].arch.vocab_size, data.prompts, source=source)
         if cfg.load:  # metadata and file sizes only: a wrong model shape or a missing file fails here
             checkpointing.check_checkpoint(cfg, cfg.load, cfg.ckpt_step)
     except (ArgumentError, ValueError, OSError, checkpointing.CheckpointError) as e:

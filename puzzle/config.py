@@ -145,8 +145,8 @@ class ModelArch:
         "biases, and hidden size and expert width per expert-tensor-parallel rank multiples of 8.")
     sliding_window: Optional[int] = None  # attention window of the checkpoint (None = full)
     # the run's tokenizer has ids [0, tokenizer_vocab_size) (None: every row of vocab_size is a
-    # token); the model's rows beyond it (Qwen2.5's unused rows, --vocab-size above the tokenizer's)
-    # are never sampled nor scored: see valid_vocab_size
+    # token, also when the tokenizer has more ids than rows); the model's rows beyond it (Qwen2.5's
+    # unused rows, --vocab-size above the tokenizer's) are never sampled nor scored: see valid_vocab_size
     tokenizer_vocab_size: Optional[int] = None
     hf_model_type: str = "llama"       # the HF family an export writes (llama, qwen2, qwen3, mistral)
     attention_backend: str = flag(
@@ -177,10 +177,11 @@ class ModelArch:
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1 (got {self.vocab_size})")
         if self.tokenizer_vocab_size is not None:
-            if not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
-                raise ValueError(f"the tokenizer has {self.tokenizer_vocab_size} ids but the model has "
-                                 f"{self.vocab_size} vocabulary rows (vocab_size); it needs a row for every id")
-            if self.tokenizer_vocab_size == self.vocab_size:  # the usual case: one form only
+            if self.tokenizer_vocab_size < 1:
+                raise ValueError(f"tokenizer_vocab_size must be >= 1 (got {self.tokenizer_vocab_size})")
+            # every row is a token (the usual case), also when the tokenizer has ids beyond the rows
+            # (an added pad: puzzle.data.tokenizers.fit_to_rows checks that none is ever fed)
+            if self.tokenizer_vocab_size >= self.vocab_size:
                 object.__setattr__(self, "tokenizer_vocab_size", None)
         check(cls, self, "hidden_size", explicit_kv_channels or self.hidden_size % self.num_attention_heads == 0,
               f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads} "

@@ -238,7 +238,7 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
     from puzzle import checkpointing, cli, weight_sources
     from puzzle.arguments import parse_args, validate_args
     from puzzle.data.prompts import PromptLoader, bundled_prompts_path, load_prompt_dataset
-    from puzzle.data.tokenizers import build_tokenizer
+    from puzzle.data.tokenizers import build_tokenizer, fit_to_rows
     from puzzle.dataflow.trainer import PPOTrainer
 
     out = io.StringIO()
@@ -253,6 +253,7 @@ def train_in_world(argv, *, print_plan: bool = False) -> dict:
                                   max_prompt_len=cfg.ppo.max_prompt_length, overflow=cfg.prompt_overflow,
                                   split=cfg.prompt_split, apply_chat_template=cfg.apply_chat_template,
                                   skip_bad_records=cfg.skip_bad_records)
+    fit_to_rows(tokenizer, cfg.roles["actor"].arch.vocab_size, dataset.prompts)
     step = cfg.ckpt_step
     if cfg.load:
         checkpointing.check_checkpoint(cfg, cfg.load, step)

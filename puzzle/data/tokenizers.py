@@ -13,6 +13,15 @@ Names follow Megatron-LM's ``--tokenizer-type`` / ``--tokenizer-model`` flags:
                           template comes with it; the stop ids from the directory's
                           ``generation_config.json`` ``eos_token_id`` (an id or a list: Llama-3
                           Instruct stops at <|eot_id|> or <|end_of_text|>), else the tokenizer's eos.
+
+A tokenizer may have ids beyond the model's vocabulary rows (a pad or special token added without
+resizing the embeddings: AutoTokenizer gives a Qwen2 checkpoint's tokenizer <|endoftext|> as one
+more id, its pad; Llama-2 fine-tunes add [PAD] as id 32000). ``fit_to_rows`` accepts them as long as
+nothing the run feeds the model is among them: the stop ids, BOS and every prompt id (chat-template
+tokens included) must have rows, else one ValueError names the id and its token; padding then
+feeds the EOS id instead of a pad beyond the rows (padded positions are masked everywhere; their
+token only has to exist). Sampling never picks a row the tokenizer has no id for, nor an id beyond
+the rows (ModelArch.valid_vocab_size).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ class ByteTokenizer:
     _SPECIALS = {256: "<pad>", 257: "<s>", 258: "</s>"}
 
     name = "ByteLevelTokenizer"
+    model_rows: Optional[int] = None  # fit_to_rows: the model's vocabulary rows
 
     @property
     def vocab_size(self) -> int:
@@ -35,7 +45,11 @@ class ByteTokenizer:
 
     @property
     def pad_id(self) -> int:
-        return self.PAD
+        """The pad id padding feeds the model: <pad>, or eos when <pad> has no row (fit_to_rows)."""
+        return self.PAD if self.model_rows is None or self.PAD < self.model_rows else self.EOS
+
+    def token_text(self, i: int) -> str:
+        return self._SPECIALS.get(int(i)) or bytes([int(i)]).decode("latin-1")
 
     @property
     def bos_id(self) -> int:
@@ -82,6 +96,7 @@ class HFTokenizer:
     """``transformers.AutoTokenizer`` loaded from a local directory (never downloads)."""
 
     name = "HuggingFaceTokenizer"
+    model_rows: Optional[int] = None  # fit_to_rows: the model's vocabulary rows
 
     def __init__(self, directory: str):
         directory = os.fspath(directory)
@@ -121,9 +136,17 @@ class HFTokenizer:
 
     @property
     def pad_id(self) -> int:
-        """The tokenizer's pad token, else eos (LLaMA tokenizers have none)."""
+        """The pad id padding feeds the model: the tokenizer's pad token, else eos (LLaMA tokenizers
+        have none), and eos when the pad token has no row in the model (fit_to_rows)."""
         pid = self.tok.pad_token_id
-        return int(pid) if pid is not None else self.eos_id
+        if pid is None or (self.model_rows is not None and int(pid) >= self.model_rows):
+            return self.eos_id
+        return int(pid)
+
+    def token_text(self, i: int) -> str:
+        """The token of id ``i`` as the tokenizer writes it (special tokens by name)."""
+        text = self.tok.convert_ids_to_tokens(int(i))
+        return str(text) if text is not None else f"<id {int(i)}>"
 
     @property
     def bos_id(self) -> Optional[int]:
@@ -167,6 +190,29 @@ def generation_eos_ids(directory: str) -> tuple:
     if not all(isinstance(i, int) and i >= 0 for i in ids):
         raise ValueError(f"{path}: eos_token_id must be an id or a list of ids (got {eos!r})")
     return tuple(dict.fromkeys(ids))
+
+
+def fit_to_rows(tokenizer, rows: int, prompts: Sequence[Sequence[int]] = (), source: str = "prompts") -> None:
+    """Bind ``tokenizer`` to a model of ``rows`` vocabulary rows (see the module docstring): a
+    ValueError naming the id and its token when a stop id, BOS or an id of ``prompts`` (token ids
+    as fed: BOS and chat-template tokens included; ``source`` names them) has no row; else padding
+    feeds only ids with rows from now on."""
+    def beyond(what: str, i: int) -> ValueError:
+        return ValueError(f"{what} id {i} ({tokenizer.token_text(i)!r}) has no row in the model: it has {rows} "
+                          f"vocabulary rows (ids 0..{rows - 1}) and the tokenizer {tokenizer.vocab_size} ids; "
+                          f"an id the run feeds or stops on needs a row")
+
+    if tokenizer.vocab_size > rows:
+        for i in tokenizer.eos_ids:
+            if i >= rows:
+                raise beyond("the stop (EOS)", i)
+        if tokenizer.bos_id is not None and tokenizer.bos_id >= rows:
+            raise beyond("the BOS", tokenizer.bos_id)
+        for n, ids in enumerate(prompts, 1):
+            bad = next((int(i) for i in ids if int(i) >= rows), None)
+            if bad is not None:
+                raise beyond(f"{source}: prompt {n}: its", bad)
+    tokenizer.model_rows = rows
 
 
 BYTE_NAMES = ("ByteLevelTokenizer", "ByteTokenizer")

@@ -116,7 +116,7 @@ class PPOTrainer:
         self.runtime = runtime()
         # the ids a response may contain: the same mask in generation, scoring, training and KL
         self.vocab = cfg.roles["actor"].arch.valid_vocab_size
-        if tokenizer.vocab_size != self.vocab:
+        if min(tokenizer.vocab_size, cfg.roles["actor"].arch.vocab_size) != self.vocab:  # (ids beyond the rows)
             raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the run was configured for "
                              f"{self.vocab} (validate_args with this tokenizer's vocab_size)")
         self.engines: Dict[str, ModelEngine] = build_role_engines(cfg)

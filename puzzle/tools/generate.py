@@ -121,9 +121,12 @@ def _generate(argv) -> int:
                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     tokenizer = _tokenizer(args)
     records, prompts = read_prompts(args.prompts, tokenizer, args.prompt_key, args.apply_chat_template)
-    # generation samples only the tokenizer's ids (ModelArch.valid_vocab_size); ValueError naming
-    # both sizes when the model has fewer rows than the tokenizer has ids
+    from puzzle.data.tokenizers import fit_to_rows
+
+    # generation samples only the tokenizer's ids that have rows (ModelArch.valid_vocab_size); ids
+    # beyond the rows (an added pad) are fine unless a prompt, BOS or a stop id would feed them
     arch = replace(arch, tokenizer_vocab_size=tokenizer.vocab_size)
+    fit_to_rows(tokenizer, arch.vocab_size, prompts, source=args.prompts)
     from puzzle.rollout.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

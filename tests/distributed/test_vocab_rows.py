@@ -3,7 +3,8 @@ PPO and GRPO from flags (--vocab-size above the tokenizer's) and from a Qwen2 HF
 config.json has more rows than its tokenizer, at (1,1,1) and (2,1,2), over several sampled
 iterations with the unused rows biased to hold most of the unmasked probability. No id the
 tokenizer lacks is sampled, every log-prob is finite, and the log-prob each token was sampled with
-is the one scoring computed.
+is the one scoring computed. And a tokenizer with an id beyond the model's rows (an added pad) at
+(1,1,1) and (2,1,2): fine unless an id beyond the rows would be fed.
 
 The log-prob generation records for each token is the one computed from its sampling logits, and
 the run's generation-vs-scoring difference (gen_score_logprob_diff_max) stays within FP32_LOGPROB_TOL:
@@ -62,3 +63,22 @@ def test_whole_step_decode_path_samples_only_tokenizer_ids(worlds):
         assert g["same_tokens"] and g["max_id"] < TOKENS and g["unused_mass"] > 0.2
         # the whole-step graph records the log-probs too (static-shape decode: fp32 rounding apart)
         assert g["logprob_gap"] <= FP32_LOGPROB_TOL and g["logprobs_past_response"] == 0
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_tokenizer_id_beyond_the_rows_is_fine_unless_fed(worlds, size):
+    """The Qwen2 shape transformers makes: 301 rows, AutoTokenizer adds <|endoftext|> (id 301) as
+    its pad. puzzle.tools.generate at (1,1,1) / (2,1,2) gives transformers' greedy tokens and never
+    feeds the embedding an id beyond the rows; the same checkpoint stopping at id 301 is refused."""
+    ranks = [r["added_pad"] for r in worlds[size]]
+    made = ranks[0]["made"]
+    assert made["ids"] == 302 and made["pad"] == ["<|endoftext|>", 301]
+    assert ranks[0]["tokens"] == made["greedy"] and all(len(t) == 5 for t in made["greedy"])
+    for r in ranks:
+        assert r["rc"] == 0 and r["max_fed_id"] < 301 and r["refused_rc"] == 2
+    assert ranks[0]["refusal"] == ("error: the stop (EOS) id 301 ('<|endoftext|>') has no row in the model: it has "
+                                   "301 vocabulary rows (ids 0..300) and the tokenizer 302 ids; an id the run feeds "
+                                   "or stops on needs a row\n")
+    assert all(r["refusal"] == "" for r in ranks[1:])  # one line, from rank 0
+    if size == 1:  # training: right-padded rows over exactly 301 embedding rows
+        assert ranks[0]["ppo"]["iterations"] == 1 and 0 < ranks[0]["ppo"]["max_fed_id"] < 301

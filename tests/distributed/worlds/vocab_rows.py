@@ -12,6 +12,10 @@ GRPO runs of several sampled iterations, in-process trainers:
   switch; then the whole-step decode path of --cuda-graph-generation (without the capture, on CPU)
   against the eager loop on the same shadow model
 
+And the other way round (check_added_pad): a Qwen2 checkpoint of 301 rows whose tokenizer gains a
+302nd id (<|endoftext|>, its pad) through AutoTokenizer, run by puzzle.tools.generate at (1,1,1) and
+(2,1,2) against transformers' greedy tokens; with that id as its EOS it is refused.
+
 Every sampled token's logits are recorded inside sample_tokens (all TP slices gathered): each run
 reports the probability the unmasked logits put on the unused rows (so the check could fail), the
 sampled ids, and the largest gap between the log-prob of each sampled token under the sampling
@@ -238,5 +242,106 @@ def check_runs():
                 _DIRS["tok"], after=_graph_path)}
 
 
+ADDED_PAD_PROMPTS = ["hello world", "The quick brown fox"]
+ADDED_PAD_NEW = 5
+
+
+def _qwen2_with_added_pad(root):
+    """Rank 0: a transformers-made Qwen2 of 301 rows (generation_config.json: eos 299) with a 301-id
+    tokenizer declaring no special tokens beside it (AutoTokenizer adds <|endoftext|> as id 301:
+    pad, eos, unk), the same with eos_token_id 301 in generation_config.json, the prompts JSONL and
+    transformers' greedy tokens of each prompt."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from puzzle.data.tokenizers import HFTokenizer
+    from tests.distributed.worlds.hf_import import _randomise
+    from tests.unit.test_tokenizer_rows import ROWS as PAD_ROWS, STOP, byte_tokenizer_without_specials
+
+    cfg = Qwen2Config(vocab_size=PAD_ROWS, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=STOP)
+    torch.manual_seed(0)
+    lm = _randomise(Qwen2ForCausalLM(cfg)).eval()
+    for name, eos in (("qwen2", STOP), ("qwen2-eos-beyond", PAD_ROWS)):
+        lm.generation_config.eos_token_id = eos
+        lm.save_pretrained(os.path.join(root, name))
+        byte_tokenizer_without_specials().save_pretrained(os.path.join(root, name))
+    tok = HFTokenizer(os.path.join(root, "qwen2"))
+    with open(os.path.join(root, "prompts.jsonl"), "w") as f:
+        f.writelines(f'{{"prompt": "{p}"}}\n' for p in ADDED_PAD_PROMPTS)
+    greedy = []
+    for p in ADDED_PAD_PROMPTS:
+        ids = torch.tensor([tok.encode(p)])
+        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ADDED_PAD_NEW,
+                          do_sample=False, eos_token_id=STOP, pad_token_id=STOP)
+        greedy.append(out[0, ids.shape[1]:].tolist())
+    return {"ids": tok.vocab_size, "pad": [tok.tok.pad_token, tok.tok.pad_token_id], "greedy": greedy}
+
+
+def check_added_pad():
+    """puzzle.tools.generate from the Qwen2 checkpoint whose tokenizer has an id (its pad) beyond the
+    301 rows, at (1,1,1) on 1 rank, (2,1,2) on 4 ranks: its tokens against transformers' greedy ones
+    and the largest id fed to the word embeddings; then the same checkpoint with eos 301 is refused.
+    On 1 rank also a PPO iteration with right-padded rows and exactly 301 embedding rows (the pad
+    301 fed there raised IndexError): padding feeds the eos id."""
+    import contextlib
+    import io
+    import json
+
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    from puzzle.tools.generate import main as generate_main
+
+    box = [tempfile.mkdtemp(prefix="puzzle-added-pad-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root = box[0]
+    made = [_qwen2_with_added_pad(root) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0)
+    layout = [] if dist.get_world_size() == 1 else L212
+    fed = [0]
+    original = VocabParallelEmbedding.forward
+
+    def recording(self, input_, *args, **kwargs):
+        fed[0] = max(fed[0], int(input_.max()))
+        return original(self, input_, *args, **kwargs)
+
+    common = ["--prompts", os.path.join(root, "prompts.jsonl"), "--greedy", "--max-new-tokens", str(ADDED_PAD_NEW)] + layout
+    VocabParallelEmbedding.forward = recording
+    try:
+        rc = generate_main(["--load", os.path.join(root, "qwen2"), "--output", os.path.join(root, "out.jsonl")]
+                           + common)
+    finally:
+        VocabParallelEmbedding.forward = original
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        refused = generate_main(["--load", os.path.join(root, "qwen2-eos-beyond"), "--output",
+                                 os.path.join(root, "never.jsonl")] + common)
+    out = {"made": made[0], "rc": rc, "max_fed_id": fed[0], "refused_rc": refused, "refusal": err.getvalue()}
+    if dist.get_world_size() == 1:  # a PPO step with padded rows and exactly 301 embedding rows
+        from tests.harness import train_in_world
+
+        qwen2 = os.path.join(root, "qwen2")
+        fed[0] = 0
+        VocabParallelEmbedding.forward = recording
+        try:
+            run = train_in_world(["--seq-length", "48", "--micro-batch-size", "2", "--rollout-batch-size", "4",
+                                  "--global-batch-size", "4", "--max-new-tokens", "8", "--train-iters", "1",
+                                  "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
+                                  "--reward-timeout", "0", "--hf-actor-path", qwen2, "--tokenizer-type", "HuggingFaceTokenizer",
+                                  "--tokenizer-model", qwen2, "--make-vocab-size-divisible-by", "1",
+                                  "--no-use-remove-padding"])
+        finally:
+            VocabParallelEmbedding.forward = original
+        out["ppo"] = {"iterations": len(run["rows"]), "max_fed_id": fed[0]}
+    if dist.get_rank() == 0:
+        out["tokens"] = [json.loads(line)["tokens"] for line in open(os.path.join(root, "out.jsonl"))]
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 if __name__ == "__main__":
-    world_main([("runs", check_runs)])
+    world_main([("runs", check_runs), ("added_pad", check_added_pad)])
