@@ -80,7 +80,7 @@ def test_train_ppo_refuses_a_stop_id_beyond_the_rows_before_any_work(tmp_path, c
         tie_word_embeddings=True)))
     rc = cli.run(["--seq-length", "64", "--micro-batch-size", "2", "--rollout-batch-size", "8", "--max-new-tokens",
                   "16", "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction", "--hf-actor-path", str(d),
-                  "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d)])
+                  "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d), "--init-random"])
     out, err = capsys.readouterr()
     assert rc == 2 and err == ("error: the stop (EOS) id 301 ('<|endoftext|>') has no row in the model: it has 301 "
                                "vocabulary rows (ids 0..300) and the tokenizer 302 ids; an id the run feeds or stops "

@@ -329,7 +329,7 @@ def check_added_pad():
                                   "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction",
                                   "--reward-timeout", "0", "--hf-actor-path", qwen2, "--tokenizer-type", "HuggingFaceTokenizer",
                                   "--tokenizer-model", qwen2, "--make-vocab-size-divisible-by", "1",
-                                  "--no-use-remove-padding"])
+                                  "--no-use-remove-padding", "--init-random"])
         finally:
             VocabParallelEmbedding.forward = original
         out["ppo"] = {"iterations": len(run["rows"]), "max_fed_id": fed[0]}
