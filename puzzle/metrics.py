@@ -241,7 +241,7 @@ def rollout_sample_rows(batch, tokenizer, iteration: int, count: int) -> List[di
     from puzzle.dataflow.reward_stage import decode_rows
 
     picked = sample_rows(count, batch.size)
-    rlens, scores = batch.response_lengths.tolist(), batch.fields["scores"].tolist()
+    rlens, scores = batch.response_lengths.tolist(), batch.scores.tolist()
     samples = decode_rows(batch.tokens[picked].cpu(), batch.prompt_lengths[picked].tolist(),
                           [rlens[b] for b in picked], tokenizer, [{} for _ in picked])
     return [{"iteration": iteration, "sample": b, "prompt": s.prompt_text, "response": s.response_text,

@@ -55,10 +55,9 @@ def _rollout(kind: str, vocab: int, max_new: int):
     g = torch.Generator().manual_seed(1)
     S = PROMPT + max_new
     tokens = torch.randint(0, vocab, (ROWS, S), generator=g)
-    batch = RolloutBatch(tokens, torch.full((ROWS,), PROMPT, dtype=torch.long), R, max_new)
-    batch.fields["old_logprobs"] = -torch.rand(ROWS, max_new, generator=g) * 5
-    batch.fields["advantages"] = torch.randn(ROWS, max_new, generator=g)
-    return batch
+    old_logprobs = -torch.rand(ROWS, max_new, generator=g) * 5
+    return RolloutBatch(tokens, torch.full((ROWS,), PROMPT, dtype=torch.long), R, max_new,
+                        old_logprobs=old_logprobs, advantages=torch.randn(ROWS, max_new, generator=g))
 
 
 def _worker(args) -> None:
@@ -73,7 +72,7 @@ def _worker(args) -> None:
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.dataflow import steps
     from puzzle.engine.model_engine import ModelEngine
-    from puzzle.dataflow.scoring_stage import schedule_shape
+    from puzzle.dataflow.micro_batching import micro_batch_rows, micro_batches, schedule_shape
 
     rank, world = init_distributed()
     torch.manual_seed(0)
@@ -94,7 +93,7 @@ def _worker(args) -> None:
 
     def run(batch, stage: str, mode: str) -> float:
         packed = mode != "padded"
-        mbs = batch.micro_batches(MBS, packed=packed, token_budget=budget if mode == "budget" else None)
+        mbs = micro_batches(batch, MBS, packed=packed, token_budget=budget if mode == "budget" else None)
         seq, rows, variable = schedule_shape(mbs, packed, batch.tokens.shape[1], MBS)
         engine.config.variable_seq_lengths = variable and P > 1
         if stage == "scoring":
@@ -122,7 +121,7 @@ def _worker(args) -> None:
             # machine's load moves both sides of it alike)
             over_packed, over_budget = (statistics.median(p / x for p, x in zip(times["padded"], times[m]))
                                         for m in ("packed", "budget"))
-            n_budget = len(batch.micro_batch_rows(MBS, budget))
+            n_budget = len(micro_batch_rows(batch, MBS, budget))
             row = {"layout": args.layout, "P": P, "T": T, "distribution": kind, "stage": stage,
                    "rows": ROWS, "micro_batch_size": MBS, "max_new_tokens": MAX_NEW, "prompt": PROMPT,
                    "response_mean_over_max": round(float(batch.response_lengths.float().mean()) / MAX_NEW, 3),

@@ -8,7 +8,7 @@ in order, each an object that owns its part and its data movement:
                                       from puzzle.algorithms) with the KL controller's state
     train       training_stage.py     actor and critic updates, then the switch (actor_switch.py)
 
-The rollout batch (batch.py), micro-batching and token budgets (scoring_stage.MicroBatching,
-token_budget.py), the stages' forward steps and loss functions (steps.py) and evaluation on
+The rollout batch (batch.py: typed fields, each written by one stage), micro-batching
+(micro_batching.py: balancing, token budgets, packing once per iteration, gathering; token_budget.py), the stages' forward steps and loss functions (steps.py) and evaluation on
 held-out prompts (evaluation.py) live here too. The model engines they drive are puzzle.engine.
 """

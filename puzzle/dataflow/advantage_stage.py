@@ -5,6 +5,10 @@ the advantages and returns of ``--advantage-estimator``. Pure math on the batch 
 
 from __future__ import annotations
 
+from typing import Dict, Tuple
+
+import torch
+
 from puzzle.algorithms.advantage_estimators import compute_advantages
 from puzzle.algorithms.kl_controller import build_kl_controller
 from puzzle.algorithms.masked import masked_mean
@@ -12,14 +16,14 @@ from puzzle.algorithms.token_rewards import compute_token_rewards
 
 
 class AdvantageStage:
-    """``run(batch)`` writes ``fields['advantages']`` and ``fields['returns']`` ([B, R]); the
-    scores come from ``rewards.shaped(batch)`` (puzzle/dataflow/reward_stage.py)."""
+    """``run(batch)`` returns the batch's ``advantages`` and ``returns`` ([B, R]) and the metrics;
+    the scores come from ``rewards.shaped(batch)`` (puzzle/dataflow/reward_stage.py)."""
 
     def __init__(self, ppo, rewards, with_reference: bool):
         self.ppo, self.rewards, self.with_reference = ppo, rewards, with_reference
         self.kl_ctl = build_kl_controller(ppo.kl_coef, ppo.kl_target, ppo.kl_horizon)
 
-    def run(self, batch) -> dict:
+    def run(self, batch) -> Tuple[Dict[str, torch.Tensor], dict]:
         ppo, f, mask = self.ppo, batch.fields, batch.response_mask
         kl_coef = self.kl_ctl.value
         scores, baseline = self.rewards.shaped(batch)
@@ -31,7 +35,6 @@ class AdvantageStage:
                                       group_index=f.get("group_index"), baseline_scores=baseline,
                                       gamma=ppo.gamma, lam=ppo.lam, whiten_advantages=ppo.whiten_advantages,
                                       std_normalization=ppo.grpo_std_normalization)
-        f["advantages"], f["returns"] = adv, ret
         seq_kl = (kl * mask).sum(dim=1).mean()
         self.kl_ctl.update(float(seq_kl), batch.size)
         stats = {**self.rewards.metrics(batch), "kl": float(masked_mean(kl, mask)), "kl_seq": float(seq_kl),
@@ -39,4 +42,4 @@ class AdvantageStage:
         if "values" in f:
             stats["value_mean"] = float(masked_mean(f["values"], mask))
         stats["return_mean"] = float(masked_mean(ret, mask))
-        return stats
+        return {"advantages": adv, "returns": ret}, stats

@@ -10,27 +10,64 @@ With causal attention, padding after the sequence cannot affect it, so scoring a
 need no attention mask and positions start at 0. Per-token quantities live in response
 coordinates [B, R] (R = max new tokens): response token k of row b sits at sequence position
 P_b + k, is predicted by the logits at P_b + k - 1, and its value estimate is read there too.
-Scoring and training micro-batches are packed by default (``pack_rows``, --use-remove-padding):
+Scoring and training micro-batches are packed by default (micro_batching.py, --use-remove-padding):
 the rows' P_b + R_b tokens concatenated without padding into one THD sequence, row b starting at
 offset start_b, so its response token k is predicted at start_b + P_b + k - 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass
+#: the per-row fields of a rollout ([B, R] or [B]) and the one stage that writes each
+ROW_FIELDS = {"gen_logprobs": "generation", "group_index": "generation",
+              "scores": "reward", "baseline_scores": "reward",
+              "old_logprobs": "scoring", "entropy": "scoring", "ref_logprobs": "scoring", "values": "scoring",
+              "advantages": "advantages", "returns": "advantages"}
+
+
+@dataclass(frozen=True)
 class RolloutBatch:
+    """The rows of an iteration and the fields the stages add to them. Frozen: a stage returns its
+    outputs and ``with_outputs`` gives the batch that holds them; each field (``ROW_FIELDS``) is
+    written by exactly one stage, once."""
+
     tokens: torch.Tensor            # [B, S] long, right-padded
     prompt_lengths: torch.Tensor    # [B] long
     response_lengths: torch.Tensor  # [B] long
     max_new_tokens: int
-    fields: Dict[str, torch.Tensor] = field(default_factory=dict)  # [B, R] or [B] floats
+    gen_logprobs: Optional[torch.Tensor] = None     # [B, R] generation: each token's log-prob as sampled
+    group_index: Optional[torch.Tensor] = None      # [B] generation: the prompt of each row (N > 1)
+    scores: Optional[torch.Tensor] = None           # [B] reward: raw sequence scores
+    baseline_scores: Optional[torch.Tensor] = None  # [B] reward: ReMax's greedy baseline, shaped
+    old_logprobs: Optional[torch.Tensor] = None     # [B, R] scoring: the actor's
+    entropy: Optional[torch.Tensor] = None          # [B, R] scoring: the actor's
+    ref_logprobs: Optional[torch.Tensor] = None     # [B, R] scoring: the reference's
+    values: Optional[torch.Tensor] = None           # [B, R] scoring: the critic's
+    advantages: Optional[torch.Tensor] = None       # [B, R] advantages
+    returns: Optional[torch.Tensor] = None          # [B, R] advantages
+
+    @property
+    def fields(self) -> Mapping[str, torch.Tensor]:
+        """The per-row fields written so far, by name (read only)."""
+        return MappingProxyType({k: getattr(self, k) for k in ROW_FIELDS if getattr(self, k) is not None})
+
+    def with_outputs(self, stage: str, **outputs: torch.Tensor) -> "RolloutBatch":
+        """This batch with ``stage``'s outputs; raises ValueError for a field of another stage or
+        one written already."""
+        for name in outputs:
+            if ROW_FIELDS.get(name) != stage:
+                raise ValueError(f"the {stage} stage cannot write the batch field {name!r} "
+                                 f"(written by: {ROW_FIELDS.get(name, 'no stage')})")
+            if getattr(self, name) is not None:
+                raise ValueError(f"the batch field {name!r} is written once, by the {stage} stage")
+        return replace(self, **outputs)
 
     @property
     def size(self) -> int:
@@ -48,7 +85,7 @@ class RolloutBatch:
     def rows(self, index: torch.Tensor) -> "RolloutBatch":
         return RolloutBatch(self.tokens[index], self.prompt_lengths[index],
                             self.response_lengths[index], self.max_new_tokens,
-                            {k: v[index] for k, v in self.fields.items()})
+                            **{k: v[index] for k, v in self.fields.items()})
 
     def dp_share(self, d: int, D: int) -> "RolloutBatch":
         n = self.size // D
@@ -64,93 +101,6 @@ class RolloutBatch:
     def sequence_lengths(self) -> List[int]:
         """[B] host ints: each row's prompt + response tokens."""
         return (self.prompt_lengths + self.response_lengths).tolist()
-
-    def share_rows(self, layout, balance: bool = False) -> torch.Tensor:
-        """The batch rows of ``layout``'s DP share (``share_for``): contiguous, or with ``balance``
-        the same number of rows per DP rank with the token sums balanced (token_budget.balance_rows)."""
-        D, d = layout.plan.D, (layout.d if layout.member else 0)
-        if not balance:
-            n = self.size // D
-            return torch.arange(d * n, (d + 1) * n, device=self.device)
-        from puzzle.dataflow.token_budget import balance_rows
-
-        return torch.tensor(balance_rows(self.sequence_lengths, D)[d], dtype=torch.long, device=self.device)
-
-    def micro_batch_rows(self, mbs: int, token_budget: Optional[int] = None,
-                         count: Optional[int] = None) -> List[List[int]]:
-        """Row indices of each micro-batch: ``mbs`` consecutive rows, or with ``token_budget`` as many
-        rows as fit that many tokens (token_budget.budget_micro_batches), split further into ``count``
-        micro-batches when given (token_budget.split_to_count)."""
-        if token_budget is None:
-            return [list(range(s, min(s + mbs, self.size))) for s in range(0, self.size, mbs)]
-        from puzzle.dataflow.token_budget import budget_micro_batches, split_to_count
-
-        groups = budget_micro_batches(self.sequence_lengths, token_budget)
-        return groups if count is None else split_to_count(self.sequence_lengths, groups, count)
-
-    def most_budget_micro_batches(self, D: int, token_budget: int) -> int:
-        """The most token-budget micro-batches any of ``D`` data-parallel ranks needs for its
-        balanced share (``share_rows(..., balance=True)``): MoE models with experts split over E > 1
-        ranks run that many on every DP rank (token_budget.split_to_count)."""
-        from puzzle.dataflow.token_budget import balance_rows, budget_micro_batches
-
-        lengths = self.sequence_lengths
-        return max(len(budget_micro_batches([lengths[i] for i in share], token_budget))
-                   for share in balance_rows(lengths, D))
-
-    def micro_batches(self, mbs: int, packed: bool = False, seq_multiple: int = 1,
-                      pad_id: int = 0, token_budget: Optional[int] = None,
-                      count: Optional[int] = None) -> List[dict]:
-        """Micro-batches as dicts (what forward_step functions read): ``mbs`` rows each, their
-        tokens right-padded [mbs, S], or with ``packed`` concatenated without padding (see
-        ``pack_rows``; the packed length a multiple of ``seq_multiple``). ``token_budget`` (packed
-        only): micro-batches of as many rows as fit the budget (``micro_batch_rows``); each dict's
-        ``rows`` are then its rows of this batch, in the order of its outputs; ``count``: exactly that
-        many token-budget micro-batches (``micro_batch_rows``)."""
-        if token_budget is not None and not packed:
-            raise ValueError("token-budget micro-batches need packed sequences")
-        out = []
-        mask = self.response_mask
-        for group in self.micro_batch_rows(mbs, token_budget, count):
-            sl = (slice(group[0], group[-1] + 1) if token_budget is None
-                  else torch.tensor(group, dtype=torch.long, device=self.device))
-            mb = {"tokens": self.tokens[sl], "prompt_lengths": self.prompt_lengths[sl],
-                  "response_lengths": self.response_lengths[sl], "response_mask": mask[sl]}
-            mb.update({k: v[sl] for k, v in self.fields.items()})
-            if packed:
-                mb.update(pack_rows(mb["tokens"], mb["prompt_lengths"], mb["response_lengths"],
-                                    seq_multiple, pad_id))
-            if token_budget is not None:
-                mb["rows"] = sl
-            out.append(mb)
-        return out
-
-
-def pack_rows(tokens: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
-              seq_multiple: int = 1, pad_id: int = 0) -> dict:
-    """Right-padded rows [b, S] -> one packed sequence without padding (megatron's THD):
-
-    ``tokens`` / ``position_ids`` [1, T] (positions restart at 0 in every sequence),
-    ``packed_seq_params`` (``PackedSequences``, cu_seqlens over the rows and, when T is rounded up
-    to ``seq_multiple`` for sequence parallelism, one filler sequence of ``pad_id`` at the end)
-    and ``seq_starts`` [b] (where each row starts in the packed sequence).
-    """
-    from puzzle.models.packed_attention import PackedSequences
-
-    lengths = (prompt_lengths + response_lengths).tolist()
-    b, S = tokens.shape
-    keep = torch.arange(S, device=tokens.device).unsqueeze(0) < (prompt_lengths + response_lengths).unsqueeze(1)
-    flat = tokens[keep]
-    pos = torch.arange(S, device=tokens.device).expand(b, S)[keep]
-    total = flat.numel()
-    fill = -total % seq_multiple
-    if fill:
-        flat = torch.cat([flat, flat.new_full((fill,), pad_id)])
-        pos = torch.cat([pos, torch.arange(fill, device=pos.device)])
-        lengths = lengths + [fill]
-    starts = torch.cumsum(prompt_lengths + response_lengths, 0) - (prompt_lengths + response_lengths)
-    return {"tokens": flat.unsqueeze(0), "position_ids": pos.unsqueeze(0), "seq_starts": starts,
-            "packed_seq_params": PackedSequences.of(lengths, device=tokens.device)}
 
 
 def packed_response_index(seq_starts: torch.Tensor, prompt_lengths: torch.Tensor, R: int, total: int,
@@ -193,22 +143,6 @@ def world_assemble(local: Optional[torch.Tensor], row_offset: int, total_rows: i
     return buf.to(dtype)
 
 
-def gather_outputs(outputs: List[dict], key: str, engine, batch: "RolloutBatch",
-                   rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One field of a model's per-micro-batch outputs, assembled on every rank in batch order.
-
-    Rows come from the last pipeline stage, TP rank 0, of each DP rank of ``engine``'s layout:
-    its contiguous DP share, or the batch rows ``rows`` (in the order of the outputs) when given.
-    """
-    lay = engine.layout
-    owner = engine.member and lay.is_last_stage and lay.t == 0
-    local = torch.cat([o[key] for o in outputs]) if owner else None
-    share = batch.size // lay.plan.D
-    tail = () if key == "scores" else (batch.max_new_tokens,)
-    return world_assemble(local, max(lay.d, 0) * share, batch.size, tail, torch.float32, owner,
-                          batch.device, rows=rows)
-
-
 def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[torch.Tensor],
                             lengths: Optional[torch.Tensor], layout, max_new_tokens: int,
                             pad_id: int, device: torch.device, seq_multiple: int = 1, *,
@@ -222,7 +156,7 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
     stage's TP rank 0 of each part. The sequence length is rounded up to
     ``seq_multiple`` (sequence parallelism splits it over T); padding after a sequence does not
     change it (causal attention). ``with_logprobs`` (the same on every rank): ``logprobs`` [b, R],
-    each generated token's log-prob as it was sampled, go into ``fields['gen_logprobs']``.
+    each generated token's log-prob as it was sampled, are the batch's ``gen_logprobs``.
     """
     B, R = len(prompt_ids), max_new_tokens
     part, parts, first = layout.generation_share() if layout.member else (0, layout.plan.D, False)
@@ -234,10 +168,8 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
     prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
     seq = -(-int((prompt_lengths + R).max()) // seq_multiple) * seq_multiple
     tokens = right_padded_rows(prompt_ids, responses, lengths, seq, pad_id)
-    fields = {}
-    if with_logprobs:
-        fields["gen_logprobs"] = world_assemble(logprobs, d0, B, (R,), torch.float32, owner, device)
-    return RolloutBatch(tokens, prompt_lengths.to(device), lengths, R, fields)
+    gen_logprobs = world_assemble(logprobs, d0, B, (R,), torch.float32, owner, device) if with_logprobs else None
+    return RolloutBatch(tokens, prompt_lengths.to(device), lengths, R, gen_logprobs=gen_logprobs)
 
 
 def right_padded_rows(prompt_ids: List[List[int]], response_tokens: torch.Tensor,
@@ -267,4 +199,4 @@ def concat_rollouts(batches: List[RolloutBatch], pad_id: int) -> RolloutBatch:
                         for b in batches])
     fields = {k: torch.cat([b.fields[k] for b in batches]) for k in batches[0].fields}
     return RolloutBatch(tokens, torch.cat([b.prompt_lengths for b in batches]),
-                        torch.cat([b.response_lengths for b in batches]), batches[0].max_new_tokens, fields)
+                        torch.cat([b.response_lengths for b in batches]), batches[0].max_new_tokens, **fields)

@@ -9,7 +9,7 @@ Everything here is collective and ends identical on every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, List, Optional
 
 import torch
@@ -28,6 +28,7 @@ class Rollout:
     records: List[dict]
     greedy: Optional[RolloutBatch] = None
     stats: dict = field(default_factory=dict)
+    scores: Optional[torch.Tensor] = None  # DAPO: the reward function's scores of the kept rows
 
 
 class GenerationStage:
@@ -66,7 +67,7 @@ class GenerationStage:
         batch = self.sample(engine, rows, seed=self.cfg.seed * 100003 + iteration, greedy=self.ppo.greedy or greedy,
                             first_sample=round_ * len(rows), with_logprobs=True)
         if N > 1:
-            batch.fields["group_index"] = torch.arange(len(rows), device=batch.device) // N
+            batch = batch.with_outputs("generation", group_index=torch.arange(len(rows), device=batch.device) // N)
         return batch
 
     def sample(self, engine, rows: List[List[int]], seed: int, greedy: bool, first_sample: int = 0,
@@ -105,27 +106,33 @@ class GenerationStage:
         N, target = self.ppo.n_samples_per_prompt, len(prompt_ids)
         kept: List[RolloutBatch] = []
         spare: List[RolloutBatch] = []
+        kept_scores: List[torch.Tensor] = []
+        spare_scores: List[torch.Tensor] = []
         n_kept = dropped = rounds = bad = 0
         prompts, recs = prompt_ids, records
         while True:
             b = self.rollout(engine, prompts, iteration, round_=rounds)
-            bad += self.rewards.score(b, recs, iteration)
+            scores, n_bad = self.rewards.score(b, recs, iteration)
+            bad += n_bad
             rounds += 1
-            keep = informative_groups(self.rewards.filter_scores(b), b.fields["group_index"])
+            keep = informative_groups(self.rewards.filter_scores(b, scores), b.group_index)
             keep_idx, drop_idx = torch.nonzero(keep).flatten(), torch.nonzero(~keep).flatten()
             dropped += len(drop_idx) // N
             if len(keep_idx):
                 kept.append(b.rows(keep_idx))
+                kept_scores.append(scores[keep_idx])
                 n_kept += len(keep_idx) // N
             if len(drop_idx):
                 spare.append(b.rows(drop_idx))
+                spare_scores.append(scores[drop_idx])
             if n_kept >= target or rounds >= self.ppo.max_num_gen_batches:
                 break
             prompts, recs = refill() if refill is not None else (prompt_ids, records)
         batch = concat_rollouts(kept + spare, self.tokenizer.pad_id)
-        batch = batch.rows(torch.arange(target * N, device=batch.device))
-        batch.fields["group_index"] = torch.arange(target * N, device=batch.device) // N
-        return Rollout(batch, records, stats={"bad_rewards": bad, "filter_groups_dropped": dropped,
+        first = torch.arange(target * N, device=batch.device)
+        scores = torch.cat(kept_scores + spare_scores)[first]
+        batch = replace(batch.rows(first), group_index=first // N)  # the groups renumbered
+        return Rollout(batch, records, scores=scores, stats={"bad_rewards": bad, "filter_groups_dropped": dropped,
                                               "filter_gen_rounds": rounds,
                                               "filter_groups_padded": max(0, target - n_kept)})
 

@@ -1,13 +1,13 @@
 """A rollout's sequence scores, owned by one object: ``Rewards``.
 
-It is the only writer of ``fields['scores']`` (the raw score of every row, bad values already
-replaced or refused by ``--on-bad-reward``) and the only place where scores are shaped for the
+It is the only source of the batch's ``scores`` (the raw score of every row, bad values already
+replaced or refused by ``--on-bad-reward``; the trainer puts them in the batch, in one place) and the only place where scores are shaped for the
 advantages (DAPO's overlong penalty, ``--reward-normalization running``). A score comes from
 
 - the reward function (``--reward-fn``): ``score`` decodes this rank's share of the rows to text,
   once, and scores it across ranks (``RolloutRewarder``), or
 - the reward model (``--reward-model``): its forward pass runs in the scoring stage, which hands
-  the scores to ``take_model_scores`` to be checked like a function's.
+  the scores to ``check_model_scores`` to be checked like a function's.
 
 DAPO's group filter (``filter_scores``) and ReMax's greedy baseline read the same shaping. The
 state (the running moments of the normalisation) is checkpointed with the trainer.
@@ -66,29 +66,32 @@ class Rewards:
         self.normalization = ppo.reward_normalization
         self.norm = RunningMoments()  # --reward-normalization running (checkpointed)
 
-    # ---- writing the raw scores --------------------------------------------------------------
-    def score_rollout(self, rollout, iteration: int) -> dict:
+    # ---- the raw scores ----------------------------------------------------------------------
+    def score_rollout(self, rollout, iteration: int) -> Tuple[Dict[str, torch.Tensor], dict]:
         """The reward function's scores of a generation stage's ``Rollout`` (rows that DAPO's
-        filter scored already keep theirs) and of ReMax's greedy baseline; the bad rewards of the
-        iteration so far. Without a reward function (a reward model scores in the scoring stage):
-        nothing."""
+        filter scored keep those, ``rollout.scores``) and ReMax's shaped greedy baseline: (the
+        batch's ``reward`` fields, the bad rewards of the iteration so far). Without a reward
+        function (a reward model scores in the scoring stage): nothing."""
         if self.function is None:
-            return {}
+            return {}, {}
         batch, bad = rollout.batch, rollout.stats.get("bad_rewards", 0)
-        if "scores" not in batch.fields:
-            bad += self.score(batch, rollout.records, iteration)
+        scores = rollout.scores
+        if scores is None:
+            scores, n = self.score(batch, rollout.records, iteration)
+            bad += n
+        out = {"scores": scores}
         if rollout.greedy is not None:  # its bad rewards are warned about, not counted
-            self.score_baseline(batch, rollout.greedy, rollout.records, iteration)
-        return {"bad_rewards": bad}
+            out["baseline_scores"] = self.score_baseline(rollout.greedy, rollout.records, iteration)[0]
+        return out, {"bad_rewards": bad}
 
-    def score(self, batch, records: Optional[List[dict]], iteration: int, what: str = "sample") -> int:
-        """The reward function's scores of every row into ``fields['scores']`` (``records``: one
-        per prompt, row b is of prompt b // N, or None); returns how many were bad."""
+    def score(self, batch, records: Optional[List[dict]], iteration: int,
+              what: str = "sample") -> Tuple[torch.Tensor, int]:
+        """The reward function's scores of every row of ``batch`` (``records``: one per prompt, row
+        b is of prompt b // N, or None) on the batch's device, and how many were bad."""
         size = batch.size
         rows = [records[b // self.n_samples] if records is not None else {} for b in range(size)]
         scores, bad = self.function_scores(batch, rows, size, iteration, what)
-        batch.fields["scores"] = scores.to(batch.device)
-        return bad
+        return scores.to(batch.device), bad
 
     def function_scores(self, batch, row_records: List[dict], size: int, iteration: int,
                         what: str = "sample") -> Tuple[torch.Tensor, int]:
@@ -99,18 +102,11 @@ class Rewards:
         samples = batch_samples(batch, self.tokenizer, row_records, lo, hi)
         return self.function.score(lambda b: samples[b - lo], size, iteration, what)
 
-    def score_baseline(self, batch, greedy, records: List[dict], iteration: int) -> int:
-        """ReMax: the greedy sample of every prompt scored and shaped into
-        ``batch.fields['baseline_scores']`` (normalised with the batch's scores in ``shaped``)."""
-        bad = self.score(greedy, records, iteration, what="greedy baseline sample")
-        batch.fields["baseline_scores"] = self._overlong(greedy.fields["scores"], greedy.response_lengths)
-        return bad
-
-    def take_model_scores(self, batch, scores: torch.Tensor, iteration: int) -> int:
-        """The reward model's scores into ``fields['scores']``, non-finite ones replaced or
-        refused (``--on-bad-reward``) like a function's; returns how many were bad."""
-        batch.fields["scores"], bad = self.check_model_scores(scores, iteration)
-        return bad
+    def score_baseline(self, greedy, records: List[dict], iteration: int) -> Tuple[torch.Tensor, int]:
+        """ReMax: the greedy sample of every prompt scored and shaped (normalised with the batch's
+        scores in ``shaped``), and how many were bad."""
+        scores, bad = self.score(greedy, records, iteration, what="greedy baseline sample")
+        return self._overlong(scores, greedy.response_lengths), bad
 
     def check_model_scores(self, scores: torch.Tensor, iteration: int, what: str = "") -> Tuple[torch.Tensor, int]:
         """The reward model's scores with non-finite ones replaced or refused (``--on-bad-reward``),
@@ -125,15 +121,16 @@ class Rewards:
             return scores
         return scores + overlong_penalty(lengths, self.max_new_tokens, buffer_len, factor)
 
-    def filter_scores(self, batch) -> torch.Tensor:
-        """What DAPO's group filter compares: the scores with the overlong penalty."""
-        return self._overlong(batch.fields["scores"], batch.response_lengths)
+    def filter_scores(self, batch, scores: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What DAPO's group filter compares: the scores (``batch.scores`` unless given) with the
+        overlong penalty."""
+        return self._overlong(batch.scores if scores is None else scores, batch.response_lengths)
 
     def shaped(self, batch) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The scores the advantages read, and ReMax's baseline: overlong penalty, then the
         running normalisation (updated once per call, with these scores)."""
-        scores = self._overlong(batch.fields["scores"], batch.response_lengths)
-        baseline = batch.fields.get("baseline_scores")
+        scores = self._overlong(batch.scores, batch.response_lengths)
+        baseline = batch.baseline_scores
         if self.normalization == "running":
             scores = self.norm.normalize(scores).float()
             baseline = None if baseline is None else self.norm.normalize(baseline, update=False).float()
@@ -143,15 +140,15 @@ class Rewards:
     def metrics(self, batch) -> Dict[str, float]:
         """The raw scores' mean and spread (overall and within groups), the solved fraction
         (score >= 1: a verifiable reward's "correct") and the normaliser's moments."""
-        scores = batch.fields["scores"].to(torch.float64)
-        out = {"reward_mean": float(batch.fields["scores"].mean())}
+        scores = batch.scores.to(torch.float64)
+        out = {"reward_mean": float(batch.scores.mean())}
         if self.normalization == "running":
             out.update(reward_norm_mean=self.norm.mean, reward_norm_std=self.norm.std)
         out.update({"reward_std": float(scores.std()) if scores.numel() > 1 else 0.0,
                     "solved_fraction": float((scores >= 1.0).to(torch.float64).mean())})
         N = self.n_samples
-        if N > 1 and "group_index" in batch.fields:
-            _, std, _ = group_mean_std(scores, batch.fields["group_index"])
+        if N > 1 and batch.group_index is not None:
+            _, std, _ = group_mean_std(scores, batch.group_index)
             out["reward_group_std_mean"] = float(std.mean())
             out["groups_all_solved"] = int(((scores >= 1.0).view(-1, N).all(dim=1)).sum())
             out["groups_none_solved"] = int(((scores < 1.0).view(-1, N).all(dim=1)).sum())

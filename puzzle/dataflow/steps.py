@@ -15,6 +15,7 @@ from puzzle.algorithms import agg_loss, entropy_bonus, kl_penalty, policy_loss, 
 from puzzle.algorithms.rollout_correction import truncated_is_weights
 from puzzle.parallel.device import check_on_device
 from puzzle.dataflow.batch import gather_response, packed_response_index
+from puzzle.dataflow.micro_batching import MicroBatch
 from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
 
 
@@ -25,16 +26,16 @@ def _unwrap(model):
 
 
 def _run(model, mb):
-    tokens = mb["tokens"]
-    check_on_device("forward_step", _unwrap(model).puzzle_device, mb)
-    dense = mb.get("dense_shape")
+    tokens = mb.tokens
+    check_on_device("forward_step", _unwrap(model).puzzle_device, mb.tensors())
+    dense = mb.dense_shape
     if dense is not None:  # k packed sequences of n tokens each: run as a [k, n] batch (no padding)
         k, n = dense
-        out = model(tokens.view(k, n), mb["position_ids"].view(k, n), None)
+        out = model(tokens.view(k, n), mb.position_ids.view(k, n), None)
         return out.reshape(1, k * n, *out.shape[2:]) if _unwrap(model).post_process else out
-    packed = mb.get("packed_seq_params")
+    packed = mb.packed_seq_params
     if packed is not None:  # one packed sequence [1, T], positions restarting per sequence
-        return model(tokens, mb["position_ids"], None, packed_seq_params=packed)
+        return model(tokens, mb.position_ids, None, packed_seq_params=packed)
     pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     return model(tokens, pos, None)
 
@@ -42,22 +43,22 @@ def _run(model, mb):
 def at_response(per_position: torch.Tensor, mb, R: int, shift: int = -1) -> torch.Tensor:
     """Per-position values of a micro-batch ([b, S'] padded, [1, T'] packed) -> [b, R] values at
     each row's positions P_b + k + shift (response coordinates)."""
-    if "seq_starts" not in mb:
-        return gather_response(per_position, mb["prompt_lengths"], R, shift)
-    idx = packed_response_index(mb["seq_starts"], mb["prompt_lengths"], R, per_position.shape[1], shift)
+    if mb.seq_starts is None:
+        return gather_response(per_position, mb.prompt_lengths, R, shift)
+    idx = packed_response_index(mb.seq_starts, mb.prompt_lengths, R, per_position.shape[1], shift)
     return per_position[0][idx]
 
 
 def _last_token(per_position: torch.Tensor, mb) -> torch.Tensor:
     """[b] values at each row's last token."""
-    last = (mb["prompt_lengths"] + mb["response_lengths"] - 1).clamp(min=0)
-    if "seq_starts" in mb:
-        return per_position[0][mb["seq_starts"] + last]
+    last = (mb.prompt_lengths + mb.response_lengths - 1).clamp(min=0)
+    if mb.seq_starts is not None:
+        return per_position[0][mb.seq_starts + last]
     return per_position.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
 def _response_logprobs(output, mb, tp_group, true_vocab, temperature, R, with_entropy=False):
-    res = vocab_parallel_logprobs(output[:, :-1], mb["tokens"][:, 1:], tp_group, true_vocab,
+    res = vocab_parallel_logprobs(output[:, :-1], mb.tokens[:, 1:], tp_group, true_vocab,
                                   temperature=temperature, with_entropy=with_entropy)
     if with_entropy:
         lp, ent = res
@@ -129,22 +130,22 @@ def actor_train_step(true_vocab: int, temperature: float, R: int, clip_eps: floa
     ``min(exp(old - generation log-prob), is_truncation_coef)`` (puzzle/algorithms/rollout_correction.py)."""
 
     def loss_func(mb, tp_group, output):
-        mask = mb["response_mask"]
+        mask = mb.response_mask
         res = _response_logprobs(output, mb, tp_group, true_vocab, temperature, R,
                                  with_entropy=entropy_coef > 0)
         lp, ent = res if entropy_coef > 0 else (res, None)
         n = mask.sum()
-        w_is = truncated_is_weights(mb["old_logprobs"], mb["gen_logprobs"], mask, is_truncation_coef)[0] \
+        w_is = truncated_is_weights(mb.old_logprobs, mb.gen_logprobs, mask, is_truncation_coef)[0] \
             if is_correction else None
         if loss_agg == "token-mean" and not use_kl_loss:  # PPO: exactly the numbers of earlier runs
-            pg, clip_frac, approx_kl, weight = policy_loss(lp, mb["old_logprobs"], mb["advantages"],
+            pg, clip_frac, approx_kl, weight = policy_loss(lp, mb.old_logprobs, mb.advantages,
                                                           mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
                                                           token_weights=w_is)
             loss_sum, w = pg * n, n
             ent_sum = (ent * mask).sum() if ent is not None else None
             ent_term = ent_sum
         else:  # numerators (denominator 1) of the chosen aggregation; weights summed by megatron
-            pg, clip_frac, approx_kl, w = policy_loss(lp, mb["old_logprobs"], mb["advantages"], mask,
+            pg, clip_frac, approx_kl, w = policy_loss(lp, mb.old_logprobs, mb.advantages, mask,
                                                      clip_eps=clip_eps, clip_eps_high=clip_eps_high,
                                                      loss_agg=loss_agg, denominator=1.0, token_weights=w_is)
             loss_sum = pg
@@ -153,7 +154,7 @@ def actor_train_step(true_vocab: int, temperature: float, R: int, clip_eps: floa
         report = {"policy_loss_sum": loss_sum.detach(), "clip_sum": clip_frac * n,
                   "approx_kl_sum": approx_kl * n, "tokens": n, "loss_weight": w.detach()}
         if use_kl_loss:
-            kl = kl_penalty(lp, mb["ref_logprobs"], kl_loss_type)
+            kl = kl_penalty(lp, mb.ref_logprobs, kl_loss_type)
             kl_term = agg_loss(kl, mask, loss_agg, denominator=1.0)[0]
             loss_sum = loss_sum + kl_loss_coef * kl_term
             report["kl_loss_sum"] = (torch.where(mask != 0, kl, torch.zeros_like(kl))).sum().detach()
@@ -173,9 +174,9 @@ def critic_train_step(R: int, value_clip_eps):
     """Clipped value loss (token-mean over the mini-batch)."""
 
     def loss_func(mb, output):
-        mask = mb["response_mask"]
+        mask = mb.response_mask
         v = at_response(output[..., 0].float(), mb, R)
-        vl, vclip, weight = value_loss(v, mb["values"], mb["returns"], mask,
+        vl, vclip, weight = value_loss(v, mb.values, mb.returns, mask,
                                        value_clip_eps=value_clip_eps)
         n = mask.sum()
         loss_sum = vl * n
@@ -203,6 +204,6 @@ def lm_nll_step(true_vocab: int, store=None):
 
     def forward_step(data_iterator, model):
         tokens = next(data_iterator)
-        return _run(model, {"tokens": tokens}), partial(loss_func, tokens, _unwrap(model).pg_collection.tp)
+        return _run(model, MicroBatch.of_tokens(tokens)), partial(loss_func, tokens, _unwrap(model).pg_collection.tp)
 
     return forward_step

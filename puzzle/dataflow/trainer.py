@@ -35,7 +35,8 @@ from puzzle.dataflow.reward_stage import Rewards
 from puzzle.dataflow.batch import RolloutBatch
 from puzzle.engine.model_engine import ModelEngine, build_role_engines
 from puzzle.engine.offload import StageOffload
-from puzzle.dataflow.scoring_stage import MicroBatching, ScoringStage
+from puzzle.dataflow.micro_batching import MicroBatching
+from puzzle.dataflow.scoring_stage import ScoringStage
 from puzzle.dataflow.training_stage import TrainingStage
 
 
@@ -279,12 +280,16 @@ class PPOTrainer:
             with phase("generation"):
                 rollout = self.generation.run(prompt_ids, records, refill, it)
             with phase("reward"):
-                stats = {**rollout.stats, **self.rewards.score_rollout(rollout, it)}
-        batch = rollout.batch
+                rewarded, reward_stats = self.rewards.score_rollout(rollout, it)
+                stats = {**rollout.stats, **reward_stats}
         self.offload.before("scoring")
         with clock.stage("score", "scoring"), phase("scoring"):
-            stats.update(self.scoring.run(batch, it))
-        stats.update(self.advantages.run(batch))
+            scored, score_stats = self.scoring.run(rollout.batch, it)
+            stats.update(score_stats)
+        batch = self._scored_batch(rollout.batch, rewarded, scored)
+        advantages, adv_stats = self.advantages.run(batch)
+        stats.update(adv_stats)
+        batch = batch.with_outputs("advantages", **advantages)
         self.offload.before("training")
         with clock.stage("train", "training"), phase("training"):
             stats.update(self.training.run(batch, it))
@@ -305,17 +310,30 @@ class PPOTrainer:
         v = self.runtime.all_reduce([float(st.bytes_received), st.time_s], op="max")
         return {"switch_bytes_max_rank": int(v[0]), "switch_seconds": float(v[1])}
 
+    @staticmethod
+    def _scored_batch(batch: RolloutBatch, rewarded: Dict, scored: Dict) -> RolloutBatch:
+        """The one place the scores enter the batch: the reward function's (``rewarded``, with
+        ReMax's baseline) or the reward model's (checked by ``Rewards``, in ``scored``), with the
+        scoring stage's fields."""
+        scored = dict(scored)
+        reward = {**rewarded, **({"scores": scored.pop("scores")} if "scores" in scored else {})}
+        return batch.with_outputs("reward", **reward).with_outputs("scoring", **scored)
+
     # ---- the stages one at a time (tests, evaluation) ----------------------------------------
     def generate(self, prompt_ids: List[List[int]], records=None, refill=None):
-        """Stage 1 and the reward function: (the scored batch, the metrics)."""
+        """Stage 1 and the reward function: (the batch with the reward function's scores, the metrics)."""
         rollout = self.generation.run(prompt_ids, records, refill, self.iteration)
-        return rollout.batch, {**rollout.stats, **self.rewards.score_rollout(rollout, self.iteration)}
+        rewarded, stats = self.rewards.score_rollout(rollout, self.iteration)
+        return rollout.batch.with_outputs("reward", **rewarded), {**rollout.stats, **stats}
 
-    def score(self, batch: RolloutBatch) -> dict:
-        return self.scoring.run(batch, self.iteration)
+    def score(self, batch: RolloutBatch) -> Tuple[RolloutBatch, dict]:
+        """Stage 2 on a batch from ``generate``: (the batch with the scored fields, the metrics)."""
+        scored, stats = self.scoring.run(batch, self.iteration)
+        return self._scored_batch(batch, {}, scored), stats
 
-    def compute_advantages(self, batch: RolloutBatch) -> dict:
-        return self.advantages.run(batch)
+    def compute_advantages(self, batch: RolloutBatch) -> Tuple[RolloutBatch, dict]:
+        advantages, stats = self.advantages.run(batch)
+        return batch.with_outputs("advantages", **advantages), stats
 
     def _contexts(self, batch: RolloutBatch, jobs, token_budget: Optional[int] = None):
         return self.micro.contexts(batch, jobs, token_budget)

@@ -81,8 +81,8 @@ class TrainingStage:
                 for eng in trained:
                     if eng.member:
                         eng.zero_grad()
-                contexts = self.micro.contexts(batch.rows(perm[s:s + ppo.mini_batch_size]), jobs,
-                                               ppo.ppo_max_token_len_per_gpu, self.cfg.train_placement)
+                contexts = self.micro.contexts(batch, jobs, ppo.ppo_max_token_len_per_gpu, self.cfg.train_placement,
+                                               rows=perm[s:s + ppo.mini_batch_size])
                 outs = run_stage(contexts, forward_only=False, placement=self.cfg.train_placement)
                 micro_batches_run = [n + ctx.num_microbatches for n, ctx in zip(micro_batches_run, contexts)]
                 outs = [out if self._owner(eng) else [] for eng, out in zip(trained, outs)]

@@ -57,8 +57,9 @@ def test_rewards_decode_score_and_shape_in_one_place():
                    [3, 4, 4, 2], prompts)
     rewards = Rewards(_cfg(), tok)
     try:
-        assert rewards.score(batch, [{}, {}], iteration=1) == 0
-        raw = batch.fields["scores"]
+        raw, bad = rewards.score(batch, [{}, {}], iteration=1)
+        assert bad == 0
+        batch = batch.with_outputs("reward", scores=raw)
         assert raw.tolist() == [0.5, 1.0, 0.0, 1.0]  # the EOS is not part of the text scored
         penalty = overlong_penalty(batch.response_lengths, 4, 2, 0.5)
         assert torch.equal(rewards.filter_scores(batch), raw + penalty)
@@ -76,11 +77,12 @@ def test_rewards_check_a_reward_models_scores():
     tok = build_tokenizer("ByteLevelTokenizer", None)
     batch = _batch([[5, 6]], [2], [[1]])
     rewards = Rewards(_cfg(reward_fn=None, normalization="none", buffer_len=0, n=1), tok)
-    assert rewards.take_model_scores(batch, torch.tensor([float("nan")]), iteration=3) == 1
-    assert batch.fields["scores"].tolist() == [-1.0]
+    scores, bad = rewards.check_model_scores(torch.tensor([float("nan")]), iteration=3)
+    assert bad == 1
+    assert scores.tolist() == [-1.0]
     strict = Rewards(_cfg(reward_fn=None, normalization="none", buffer_len=0, n=1, on_bad="error"), tok)
     with pytest.raises(BadRewardError, match="reward model rm: sample 0 of iteration 3"):
-        strict.take_model_scores(batch, torch.tensor([float("inf")]), iteration=3)
+        strict.check_model_scores(torch.tensor([float("inf")]), iteration=3)
 
 
 def test_named_sums_add_by_name_in_one_reduction():

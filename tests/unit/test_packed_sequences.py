@@ -8,7 +8,8 @@ import torch
 
 from puzzle.models.packed_attention import PackedSequences, packed_attention
 from puzzle.models.sdpa_attention import sdpa_attention
-from puzzle.dataflow.batch import pack_rows, packed_response_index
+from puzzle.dataflow.batch import packed_response_index
+from puzzle.dataflow.micro_batching import micro_batches, pack_rows
 
 
 def _causal(q, k, v):
@@ -46,14 +47,14 @@ def test_pack_rows_drops_padding_and_restarts_positions():
     tokens = torch.tensor([[1, 2, 3, 0, 0], [4, 5, 6, 7, 8], [9, 10, 0, 0, 0]])
     prompt, resp = torch.tensor([2, 1, 1]), torch.tensor([1, 4, 1])
     mb = pack_rows(tokens, prompt, resp, seq_multiple=4, pad_id=0)
-    assert mb["tokens"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0]]
-    assert mb["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1]]
-    psp = mb["packed_seq_params"]
+    assert mb.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1]]
+    psp = mb.packed_seq_params
     assert psp.qkv_format == "thd" and psp.cu_seqlens_q.tolist() == [0, 3, 8, 10, 12]
     assert psp.cu_seqlens_q.dtype == torch.int32 and psp.max_seqlen_q == 5
-    assert mb["seq_starts"].tolist() == [0, 3, 8]
+    assert mb.seq_starts.tolist() == [0, 3, 8]
     # response token k of row b is predicted at start_b + P_b + k - 1
-    idx = packed_response_index(mb["seq_starts"], prompt, 2, 11)
+    idx = packed_response_index(mb.seq_starts, prompt, 2, 11)
     assert idx[:, 0].tolist() == [1, 3, 8]
 
 
@@ -94,22 +95,22 @@ def test_thd_rope_with_cached_cos_sin_equals_megatrons_bit_for_bit():
 
 def test_schedule_shape_runs_equal_packed_sequences_as_a_dense_batch():
     from puzzle.dataflow.batch import RolloutBatch
-    from puzzle.dataflow.scoring_stage import schedule_shape
+    from puzzle.dataflow.micro_batching import schedule_shape
 
     tokens = torch.arange(4 * 8).reshape(4, 8)
     equal = RolloutBatch(tokens, torch.full((4,), 3), torch.full((4,), 5), 5)
-    mbs = equal.micro_batches(2, packed=True)
+    mbs = micro_batches(equal, 2, packed=True)
     assert schedule_shape(mbs, True, 8, 2) == (8, 2, False)  # each micro-batch: 2 sequences of 8
-    assert all(mb["dense_shape"] == (2, 8) for mb in mbs)
-    assert mbs[1]["tokens"].view(2, 8).tolist() == tokens[2:].tolist()  # rows in packed order
-    mbs = equal.micro_batches(2, packed=True)
+    assert all(mb.dense_shape == (2, 8) for mb in mbs)
+    assert mbs[1].tokens.view(2, 8).tolist() == tokens[2:].tolist()  # rows in packed order
+    mbs = micro_batches(equal, 2, packed=True)
     assert schedule_shape(mbs, True, 8, 2, seq_multiple=3) == (16, 1, False)  # 8 % 3: THD
-    assert all("dense_shape" not in mb for mb in mbs)
+    assert all(mb.dense_shape is None for mb in mbs)
     mixed = RolloutBatch(tokens, torch.full((4,), 3), torch.tensor([5, 5, 2, 5]), 5)
-    mbs = mixed.micro_batches(2, packed=True)
+    mbs = micro_batches(mixed, 2, packed=True)
     assert schedule_shape(mbs, True, 8, 2) == (16, 1, True)  # packed [1, T] of 16 and 13 tokens
-    assert all("dense_shape" not in mb for mb in mbs)
-    assert schedule_shape(mixed.micro_batches(2), False, 8, 2) == (8, 2, False)  # right-padded
+    assert all(mb.dense_shape is None for mb in mbs)
+    assert schedule_shape(micro_batches(mixed, 2), False, 8, 2) == (8, 2, False)  # right-padded
 
 
 # ---- the GPU's one-call path (torch's flash-attention varlen kernel), its plumbing on the CPU ----

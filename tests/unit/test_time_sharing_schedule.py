@@ -466,7 +466,7 @@ def _mixed_stream_counts(placement):
 
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.dataflow.batch import RolloutBatch
-    from puzzle.dataflow.scoring_stage import MicroBatching
+    from puzzle.dataflow.micro_batching import MicroBatching
 
     lengths = torch.tensor([10, 19, 6, 11])
     batch = RolloutBatch(torch.ones(4, 19, dtype=torch.long), torch.full((4,), 2), lengths - 2, 17)

@@ -9,6 +9,7 @@ import torch
 from puzzle.arguments import parse_args, validate_args
 from puzzle.flag_checks import ArgumentError
 from puzzle.dataflow.batch import RolloutBatch, world_assemble
+from puzzle.dataflow.micro_batching import micro_batch_rows, micro_batches, most_budget_micro_batches
 from puzzle.dataflow.token_budget import balance_rows, budget_micro_batches, split_to_count
 
 
@@ -96,14 +97,12 @@ def test_split_to_count_gives_exactly_count_micro_batches_within_the_budget(seed
 def _batch(lengths, prompt=3):
     B, R = len(lengths), max(lengths)
     tokens = torch.arange(B * (prompt + R)).reshape(B, prompt + R) % 97
-    b = RolloutBatch(tokens, torch.full((B,), prompt), torch.tensor(lengths), R)
-    b.fields["advantages"] = torch.randn(B, R)
-    return b
+    return RolloutBatch(tokens, torch.full((B,), prompt), torch.tensor(lengths), R, advantages=torch.randn(B, R))
 
 
 def test_rollout_batch_budget_micro_batches_carry_their_rows():
     batch = _batch([9, 1, 2, 8, 1, 1])
-    mbs = batch.micro_batches(2, packed=True, token_budget=14)
+    mbs = micro_batches(batch, 2, packed=True, token_budget=14)
     rows = torch.cat([mb["rows"] for mb in mbs])
     assert sorted(rows.tolist()) == list(range(6))
     for mb in mbs:
@@ -115,12 +114,12 @@ def test_rollout_batch_budget_micro_batches_carry_their_rows():
                          torch.float32, True, torch.device("cpu"), rows=rows)
     assert torch.equal(out, batch.fields["advantages"])
     with pytest.raises(ValueError, match="packed"):
-        batch.micro_batches(2, packed=False, token_budget=14)
+        micro_batches(batch, 2, packed=False, token_budget=14)
 
 
 def test_default_micro_batches_unchanged():
     batch = _batch([9, 1, 2, 8])
-    mbs = batch.micro_batches(2)
+    mbs = micro_batches(batch, 2)
     assert [mb["tokens"].shape[0] for mb in mbs] == [2, 2] and "rows" not in mbs[0]
     assert torch.equal(mbs[1]["tokens"], batch.tokens[2:4])
 
@@ -228,8 +227,37 @@ def test_most_budget_micro_batches_is_the_largest_dp_share_count():
     counts = []
     for d in range(2):
         share = balance_rows(batch.sequence_lengths, 2)[d]
-        counts.append(len(batch.rows(torch.tensor(share)).micro_batch_rows(1, 14)))
-    assert batch.most_budget_micro_batches(2, 14) == max(counts) and len(set(counts)) == 2
+        counts.append(len(micro_batch_rows(batch.rows(torch.tensor(share)), 1, 14)))
+    assert most_budget_micro_batches(batch, 2, 14) == max(counts) and len(set(counts)) == 2
     for d in range(2):
         share = batch.rows(torch.tensor(balance_rows(batch.sequence_lengths, 2)[d]))
-        assert len(share.micro_batches(1, packed=True, token_budget=14, count=max(counts))) == max(counts)
+        assert len(micro_batches(share, 1, packed=True, token_budget=14, count=max(counts))) == max(counts)
+
+
+def test_micro_batching_packs_each_row_once_and_shares_packings():
+    """The same rows of the same batch get the very same packing (the actor and the reference in
+    scoring, a training mini-batch again); a new batch unpads its rows again (negative control)."""
+    from puzzle.dataflow.micro_batching import MicroBatching
+
+    batch = _batch([9, 1, 2, 8, 1, 1])
+    micro = MicroBatching.standalone()
+    first = micro_batches(batch, 2, packed=True, packer=micro)
+    again = micro_batches(batch, 2, packed=True, packer=micro)
+    assert all(a.packed_seq_params is b.packed_seq_params and a.tokens is b.tokens for a, b in zip(first, again))
+    assert micro.rows_unpadded == 6 and micro.groups_packed == 3
+    fresh = micro_batches(batch, 2, packed=True)  # packed from the rows alone: equal values
+    assert all(torch.equal(a.tokens, b.tokens) and a.tokens is not b.tokens for a, b in zip(first, fresh))
+    micro_batches(_batch([9, 1, 2, 8, 1, 1]), 2, packed=True, packer=micro)
+    assert micro.rows_unpadded == 12 and micro.groups_packed == 6
+
+
+def test_rollout_batch_fields_are_written_once_by_their_stage():
+    batch = _batch([3, 1])
+    scored = batch.with_outputs("scoring", values=torch.zeros(2, 3))
+    assert batch.values is None and scored.values is not None and "values" in scored.fields
+    with pytest.raises(ValueError, match="written once"):
+        scored.with_outputs("scoring", values=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="cannot write the batch field 'scores'"):
+        batch.with_outputs("scoring", scores=torch.ones(2))
+    with pytest.raises(TypeError):
+        batch.fields["scores"] = torch.ones(2)

@@ -107,9 +107,9 @@ def _packed_nll_step(store: dict):
     from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
 
     def loss_func(mb, tp_group, output):
-        lp = vocab_parallel_logprobs(output[:, :-1], mb["tokens"][:, 1:], tp_group, ARCH.vocab_size)[0]
-        rows = [lp[s:s + n - 1] for s, n in zip(mb["seq_starts"].tolist(), mb["lengths"])]
-        store.update({r: x.detach().tolist() for r, x in zip(mb["rows"], rows)})
+        lp = vocab_parallel_logprobs(output[:, :-1], mb.tokens[:, 1:], tp_group, ARCH.vocab_size)[0]
+        rows = [lp[s:s + n - 1] for s, n in zip(mb.seq_starts.tolist(), mb.packed_seq_params.lengths)]
+        store.update({r: x.detach().tolist() for r, x in zip(mb.rows.tolist(), rows)})
         total = torch.cat(rows)
         return -total.sum(), torch.tensor(total.numel(), dtype=torch.int), {}
 
@@ -128,7 +128,7 @@ def _packed_train_step(plan, dispatcher: str, grouped_gemm: bool = False):
 
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    from puzzle.dataflow.batch import pack_rows
+    from puzzle.dataflow.micro_batching import MicroBatch, pack_rows
 
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, ARCH.vocab_size, (len(PACKED_LENGTHS), max(PACKED_LENGTHS)), generator=g)
@@ -139,8 +139,10 @@ def _packed_train_step(plan, dispatcher: str, grouped_gemm: bool = False):
     for first in range(eng.layout.d * share, (eng.layout.d + 1) * share, 2):
         rows = [first, first + 1]
         lengths = [PACKED_LENGTHS[r] for r in rows]
-        mb = pack_rows(tokens[rows], torch.tensor(lengths), torch.zeros(2, dtype=torch.long))
-        micro.append(dict(mb, rows=rows, lengths=lengths))
+        packing = pack_rows(tokens[rows], torch.tensor(lengths), torch.zeros(2, dtype=torch.long))
+        micro.append(MicroBatch(packing.tokens, torch.tensor(lengths), torch.zeros(2, dtype=torch.long), None,
+                                position_ids=packing.position_ids, seq_starts=packing.seq_starts,
+                                packed_seq_params=packing.packed_seq_params, rows=torch.tensor(rows)))
     store = {}
     clear_aux_losses_tracker()
     norm = eng.train_step(_packed_nll_step(store), iter(micro), len(micro), max(PACKED_LENGTHS) * 2, 1)["grad_norm"]
@@ -152,10 +154,10 @@ def _packed_train_step(plan, dispatcher: str, grouped_gemm: bool = False):
     dist.all_gather_object(rows, store if eng.layout.t == 0 else {})
     logprobs = {r: lp for part in rows for r, lp in part.items()}
     counts = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, torch.tensor([micro[0]["tokens"].shape[1]]))
+    dist.all_gather(counts, torch.tensor([micro[0].tokens.shape[1]]))
     return eng, {"grad_norm": norm, "aux_loss_sum": float(sums[0]),
                  "logprobs": [logprobs[r] for r in sorted(logprobs)],
-                 "first_micro_batch_tokens": [int(c) for c in counts], "packed_shape": list(micro[0]["tokens"].shape)}
+                 "first_micro_batch_tokens": [int(c) for c in counts], "packed_shape": list(micro[0].tokens.shape)}
 
 
 def check_packed_experts():
@@ -195,9 +197,9 @@ def _rollout(seed: int = 5):
     g = torch.Generator().manual_seed(seed)
     R, responses = 12, torch.tensor([1, 2, 1, 12, 3, 3, 1, 1, 1, 1, 3, 12])
     tokens = torch.randint(0, ARCH.vocab_size, (12, 4 + R), generator=g)
-    batch = RolloutBatch(tokens, torch.full((12,), 4), responses, R)
-    batch.fields.update(old_logprobs=-5 - torch.rand(12, R, generator=g), advantages=torch.randn(12, R, generator=g))
-    return batch
+    old_logprobs = -5 - torch.rand(12, R, generator=g)
+    return RolloutBatch(tokens, torch.full((12,), 4), responses, R, old_logprobs=old_logprobs,
+                        advantages=torch.randn(12, R, generator=g))
 
 
 def check_token_budget_experts():
@@ -210,7 +212,7 @@ def check_token_budget_experts():
 
     from puzzle.pipeline.stage import run_stage
     from puzzle.dataflow import steps
-    from puzzle.dataflow.scoring_stage import MicroBatching
+    from puzzle.dataflow.micro_batching import MicroBatching, micro_batch_rows, share_rows
 
     arch = replace(ARCH, moe_token_dispatcher_type="allgather")  # no load-balancing loss: it is per micro-batch
     eng = ModelEngine("actor", arch, layout_for(P(1, 4, 1, E=2)), trainable=True, seed=SEED,
@@ -226,11 +228,11 @@ def check_token_budget_experts():
         out[name] = {"grads": torch.cat([b.grad_data.float().flatten() for b in
                                          eng.model.buffers + eng.model.expert_parallel_buffers]).clone(),
                      "micro_batches": contexts[0].num_microbatches}
-    share = batch.rows(batch.share_rows(eng.layout, balance=True))
+    share = batch.rows(share_rows(batch, eng.layout, balance=True))
     diff = (out["fixed"]["grads"] - out["budget"]["grads"]).abs().max()
     return {"grad_diff": float(diff), "grad_scale": float(out["fixed"]["grads"].abs().max()),
             "micro_batches": [out["fixed"]["micro_batches"], out["budget"]["micro_batches"]],
-            "share_alone_needs": len(share.micro_batch_rows(1, budget))}
+            "share_alone_needs": len(micro_batch_rows(share, 1, budget))}
 
 
 def check_aux_loss_metric_with_unequal_micro_batch_counts():

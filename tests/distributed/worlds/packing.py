@@ -9,6 +9,8 @@ mini-batch, with the scale of each quantity; and for PPO the same with the rows 
 long (packed micro-batches of equal sequences run as dense [k, n] batches: the padded path's numbers).
 """
 
+from dataclasses import replace
+
 import torch
 
 from puzzle.arguments import parse_args, validate_args
@@ -17,7 +19,7 @@ from puzzle.data.tokenizers import build_tokenizer
 from puzzle.pipeline.stage import run_stage
 from puzzle.dataflow.trainer import PPOTrainer
 from puzzle.dataflow import steps
-from puzzle.dataflow.batch import RolloutBatch
+from puzzle.dataflow.batch import ROW_FIELDS, RolloutBatch
 from tests.harness import world_main
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
@@ -52,14 +54,14 @@ def _largest(a: torch.Tensor, b: torch.Tensor, mask=None) -> dict:
 
 def _score(trainer, batch, packed: bool) -> dict:
     trainer.remove_padding = packed
-    trainer.score(batch)
+    batch, _ = trainer.score(batch)
     return {k: batch.fields[k].clone() for k in SCORED if k in batch.fields}
 
 
 def _advantages(trainer, batch, scored: dict) -> dict:
-    batch.fields.update({k: v.clone() for k, v in scored.items()})
-    trainer.compute_advantages(batch)
-    return {k: batch.fields[k].clone() for k in ("advantages", "returns")}
+    batch = replace(batch, **{k: v.clone() for k, v in scored.items()})
+    batch, _ = trainer.compute_advantages(batch)
+    return {k: batch.fields[k].clone() for k in ("advantages", "returns")}, batch
 
 
 def _gradients(trainer, mini, packed: bool) -> dict:
@@ -100,10 +102,10 @@ def _compare(name: str, layout: str) -> dict:
                "packed_tokens": int((batch.prompt_lengths + batch.response_lengths).sum())}
         for k in padded:
             out[k] = _largest(padded[k], packed[k], None if k == "scores" else mask)
-        adv_padded, adv_packed = _advantages(trainer, batch, padded), _advantages(trainer, batch, packed)
+        (adv_padded, _), (adv_packed, trained) = _advantages(trainer, batch, padded), _advantages(trainer, batch, packed)
         for k in adv_padded:
             out[k] = _largest(adv_padded[k], adv_packed[k], mask)
-        mini = batch.rows(torch.arange(cfg.ppo.mini_batch_size))
+        mini = trained.rows(torch.arange(cfg.ppo.mini_batch_size))
         g_padded, g_packed = _gradients(trainer, mini, False), _gradients(trainer, mini, True)
         for role in g_padded:
             out[f"{role}_grad"] = _largest(g_padded[role], g_packed[role])
@@ -122,10 +124,10 @@ def _compare_equal_lengths(trainer, batch, mini_batch_size: int) -> dict:
     R = int(batch.response_lengths.max())
     eq = RolloutBatch(batch.tokens.clone(), torch.full((B,), S - R, dtype=torch.long),
                       torch.full((B,), R, dtype=torch.long), batch.max_new_tokens,
-                      {k: v.clone() for k, v in batch.fields.items()})
+                      **{k: v.clone() for k, v in batch.fields.items() if ROW_FIELDS[k] in ("generation", "reward")})
     padded, packed = _score(trainer, eq, False), _score(trainer, eq, True)
     out = {f"equal_{k}": _largest(padded[k], packed[k]) for k in padded}
-    _advantages(trainer, eq, padded)
+    _, eq = _advantages(trainer, eq, padded)
     mini = eq.rows(torch.arange(mini_batch_size))
     g_padded, g_packed = _gradients(trainer, mini, False), _gradients(trainer, mini, True)
     out.update({f"equal_{role}_grad": _largest(g_padded[role], g_packed[role]) for role in g_padded})

@@ -251,8 +251,8 @@ def _mixed_score(trainer, batch, placement: str, budget) -> dict:
 
     ppo = replace(trainer.cfg.ppo, log_prob_max_token_len_per_gpu=budget)
     trainer.scoring.cfg = replace(trainer.cfg, score_placement=placement, ppo=ppo)
-    trainer.score(batch)
-    return {k: batch.fields[k].clone() for k in SCORED if k in batch.fields}
+    batch, _ = trainer.score(batch)
+    return {k: batch.fields[k].clone() for k in SCORED if k in batch.fields}, batch
 
 
 def _mixed_gradients(trainer, mini, placement: str, budget) -> tuple:
@@ -305,12 +305,12 @@ def check_mixed_plans_ppo():
             jobs = trainer.scoring.jobs(batch.max_new_tokens)
             out[f"{mode}/scoring_micro_batches"] = {p: [c.num_microbatches for c in trainer.micro.contexts(
                 batch, jobs, uneven if dynamic else None, p)] for p in ("sequential", "time-sharing")}
-            seq, ts = (_mixed_score(trainer, batch, p, uneven) for p in ("sequential", "time-sharing"))
+            (seq, _), (ts, scored) = (_mixed_score(trainer, batch, p, uneven) for p in ("sequential", "time-sharing"))
             for k in seq:
                 out[f"{mode}/{k}"] = _largest(seq[k], ts[k], None if k == "scores" else mask)
                 out[f"{mode}/{k}"]["bitwise"] = torch.equal(seq[k], ts[k])
-            trainer.compute_advantages(batch)
-            mini = batch.rows(torch.arange(cfg.ppo.mini_batch_size))
+            trained, _ = trainer.compute_advantages(scored)
+            mini = trained.rows(torch.arange(cfg.ppo.mini_batch_size))
             budget = uneven if dynamic else None
             g_seq, s_seq, n_seq, _ = _mixed_gradients(trainer, mini, "sequential", budget)
             g_ts, s_ts, n_ts, out[f"{mode}/stream"] = _mixed_gradients(trainer, mini, "time-sharing", budget)

@@ -18,6 +18,7 @@ from puzzle.data.tokenizers import build_tokenizer
 from puzzle.pipeline.stage import run_stage
 from puzzle.dataflow.trainer import PPOTrainer
 from puzzle.dataflow import steps
+from puzzle.dataflow.micro_batching import micro_batch_rows, share_rows
 from tests.distributed.worlds.packing import CONFIGS, LAYOUTS, MODEL, SCORED, _largest
 from tests.harness import world_main
 
@@ -34,8 +35,8 @@ def _fixed(cfg):
 
 def _score(trainer, batch, cfg) -> dict:
     trainer.micro.dynamic_bsz = cfg.ppo.use_dynamic_bsz
-    trainer.score(batch)
-    return {k: batch.fields[k].clone() for k in SCORED if k in batch.fields}
+    batch, _ = trainer.score(batch)
+    return {k: batch.fields[k].clone() for k in SCORED if k in batch.fields}, batch
 
 
 def _gradients(trainer, mini, loss_agg: str, budget) -> tuple:
@@ -69,15 +70,15 @@ def _compare(name: str, layout: str, modes) -> dict:
     try:
         batch, _ = trainer.generate(ds.prompts[:cfg.ppo.rollout_batch_size])
         mask = batch.response_mask.bool()
-        fixed, budget = _score(trainer, batch, _fixed(cfg)), _score(trainer, batch, cfg)
+        (fixed, _), (budget, scored) = _score(trainer, batch, _fixed(cfg)), _score(trainer, batch, cfg)
         out = {"roles": sorted(trainer.engines), "lengths": batch.sequence_lengths}
         for k in fixed:
             out[k] = _largest(fixed[k], budget[k], None if k == "scores" else mask)
-        trainer.compute_advantages(batch)
+        batch, _ = trainer.compute_advantages(scored)
         mini = batch.rows(torch.arange(cfg.ppo.mini_batch_size))
-        share = mini.rows(mini.share_rows(trainer.engines["actor"].layout, balance=True))
-        out["rows_per_budget_micro_batch"] = [len(g) for g in share.micro_batch_rows(
-            1, cfg.ppo.ppo_max_token_len_per_gpu)]
+        share = mini.rows(share_rows(mini, trainer.engines["actor"].layout, balance=True))
+        out["rows_per_budget_micro_batch"] = [len(g) for g in micro_batch_rows(
+            share, 1, cfg.ppo.ppo_max_token_len_per_gpu)]
         for mode in modes:
             g_fixed, n_fixed = _gradients(trainer, mini, mode, None)
             g_budget, n_budget = _gradients(trainer, mini, mode, cfg.ppo.ppo_max_token_len_per_gpu)

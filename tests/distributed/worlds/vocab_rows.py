@@ -135,7 +135,12 @@ def _run(argv, tokenizer_dir, after=None):
         _bias_unused_rows(trainer.engines[role])
     batches, metrics = [], []
     score = trainer.scoring.run
-    trainer.scoring.run = lambda batch, iteration: (batches.append(batch), score(batch, iteration))[1]
+    def scored(batch, iteration):  # the batch with the scored fields, as the trainer builds it
+        fields, stats = score(batch, iteration)
+        batches.append(batch.with_outputs("scoring", **{k: v for k, v in fields.items() if k != "scores"}))
+        return fields, stats
+
+    trainer.scoring.run = scored
     original = pipelined_generation.sample_tokens
     pipelined_generation.sample_tokens = _record(original)
     n = cfg.ppo.rollout_batch_size
