@@ -15,7 +15,6 @@ NONFINITE_ENV = "PUZZLE_TEST_NONFINITE_AT"  # "role:iteration[,role:iteration]":
 FAIL_SAVE_ENV = "PUZZLE_TEST_FAIL_SAVE_AT"  # "rank:iteration": that rank raises half way through the save
 #: set by puzzle.tools.launch: rank 0 writes its ``error:`` line and exit status here (JSON) instead
 #: of printing it, and the launcher prints it last, after torchrun has stopped every rank
-ERROR_FILE_ENV = "PUZZLE_ERROR_FILE"
 
 
 def run(argv) -> int:
@@ -161,16 +160,8 @@ def fault_injection_from_env(environ):
 
 def _fail(message: str, code: int) -> int:
     """Rank 0's one ``error:`` line (handed to the launcher when it asked for it); returns ``code``."""
-    if launcher.rank() != 0:
-        return code
-    path = os.environ.get(ERROR_FILE_ENV)
-    if path:
-        import json
-
-        with open(path, "w") as f:
-            json.dump({"message": f"error: {message}", "code": code}, f)
-    else:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    if launcher.rank() == 0:
+        launcher.report_error_line(f"error: {message}", code)
     return code
 
 

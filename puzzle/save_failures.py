@@ -22,6 +22,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from puzzle.parallel import launcher
+
 #: set in the rendezvous store by the rank that reports a failed save (the others stay silent)
 SAVE_FAILED_KEY = "puzzle/checkpoint/save-failed"
 
@@ -90,7 +92,7 @@ def exit_after_failed_save(e: SaveError, wait_seconds: float = 10.0):
     except Exception:  # the store is advisory: without it this rank speaks for itself
         speak = True
     if speak:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        launcher.report_error_line(f"error: {e}", 1)
     sys.stdout.flush()
     os._exit(1)
 

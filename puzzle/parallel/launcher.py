@@ -20,6 +20,24 @@ import threading
 from typing import Optional
 
 
+#: the file in which a rank hands its one ``error:`` line and exit status to puzzle.tools.launch
+#: (set by it for the workers), which prints the line last, below torchrun's own report
+ERROR_FILE_ENV = "PUZZLE_ERROR_FILE"
+
+
+def report_error_line(line: str, code: int) -> None:
+    """The job's one ``error: ...`` line: handed to puzzle.tools.launch when it started this job,
+    else printed on stderr."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        print(line, file=sys.stderr, flush=True)
+        return
+    import json
+
+    with open(path, "w") as f:
+        json.dump({"message": line, "code": code}, f)
+
+
 def launched() -> bool:
     """Whether a launcher (torchrun) set this process's rank."""
     return "RANK" in os.environ

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from typing import List, Optional
 
-from puzzle.cli import ERROR_FILE_ENV
+from puzzle.parallel.launcher import ERROR_FILE_ENV
 
 #: the entry script whose flags are checked before the launch
 TRAIN_SCRIPT = "train_ppo.py"

@@ -74,7 +74,7 @@ def _batch():
     # prompts "ab" and "c", responses "xy<eos>" and "z" (byte ids; eos 1), right-padded with 0
     tokens = torch.tensor([[97, 98, 120, 121, 1], [99, 122, 0, 0, 0]])
     return SimpleNamespace(tokens=tokens, prompt_lengths=torch.tensor([2, 1]), response_lengths=torch.tensor([3, 1]),
-                           size=2, fields={"scores": torch.tensor([0.5, 1.0])})
+                           size=2, scores=torch.tensor([0.5, 1.0]))
 
 
 def test_log_samples_rows(tmp_path):
