@@ -30,6 +30,14 @@ torch.cuda.manual_seed(5); a = torch.rand(3)
 torch.cuda.manual_seed(5); b = torch.rand(3)
 assert torch.equal(a, b)
 s = r._get_cuda_rng_state(); u = torch.rand(2); r._set_cuda_rng_state(s); assert torch.equal(u, torch.rand(2))
+# a frozen linear computes the trainable one's bits on megatron's transposed [s, 1, h] input
+from megatron.core.tensor_parallel import layers as L
+h = torch.randn(1, 37, 64).transpose(0, 1)   # contiguous, size-1 dimension of stride 37 * 64
+w = torch.nn.Parameter(torch.randn(48, 64))
+with torch.no_grad():
+    frozen = L.LinearWithFrozenWeight.apply(h, w.detach(), None, False, None)
+    trained = L.LinearWithGradAccumulationAndAsyncCommunication.apply(h, w, None, False, False, False, None, 0, None)
+assert frozen.shape == (37, 1, 48) and torch.equal(frozen, trained)
 print("OK")
 """
 
