@@ -32,6 +32,8 @@ Patches:
   saving process instead of forked writer processes (a fork after threads can deadlock); CPU and GPU.
 - ``rope_thd_cached``: megatron's unfused RoPE on packed (THD) sequences builds its cos/sin once per
   micro-batch, not in every attention call; CPU and GPU.
+- ``frozen_linear_folds_tokens``: a frozen-weight linear (reference, reward model) computes its
+  forward product as the trainable linear does, so the same weights give the same bits; CPU and GPU.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def apply(force_cpu: bool | None = None) -> dict:
     global _applied
     check_version()
     from megatron_patches import (checkpoint_writes_in_process, cpu_backend, cpu_backward_devices,
-                                  distrib_optimizer_step, gloo_cuda_tensors,
+                                  distrib_optimizer_step, frozen_linear_folds_tokens, gloo_cuda_tensors,
                                   moe_allgather_token_counts, moe_alltoall_cpu, moe_gloo_split_gather,
                                   moe_router_without_te, moe_tensor_parallel_without_sp, rope_thd_cached,
                                   tied_embedding_checkpoint)
@@ -105,6 +107,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     result["moe_tensor_parallel_without_sp"] = True
     rope_thd_cached.apply()
     result["rope_thd_cached"] = True
+    frozen_linear_folds_tokens.apply()
+    result["frozen_linear_folds_tokens"] = True
     moe_allgather_token_counts.apply()
     result["moe_allgather_token_counts"] = True
     moe_gloo_split_gather.apply()

@@ -24,6 +24,10 @@ def test_packed_equals_padded_per_token(world, case):
         out = res["packed_equals_padded"][case]
         assert out["packed_tokens"] < out["padded_tokens"], (rank, case)  # the padding was dropped
         assert out["switch"] == ("ts_switch" in case)
+        kl = out.pop("kl_at_iteration_1")  # the reference holds the actor's weights and layout
+        assert kl["padded"] == 0.0 and kl["packed"] == 0.0 and kl["old_minus_ref_packed"] == 0.0, (rank, case, kl)
+        if case == "ppo/122":  # T=2 packed; planted: the reference one ulp off moves it
+            assert kl["packed_ref_nudged"] != 0.0, (rank, case, kl)
         fields = [k for k, v in out.items() if isinstance(v, dict)]
         assert {"old_logprobs", "ref_logprobs", "entropy", "advantages", "returns", "actor_grad"} <= set(fields)
         if case.startswith("ppo"):

@@ -15,7 +15,7 @@ assert r == {"cpu_backend": True, "distrib_optimizer_step": True,
               "tied_embedding_checkpoint": True, "moe_router_without_te": True,
               "moe_alltoall_cpu": True, "cpu_backward_devices": True,
               "moe_tensor_parallel_without_sp": True, "moe_allgather_token_counts": True,
-              "moe_gloo_split_gather": True, "rope_thd_cached": True,
+              "moe_gloo_split_gather": True, "rope_thd_cached": True, "frozen_linear_folds_tokens": True,
               "checkpoint_writes_in_process": True,
               "gloo_cuda_tensors": False} and r2 == r, r   # the gloo-CUDA patch: GPU machines only
 x = torch.zeros(2, device="cuda")
@@ -30,6 +30,14 @@ torch.cuda.manual_seed(5); a = torch.rand(3)
 torch.cuda.manual_seed(5); b = torch.rand(3)
 assert torch.equal(a, b)
 s = r._get_cuda_rng_state(); u = torch.rand(2); r._set_cuda_rng_state(s); assert torch.equal(u, torch.rand(2))
+# a frozen linear computes the trainable one's bits on megatron's transposed [s, 1, h] input
+from megatron.core.tensor_parallel import layers as L
+h = torch.randn(1, 37, 64).transpose(0, 1)   # contiguous, size-1 dimension of stride 37 * 64
+w = torch.nn.Parameter(torch.randn(48, 64))
+with torch.no_grad():
+    frozen = L.LinearWithFrozenWeight.apply(h, w.detach(), None, False, None)
+    trained = L.LinearWithGradAccumulationAndAsyncCommunication.apply(h, w, None, False, False, False, None, 0, None)
+assert frozen.shape == (37, 1, 48) and torch.equal(frozen, trained)
 print("OK")
 """
 

@@ -58,10 +58,29 @@ def _score(trainer, batch, packed: bool) -> dict:
     return {k: batch.fields[k].clone() for k in SCORED if k in batch.fields}
 
 
-def _advantages(trainer, batch, scored: dict) -> dict:
+def _advantages(trainer, batch, scored: dict) -> tuple:
+    """(advantages and returns, the batch with them, the logged ``kl``)."""
     batch = replace(batch, **{k: v.clone() for k, v in scored.items()})
-    batch, _ = trainer.compute_advantages(batch)
-    return {k: batch.fields[k].clone() for k in ("advantages", "returns")}, batch
+    batch, stats = trainer.compute_advantages(batch)
+    return {k: batch.fields[k].clone() for k in ("advantages", "returns")}, batch, stats["kl"]
+
+
+def _kl_with_reference_nudged(trainer, batch) -> float:
+    """The packed run's logged ``kl`` with every weight of the reference's first linear moved by
+    one ulp (the planted control of the exact 0 at iteration 1), the weights restored after."""
+    ref = trainer.engines["ref"]
+    weights = [p for name, p in ref.module.named_parameters() if "layers.0.self_attention.linear_qkv" in name] \
+        if ref.member else []
+    saved = [w.detach().clone() for w in weights]
+    with torch.no_grad():
+        for w in weights:
+            w.copy_(torch.nextafter(w, torch.full_like(w, float("inf"))))
+    try:
+        return _advantages(trainer, batch, _score(trainer, batch, True))[2]
+    finally:
+        with torch.no_grad():
+            for w, s in zip(weights, saved):
+                w.copy_(s)
 
 
 def _gradients(trainer, mini, packed: bool) -> dict:
@@ -102,7 +121,14 @@ def _compare(name: str, layout: str) -> dict:
                "packed_tokens": int((batch.prompt_lengths + batch.response_lengths).sum())}
         for k in padded:
             out[k] = _largest(padded[k], packed[k], None if k == "scores" else mask)
-        (adv_padded, _), (adv_packed, trained) = _advantages(trainer, batch, padded), _advantages(trainer, batch, packed)
+        adv_padded, _, kl_padded = _advantages(trainer, batch, padded)
+        adv_packed, trained, kl_packed = _advantages(trainer, batch, packed)
+        # iteration 1: the reference holds the actor's weights at the actor's layout
+        out["kl_at_iteration_1"] = {"padded": kl_padded, "packed": kl_packed,
+                                    "old_minus_ref_packed": float((packed["old_logprobs"] - packed["ref_logprobs"])
+                                                                  .abs().max())}
+        if (name, layout) == ("ppo", "122"):
+            out["kl_at_iteration_1"]["packed_ref_nudged"] = _kl_with_reference_nudged(trainer, batch)
         for k in adv_padded:
             out[k] = _largest(adv_padded[k], adv_packed[k], mask)
         mini = trained.rows(torch.arange(cfg.ppo.mini_batch_size))
@@ -127,7 +153,7 @@ def _compare_equal_lengths(trainer, batch, mini_batch_size: int) -> dict:
                       **{k: v.clone() for k, v in batch.fields.items() if ROW_FIELDS[k] in ("generation", "reward")})
     padded, packed = _score(trainer, eq, False), _score(trainer, eq, True)
     out = {f"equal_{k}": _largest(padded[k], packed[k]) for k in padded}
-    _, eq = _advantages(trainer, eq, padded)
+    _, eq, _ = _advantages(trainer, eq, padded)
     mini = eq.rows(torch.arange(mini_batch_size))
     g_padded, g_packed = _gradients(trainer, mini, False), _gradients(trainer, mini, True)
     out.update({f"equal_{role}_grad": _largest(g_padded[role], g_packed[role]) for role in g_padded})
