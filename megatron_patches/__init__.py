@@ -30,6 +30,8 @@ Patches:
   one GPU (``--distributed-backend gloo``; GPU only).
 - ``rope_thd_cached``: megatron's unfused RoPE on packed (THD) sequences builds its cos/sin once per
   micro-batch, not in every attention call; CPU and GPU.
+- ``batch_invariant_reduce``: megatron's tensor-parallel all-reduce goes to a hook while
+  ``--batch-invariant-mode`` installs one (sums added in rank order); CPU and GPU.
 """
 
 from __future__ import annotations
@@ -74,10 +76,10 @@ def apply(force_cpu: bool | None = None) -> dict:
     """
     global _applied
     check_version()
-    from megatron_patches import (cpu_backend, cpu_backward_devices, distrib_optimizer_step, gloo_cuda_tensors,
-                                  moe_allgather_token_counts, moe_alltoall_cpu, moe_gloo_split_gather,
-                                  moe_router_without_te, moe_tensor_parallel_without_sp, rope_thd_cached,
-                                  tied_embedding_checkpoint)
+    from megatron_patches import (batch_invariant_reduce, cpu_backend, cpu_backward_devices, distrib_optimizer_step,
+                                  gloo_cuda_tensors, moe_allgather_token_counts, moe_alltoall_cpu,
+                                  moe_gloo_split_gather, moe_router_without_te, moe_tensor_parallel_without_sp,
+                                  rope_thd_cached, tied_embedding_checkpoint)
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
     result = {"cpu_backend": False, "moe_alltoall_cpu": False, "cpu_backward_devices": False,
@@ -106,6 +108,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     result["moe_allgather_token_counts"] = True
     moe_gloo_split_gather.apply()
     result["moe_gloo_split_gather"] = True
+    batch_invariant_reduce.apply()
+    result["batch_invariant_reduce"] = True
     _applied = True
     return result
 
