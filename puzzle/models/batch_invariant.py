@@ -205,6 +205,11 @@ class _TiledProducts(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def is_mode(mode) -> bool:
+    """Whether a torch-function mode is the one ``batch_invariant_mode()`` pushes."""
+    return isinstance(mode, _TiledProducts)
+
+
 # ---- attention ----------------------------------------------------------------------------------
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
             scale: float) -> torch.Tensor:

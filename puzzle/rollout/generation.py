@@ -465,18 +465,21 @@ def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[i
     Python call per torch call). megatron's unfused attention takes its score buffer from
     megatron's global memory buffer, allocated on the "cuda" device when it grows: it is grown
     first, with the mode on, to the largest scores of this generation (a decode step over a
-    whole cache, a prefill's longest prompt), so the loop never allocates it. Not in
-    ``batch_invariant`` generation: suspending torch functions would suspend its mode too."""
+    whole cache, a prefill's longest prompt), so the loop never allocates it. In
+    ``batch_invariant`` generation (whose attention uses no such buffer) the device-mapping mode
+    is taken off the torch-function stack, leaving the batch-invariant mode working."""
     import megatron_patches
 
     from puzzle.models.sdpa_attention import UnfusedCoreAttention
 
-    if not megatron_patches.on_cpu() or batch_invariant:
+    if not megatron_patches.on_cpu():
         return contextlib.nullcontext()
     if getattr(hooks.model.config, "num_moe_experts", None):
         # prefills (and eager decode steps) run megatron's MoE router and dispatchers, which name
         # CUDA devices (the static MoE decode step of the graph path does not)
         return contextlib.nullcontext()
+    if batch_invariant:
+        return _batch_invariant_alone()
     unfused = [a for a in hooks.attention if isinstance(a, UnfusedCoreAttention)]
     if unfused:
         from megatron.core import parallel_state
@@ -489,6 +492,23 @@ def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[i
     from megatron_patches import cpu_backend
 
     return cpu_backend.device_mapping_suspended()
+
+
+@contextlib.contextmanager
+def _batch_invariant_alone():
+    """The batch-invariant mode (on when this is entered) as the only torch-function mode: it is
+    taken off the stack, then the device-mapping mode under it, and it is put back alone."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    from megatron_patches import cpu_backend
+    from puzzle.models import batch_invariant
+
+    stack = _get_current_function_mode_stack()
+    if len(stack) != 2 or not batch_invariant.is_mode(stack[1]):  # modes of others: leave them on
+        yield
+        return
+    with _pop_mode_temporarily(), cpu_backend.device_mapping_popped(), batch_invariant_mode():
+        yield
 
 
 def _assemble(prompts, results: Results, params: SamplingParams, forward_passes: int) -> GenerationOutput:
