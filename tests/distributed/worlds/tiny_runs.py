@@ -50,9 +50,9 @@ GRPO_RUNNING = ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", 
                 "--reward-normalization", "running", "--train-iters", "4"]
 
 
-#: --batch-invariant-mode runs: small, 2 iterations each
+#: --batch-invariant-mode runs: small, 2 iterations each, rewards in the rank's process (no worker pool)
 INVARIANT = ["--batch-invariant-mode", "--train-iters", "2", "--rollout-batch-size", "4", "--global-batch-size", "4",
-             "--micro-batch-size", "2", "--max-new-tokens", "6", "--ppo-epochs", "1"]
+             "--micro-batch-size", "2", "--max-new-tokens", "6", "--ppo-epochs", "1", "--reward-timeout", "0"]
 INVARIANT_GRPO = ["--n-samples-per-prompt", "4", "--global-batch-size", "16", "--micro-batch-size", "4",
                   "--use-kl-loss", "--kl-loss-coef", "0.1", "--eval-iters", "0"]
 #: 4 ranks: every model at (2,1,2), time-shared scoring and training, the actor generating at (1,2,2)
