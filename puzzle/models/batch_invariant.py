@@ -11,8 +11,9 @@ that depends on nothing but the token's own data:
 
 - **products** (every linear layer, the output layer, the MoE router and experts): the rows are
   cut into tiles of ``ROW_TILE`` rows (the last one zero-padded) and multiplied as one batched
-  product of fixed-shape [ROW_TILE, K] x [K, N] problems; a row's result is that of its tile's
-  kernel, the same at any number of rows (``tiled_bmm``). A ``TorchFunctionMode`` applies it to
+  product of fixed-shape [ROW_TILE, K] x [K, N] problems (N at least ``MIN_COLUMNS``); a row's
+  result is that of its tile's kernel, the same at any number of rows and at any place in its tile
+  (``tiled_bmm``; measured with MKL at 1 and 2 threads, tests/unit/test_batch_invariant.py). A ``TorchFunctionMode`` applies it to
   ``torch.matmul``/``mm``/``addmm``/``linear`` with a 2-D right operand and to
   ``torch._grouped_mm`` (one tiled product per group), so megatron-core's own layers run
   unchanged.
@@ -55,6 +56,10 @@ from torch.overrides import TorchFunctionMode
 ROW_TILE = 16
 #: keys per attention block in the mode
 KEY_BLOCK = 32
+#: products narrower than this get zero columns: with MKL on CPU, a one-column product of one tile
+#: takes a matrix-vector kernel (of several tiles not), and 5 to 11 columns round a row by its
+#: place in the tile (measured: rows 1-3 of every 4 differ from row 0); 12 and more do not
+MIN_COLUMNS = 16
 
 _depth = 0  # nesting depth of batch_invariant_mode()
 
@@ -70,8 +75,9 @@ def tiled_bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     rows: one batched product of [ROW_TILE, k] x [k, c] problems whatever m is."""
     n, m, k = x.shape
     c = w.shape[-1]
-    if c == 1:  # a one-column product of one tile is a matrix-vector kernel, of several tiles not
-        return tiled_bmm(x, torch.cat([w, torch.zeros_like(w)], dim=-1))[..., :1]
+    if c < MIN_COLUMNS:  # narrow products: zero columns added, see MIN_COLUMNS
+        wide = torch.cat([w, w.new_zeros(*w.shape[:-1], MIN_COLUMNS - c)], dim=-1)
+        return tiled_bmm(x, wide)[..., :c]
     pad = (-m) % ROW_TILE
     if pad:
         x = torch.cat([x, x.new_zeros(n, pad, k)], dim=1)

@@ -26,7 +26,7 @@ def _rows_alone(fn, x):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k, n", [(33, 50), (256, 1), (256, 2000)])
+@pytest.mark.parametrize("k, n", [(33, 50), (256, 1), (32, 9), (256, 2000)])
 def test_products_do_not_depend_on_the_number_of_rows(threads, dtype, k, n):
     torch.manual_seed(0)
     w, x = torch.randn(n, k, dtype=dtype), torch.randn(48, k, dtype=dtype)
@@ -56,12 +56,13 @@ def test_grouped_product_in_the_mode():
     assert torch.allclose(out[4:], x[4:] @ w[2], atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_equals_the_full_forward(threads, dtype):
+@pytest.mark.parametrize("dtype, d", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 8)])
+def test_decode_attention_equals_the_full_forward(threads, dtype, d):
     """Each position's decode step (its cache row holding other tokens after it, at several cache
-    widths) against the causal forward of 3 sequences, lengths across key blocks; grouped queries."""
+    widths) against the causal forward of 3 sequences, lengths across key blocks; grouped queries
+    (head dim 8: the value products are 9 columns wide, widened to MIN_COLUMNS)."""
     torch.manual_seed(2)
-    h, g, d, width = 4, 2, 16, 80
+    h, g, width = 4, 2, 80
     for s in (5, bi.KEY_BLOCK + 1, 2 * bi.KEY_BLOCK + 5):
         q, k, v = (torch.randn(s, 3, heads, d, dtype=dtype) for heads in (h, g, g))
         full = bi.causal_attention(q, k, v, 0.25)  # [s, 3, h * d]
