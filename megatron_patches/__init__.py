@@ -34,6 +34,8 @@ Patches:
   micro-batch, not in every attention call; CPU and GPU.
 - ``frozen_linear_folds_tokens``: a frozen-weight linear (reference, reward model) computes its
   forward product as the trainable linear does, so the same weights give the same bits; CPU and GPU.
+- ``batch_invariant_reduce``: megatron's tensor-parallel all-reduce goes to a hook while
+  ``--batch-invariant-mode`` installs one (sums added in rank order); CPU and GPU.
 """
 
 from __future__ import annotations
@@ -78,11 +80,11 @@ def apply(force_cpu: bool | None = None) -> dict:
     """
     global _applied
     check_version()
-    from megatron_patches import (checkpoint_writes_in_process, cpu_backend, cpu_backward_devices,
-                                  distrib_optimizer_step, frozen_linear_folds_tokens, gloo_cuda_tensors,
-                                  moe_allgather_token_counts, moe_alltoall_cpu, moe_gloo_split_gather,
-                                  moe_router_without_te, moe_tensor_parallel_without_sp, rope_thd_cached,
-                                  tied_embedding_checkpoint)
+    from megatron_patches import (batch_invariant_reduce, checkpoint_writes_in_process, cpu_backend,
+                                  cpu_backward_devices, distrib_optimizer_step, frozen_linear_folds_tokens,
+                                  gloo_cuda_tensors, moe_allgather_token_counts, moe_alltoall_cpu,
+                                  moe_gloo_split_gather, moe_router_without_te, moe_tensor_parallel_without_sp,
+                                  rope_thd_cached, tied_embedding_checkpoint)
 
     use_cpu = cpu_backend.cuda_missing() if force_cpu is None else force_cpu
     result = {"cpu_backend": False, "moe_alltoall_cpu": False, "cpu_backward_devices": False,
@@ -115,6 +117,8 @@ def apply(force_cpu: bool | None = None) -> dict:
     result["moe_gloo_split_gather"] = True
     checkpoint_writes_in_process.apply()
     result["checkpoint_writes_in_process"] = True
+    batch_invariant_reduce.apply()
+    result["batch_invariant_reduce"] = True
     _applied = True
     return result
 

@@ -283,6 +283,22 @@ def device_mapping_suspended():
         yield
 
 
+@contextlib.contextmanager
+def device_mapping_popped():
+    """Runs a block without the device-mapping mode of step 1 while torch-function modes pushed
+    inside the block still work (``device_mapping_suspended`` turns every mode off). The
+    device-mapping mode must be the innermost mode when the block starts; otherwise, and when the
+    patch is off, a no-op."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    stack = _get_current_function_mode_stack()
+    if _mode is None or not stack or stack[-1] is not _mode:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
 def apply() -> None:
     """Idempotent. Never call on a CUDA machine (megatron_patches.apply() decides)."""
     global _mode

@@ -451,6 +451,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     impl, impl_note = _check_transformer_impl(args, roles)
     _check_trainable_cover(roles, world_size)
     _check_moe_paths(args, roles, impl)
+    _check_batch_invariant(ppo, roles)
     ppo = _check_token_budget(ppo)
     _check_recompute_layers(levers, roles)
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
@@ -688,6 +689,27 @@ def _check_moe_paths(args, roles, transformer_impl: str) -> None:
         _fail("--moe-router-load-balancing-type", f"seq_aux_loss of the {seq_aux[0]}: megatron's router balances "
                                                   "per row of a micro-batch, and a packed micro-batch is one row of "
                                                   "many sequences; use aux_loss, or --no-use-remove-padding")
+
+
+def _check_batch_invariant(ppo, roles) -> None:
+    """--batch-invariant-mode (puzzle/models/batch_invariant.py) where its parity holds: on CPU, with
+    the actor generating at the T it is scored at."""
+    from puzzle.parallel.device import accelerator_available
+
+    if not ppo.batch_invariant_mode:
+        return
+    if accelerator_available():
+        _fail("--batch-invariant-mode", "runs on CPU only: on CUDA the matrix products and attention need "
+                                        "fixed-tile kernels that are not built yet (docs/ppo.md 'True on-policy'); "
+                                        "leave the flag out (--rl-inference-logprobs-is-correction corrects for "
+                                        "the mismatch instead)")
+    actor = roles["actor"]
+    gen = actor.gen_plan or actor.plan
+    if gen.T != actor.plan.T:
+        _fail("--batch-invariant-mode", f"the actor generates at T={gen.T} and is scored at T={actor.plan.T}: "
+                                        "tensor parallelism splits the row-parallel products' sums (and the "
+                                        "vocabulary) by T, so the two cannot compute the same log-probs; give "
+                                        f"--actor-gen-tensor-model-parallel-size {actor.plan.T}")
 
 
 def kv_bytes_per_sequence(arch, plan, seq_len: int, bytes_per_value: int) -> int:

@@ -362,6 +362,11 @@ class PPOParams:
         False, _PPO, "With --cuda-graph-generation: run the captured decode steps through torch.compile "
         "(fused elementwise kernels; compiled once per run, ~30 s for 1B; bf16 tokens may differ from "
         "the eager kernels').")
+    batch_invariant_mode: bool = flag(
+        False, _PPO, "Megatron-LM's name: the actor's generation and its scoring compute bitwise the same "
+        "log-probs of the sampled tokens (row-invariant products, attention and sums; docs/ppo.md 'True "
+        "on-policy'), so gen_score_logprob_diff_max is 0. CPU; the actor's training and generation layouts "
+        "at the same T; costs time (puzzle.bench.generation, puzzle.bench.packing).")
     ppo_epochs: int = flag(1, _PPO, "Passes over each rollout batch.")
     max_new_tokens: int = flag(16, _PPO)
     max_prompt_length: int = flag(32, _PPO, "Prompt budget (default: seq length - max new tokens).", type=int,
@@ -435,6 +440,9 @@ class PPOParams:
               f"must be in [0, --max-new-tokens {self.max_new_tokens}] (got {self.overlong_buffer_len})")
         check(cls, self, "compile_generation", self.cuda_graph_generation or not self.compile_generation,
               "needs --cuda-graph-generation")
+        check(cls, self, "batch_invariant_mode", not self.cuda_graph_generation,
+              "not with --cuda-graph-generation: graphed and compiled decode steps fuse differently from "
+              "scoring's forward")
 
     @property
     def num_samples(self) -> int:

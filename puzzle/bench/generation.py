@@ -10,7 +10,10 @@ ragged prompts and greedy decoding of ``--new-tokens`` tokens (no EOS), one JSON
 HF mapping, its own ``generate()`` with left padding, on rank 0), ``puzzle_<backend>_tokens_per_s``
 for the SDPA (``local``) and megatron unfused backends, their ratios to transformers, and
 ``tokens_equal`` (asserted on CPU, float32). Times are medians of ``--repeats`` after a warm-up,
-taken in turn in the same run.
+taken in turn in the same run. On CPU also ``puzzle_local_invariant`` (the SDPA backend in
+``--batch-invariant-mode``, puzzle/models/batch_invariant.py; its greedy tokens are reported, not
+asserted: its rounding is its own) and ``invariant_over_default`` (its tokens/s over the default
+``local``'s): what bitwise generation-vs-scoring parity costs.
 
 On a CUDA device (bf16; ``--model 1b`` is a 1.1B LLaMA shape): also ``puzzle_local_graphs``
 (``--cuda-graph-generation``) and ``puzzle_compiled_graphs`` (with ``--compile-generation``, a
@@ -250,15 +253,17 @@ def _time_variants(args, engines, backends, hf, prompts, params, dev, cuda):
     from puzzle.rollout import generate
 
     toks, times = {}, {}
-    variants = [(be, False, False) for be in backends]
+    variants = [(be, False, False, False) for be in backends]
     if cuda:  # CUDA graphs; then through torch.compile (a second model: its own graphs)
-        variants += [("local", True, False), ("compiled", True, True)]
+        variants += [("local", True, False, False), ("compiled", True, True, False)]
+    else:  # --batch-invariant-mode (CPU only)
+        variants += [("local", False, False, True)]
     rank = dist.get_rank()
     for i in range(args.repeats + 1):  # in turn: warm-up pass first
-        for be, graphs, compiled in variants:
-            name = be + ("_graphs" if graphs else "")
+        for be, graphs, compiled, invariant in variants:
+            name = be + ("_graphs" if graphs else "") + ("_invariant" if invariant else "")
             t, out = _once(lambda: generate(engines[be], prompts, params, seed=0, cuda_graphs=graphs,
-                                            compile_graphs=compiled), dev)
+                                            compile_graphs=compiled, batch_invariant=invariant), dev)
             toks[name] = torch.tensor([r for r in out.responses()])
             if i:
                 times.setdefault(name, []).append(t)
@@ -289,6 +294,9 @@ def _fill_row(row, times, toks, engines, arch, prompts, n_new, world, bw) -> Non
         row[f"puzzle_{name}_tokens_per_s"] = round(tps, 1)
         row[f"puzzle_{name}_over_hf"] = round(tps / hf_tps, 3)
         row[f"tokens_equal_{name}"] = bool(torch.equal(toks[name], toks["hf"]))
+    if "local_invariant" in times:
+        row["invariant_over_default"] = round(row["puzzle_local_invariant_tokens_per_s"]
+                                              / row["puzzle_local_tokens_per_s"], 3)
     if "local_graphs" in toks:  # CUDA graphs against the same loop run eagerly
         row["tokens_equal_graphs_eager"] = bool(torch.equal(toks["local_graphs"], toks["local"]))
         row["graph_captures"] = engines["local"].module._puzzle_decode_graphs.captures
@@ -300,7 +308,7 @@ def _fill_row(row, times, toks, engines, arch, prompts, n_new, world, bw) -> Non
         row["decode_bytes_per_rank"] = int(need)
         for name in ("local", "local_graphs", "compiled_graphs"):
             row[f"decode_bound_ratio_{name}"] = round(need / bw / statistics.median(times[name]), 3)
-    elif not all(row[f"tokens_equal_{n}"] for n in times if n != "hf"):
+    elif not all(row[f"tokens_equal_{n}"] for n in times if n not in ("hf", "local_invariant")):
         raise AssertionError(f"greedy tokens differ from transformers at batch {b}: {row}")
 
 

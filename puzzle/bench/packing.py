@@ -13,6 +13,11 @@ response at the cap). Wall times: max over ranks, median of ``--repeats``. Each 
 three paths back to back, each repeat starting with a different one; each row's ratios padded /
 packed and padded / token-budget are the medians of the repeats' own ratios, so load from other
 processes that comes and goes moves both sides of a ratio alike.
+
+Scoring also runs packed in ``--batch-invariant-mode`` (puzzle/models/batch_invariant.py: the
+arithmetic generation repeats bit for bit), in the same rotation: ``invariant_s`` and
+``slowdown_invariant_over_packed`` (the median of the repeats' invariant / packed ratios), what
+the mode costs a scoring stage.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ HIDDEN, LAYERS, HEADS = 256, 4, 8
 PROMPT, MAX_NEW, ROWS, MBS = 32, 224, 16, 4
 LAYOUTS = {"111": (1, 1), "212": (2, 2)}  # name -> (P, T); D = world / (P * T) = 1
 MODES = ("padded", "packed", "budget")
+SCORING_MODES = MODES + ("invariant",)  # packed, in --batch-invariant-mode
 
 
 def response_lengths(kind: str, rows: int, cap: int, seed: int = 0):
@@ -97,7 +103,8 @@ def _worker(args) -> None:
         seq, rows, variable = schedule_shape(mbs, packed, batch.tokens.shape[1], MBS)
         engine.config.variable_seq_lengths = variable and P > 1
         if stage == "scoring":
-            fn, fwd_only = steps.logprob_score_step(vocab, 1.0, MAX_NEW, with_entropy=True), True
+            fn = steps.logprob_score_step(vocab, 1.0, MAX_NEW, with_entropy=True, batch_invariant=mode == "invariant")
+            fwd_only = True
         else:
             fn, fwd_only = steps.actor_train_step(vocab, 1.0, MAX_NEW, 0.2, 0.0), False
             engine.zero_grad()
@@ -110,11 +117,12 @@ def _worker(args) -> None:
         batch = _rollout(kind, vocab, MAX_NEW)
         lengths = (batch.prompt_lengths + batch.response_lengths).float()
         for stage in ("scoring", "training"):
-            times = {mode: [] for mode in MODES}
-            for mode in MODES:  # warm-up
+            modes = SCORING_MODES if stage == "scoring" else MODES
+            times = {mode: [] for mode in modes}
+            for mode in modes:  # warm-up
                 run(batch, stage, mode)
             for r in range(args.repeats):  # each repeat runs every mode, starting at a different one
-                for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+                for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
                     times[mode].append(run(batch, stage, mode))
             padded, packed, budgeted = (statistics.median(times[mode]) for mode in MODES)
             # the ratios: medians of each repeat's own ratio (its runs are back to back, so the
@@ -131,6 +139,10 @@ def _worker(args) -> None:
                    "token_budget": budget, "budget_micro_batches": n_budget, "budget_s": round(budgeted, 4),
                    "speedup_budget_over_padded": round(over_budget, 3), "repeats": args.repeats,
                    "hidden": HIDDEN, "layers": LAYERS, "loadavg_1min": round(os.getloadavg()[0], 2)}
+            if stage == "scoring":
+                row["invariant_s"] = round(statistics.median(times["invariant"]), 4)
+                row["slowdown_invariant_over_packed"] = round(statistics.median(
+                    i / p for i, p in zip(times["invariant"], times["packed"])), 3)
             if rank == 0:
                 print("ROW " + json.dumps(row), flush=True)
     dist.barrier()

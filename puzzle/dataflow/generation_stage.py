@@ -90,7 +90,8 @@ class GenerationStage:
             out = generate(engine, rows[part * share:(part + 1) * share], params, seed=seed,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
-                           sample_offset=first_sample + part * share, progress=self.progress)
+                           batch_invariant=ppo.batch_invariant_mode, sample_offset=first_sample + part * share,
+                           progress=self.progress)
             responses, lengths, logprobs = out.response_tokens, out.response_lengths, out.logprobs
         return rollout_from_generation(rows, responses, lengths, layout, R, self.tokenizer.pad_id,
                                        self.device, seq_multiple=self.seq_multiple, logprobs=logprobs,

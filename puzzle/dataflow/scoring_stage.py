@@ -37,7 +37,8 @@ class ScoringStage:
     def jobs(self, R: int) -> List[Tuple[str, object]]:
         ppo = self.cfg.ppo
         temp = 1.0 if ppo.greedy else ppo.temperature
-        jobs = {"actor": steps.logprob_score_step(self.vocab, temp, R, with_entropy=True),
+        jobs = {"actor": steps.logprob_score_step(self.vocab, temp, R, with_entropy=True,
+                                                  batch_invariant=ppo.batch_invariant_mode),
                 "ref": steps.logprob_score_step(self.vocab, temp, R),
                 "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
         return [(role, jobs[role]) for role in ROLES if role in self.engines]

@@ -13,6 +13,7 @@ import torch
 
 from puzzle.algorithms import agg_loss, entropy_bonus, kl_penalty, policy_loss, value_loss
 from puzzle.algorithms.rollout_correction import truncated_is_weights
+from puzzle.models.batch_invariant import batch_invariant_mode
 from puzzle.parallel.device import check_on_device
 from puzzle.dataflow.batch import gather_response, packed_response_index
 from puzzle.dataflow.micro_batching import MicroBatch
@@ -71,11 +72,15 @@ def _zero_loss(output):
 
 
 # ---- scoring (forward-only) ------------------------------------------------------------------
-def logprob_score_step(true_vocab: int, temperature: float, R: int, with_entropy: bool = False):
-    """Actor old log-probs / reference log-probs: report {'logprobs': [mb, R]} (+ 'entropy')."""
+def logprob_score_step(true_vocab: int, temperature: float, R: int, with_entropy: bool = False,
+                       batch_invariant: bool = False):
+    """Actor old log-probs / reference log-probs: report {'logprobs': [mb, R]} (+ 'entropy').
+    ``batch_invariant`` (--batch-invariant-mode): the forward and the log-probs in the mode of
+    puzzle/models/batch_invariant.py, the arithmetic generation ran."""
 
     def loss_func(mb, tp_group, output):
-        res = _response_logprobs(output, mb, tp_group, true_vocab, temperature, R, with_entropy)
+        with batch_invariant_mode(batch_invariant):
+            res = _response_logprobs(output, mb, tp_group, true_vocab, temperature, R, with_entropy)
         lp, ent = res if with_entropy else (res, None)
         report = {"logprobs": lp.detach()}
         if ent is not None:
@@ -84,7 +89,9 @@ def logprob_score_step(true_vocab: int, temperature: float, R: int, with_entropy
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        return _run(model, mb), partial(loss_func, mb, _unwrap(model).pg_collection.tp)
+        with batch_invariant_mode(batch_invariant):
+            output = _run(model, mb)
+        return output, partial(loss_func, mb, _unwrap(model).pg_collection.tp)
 
     return forward_step
 

@@ -5,12 +5,19 @@ use megatron's differentiable ``reduce_from_tensor_model_parallel_region`` (all-
 identity backward) on the MODEL's TP group — never megatron's global group. Ids >= ``true_vocab``
 (``ModelArch.valid_vocab_size``: the tokenizer's ids; beyond it a checkpoint's unused rows and the
 padding) are masked out, as sampling masks them (puzzle/rollout/sampling.py).
+
+In ``--batch-invariant-mode`` (puzzle/models/batch_invariant.py) the sums over the vocabulary are
+row-invariant products and the partial sums of the TP ranks are added in rank order, so a
+position's log-prob has the same bits in a decode step (one row per sequence) and in scoring
+(every position of a packed micro-batch).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from puzzle.models import batch_invariant
 
 
 def _vocab_range(local_vocab: int, tp_group) -> tuple:
@@ -38,6 +45,8 @@ def _allreduce_max(x: torch.Tensor, tp_group) -> torch.Tensor:
 def _reduce(x: torch.Tensor, tp_group) -> torch.Tensor:
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return x
+    if batch_invariant.active() and not x.requires_grad:
+        return batch_invariant.ordered_all_reduce(x.clone(), tp_group)
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     return reduce_from_tensor_model_parallel_region(x, group=tp_group)
@@ -64,7 +73,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     m = _allreduce_max(logits.max(dim=-1).values, tp_group)  # [b, s]
     shifted = logits - m.unsqueeze(-1)
     exp = shifted.exp()
-    sum_exp = _reduce(exp.sum(dim=-1), tp_group)
+    sum_exp = _reduce(batch_invariant.row_sum(exp) if batch_invariant.active() else exp.sum(dim=-1), tp_group)
     log_z = sum_exp.log()
     in_range = (targets >= start) & (targets < end)
     local_ids = (targets - start).clamp(0, logits.shape[-1] - 1)

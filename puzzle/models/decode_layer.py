@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from puzzle.models import batch_invariant
 from puzzle.models.grouped_gemm import mlp_activation
 
 
@@ -135,7 +136,9 @@ def decode_forward(model, ids: torch.Tensor, positions: torch.Tensor,
 def _row_parallel_add(x: torch.Tensor, linear, residual: torch.Tensor, reduce: bool) -> torch.Tensor:
     """RowParallelLinear (all-reduce over its TP group, then bias) and eval bias-dropout-add."""
     out = torch.matmul(x, linear.weight.t())
-    if reduce:
+    if reduce and batch_invariant.active():
+        batch_invariant.ordered_all_reduce(out, linear.tp_group)
+    elif reduce:
         dist.all_reduce(out, group=linear.tp_group)
     if linear.bias is not None:
         out = out + linear.bias

@@ -33,6 +33,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from puzzle.models import batch_invariant
 from puzzle.models.packed_attention import packed_attention, varlen_flash_attention, varlen_flash_usable
 
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -284,6 +285,9 @@ class SDPACoreAttention(KVCacheMixin, MegatronModule):
                 packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("--attention-backend local (SDPA) does not support an attention bias")
+        if batch_invariant.active():
+            return invariant_attention(self, self.scale, query, key, value, attention_mask, attn_mask_type,
+                                       packed_seq_params)
         if self.kv_cache is not None:
             return cached_sdpa(self, query, key, value)
         kind = self.attn_mask_type if attn_mask_type is None else attn_mask_type
@@ -322,6 +326,33 @@ def cached_sdpa(module, query, key, value):
     return sdpa_decode(query, k, v, cache.decode_bias(query.dtype), module.scale)
 
 
+def invariant_attention(module, scale: float, query, key, value, attention_mask, attn_mask_type,
+                        packed_seq_params):
+    """A core-attention module's forward in ``--batch-invariant-mode`` (puzzle/models/
+    batch_invariant.py): the bound KV cache's prefill and decode, packed and dense causal
+    forwards, all with the mode's attention."""
+    problem = batch_invariant.attention_problem(module.config)
+    if problem is not None:
+        raise ValueError(f"--batch-invariant-mode does not cover {problem}")
+    cache = module.kv_cache
+
+    def attend(q, k, v):
+        return batch_invariant.causal_attention(q, k, v, scale)
+
+    if cache is not None:
+        query, k, v = module._cached(query, key, value)
+        if cache.is_prefill:
+            return cache.prefill_attention(attend, query, k, v)
+        return batch_invariant.decode_attention(query, k, v, cache.pos, scale)
+    kind = module.attn_mask_type if attn_mask_type is None else attn_mask_type
+    if kind != AttnMaskType.causal or attention_mask is not None or query.shape[0] != key.shape[0]:
+        raise ValueError("--batch-invariant-mode computes causal self-attention without an explicit mask "
+                         f"(got mask type {kind}, mask {'given' if attention_mask is not None else 'none'})")
+    if packed_seq_params is not None:
+        return packed_attention(attend, query, key, value, packed_seq_params)
+    return attend(query, key, value)
+
+
 class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
     """megatron-core's DotProductAttention (the unfused backend) with the generation KV cache.
 
@@ -331,6 +362,11 @@ class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         cache = self.kv_cache
+        if batch_invariant.active():
+            if attention_bias is not None or self.softmax_offset is not None:
+                raise ValueError("--batch-invariant-mode: the attention has a bias or a softmax offset")
+            return invariant_attention(self, self.softmax_scale, query, key, value, attention_mask,
+                                       attn_mask_type, packed_seq_params)
         if cache is None and packed_seq_params is not None:  # THD: causal within each sequence
             return packed_attention(self._causal_batch, query, key, value, packed_seq_params)
         if cache is None:

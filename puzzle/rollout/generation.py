@@ -52,6 +52,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from puzzle.models.batch_invariant import batch_invariant_mode
 from puzzle.rollout.sampling import SamplingParams
 
 
@@ -350,7 +351,7 @@ def _check_prompts(prompts, vocab: int) -> None:
 
 def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int,
              micro_batch_size: Optional[int] = None, *, sample_offset: int = 0,
-             cuda_graphs: bool = False, compile_graphs: bool = False,
+             cuda_graphs: bool = False, compile_graphs: bool = False, batch_invariant: bool = False,
              progress: Optional[Callable[[int, int], None]] = None) -> GenerationOutput:
     """Generate continuations of this DP rank's ``prompts`` with the actor ``engine``.
 
@@ -362,6 +363,9 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     GenerationOutput on every rank of the replica.
     ``progress(finished, rows)``: called before each model call and at the end with this rank's
     finished responses (a progress display; it must not communicate).
+    ``batch_invariant`` (--batch-invariant-mode): every model call and log-prob in
+    puzzle/models/batch_invariant.py's mode, whose arithmetic scoring repeats bit for bit (no
+    CUDA graphs).
     """
     from puzzle.rollout.pipelined_generation import run_schedule
 
@@ -374,6 +378,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     model = engine.module
     device = model.puzzle_device
     graphs = None
+    if cuda_graphs and batch_invariant:
+        raise ValueError("batch_invariant generation runs eagerly: not with cuda_graphs")
     if cuda_graphs:
         from puzzle.rollout.cuda_graphs import DecodeGraphs
 
@@ -399,8 +405,9 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
 
         set_model_to_sequence_parallel(model, False)
     try:
-        with torch.no_grad(), _Hooks(model, width if graphs is None else graphs.width) as hooks, \
-                _fast_dispatch(hooks, batches, prompts):
+        with torch.no_grad(), batch_invariant_mode(batch_invariant), \
+                _Hooks(model, width if graphs is None else graphs.width) as hooks, \
+                _fast_dispatch(hooks, batches, prompts, batch_invariant):
             if graphs is not None:
                 graphs.keep_rope_tables(hooks)
             stepper = Stepper(engine, hooks, graphs, on_call=_progress_report(progress, batches, b))
@@ -453,12 +460,14 @@ def _progress_report(progress, batches: List[SlotBatch], rows: int):
     return report
 
 
-def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[int]]):
+def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[int]], batch_invariant: bool):
     """On the CPU backend: the decode loop runs without its device-mapping mode (it costs a
     Python call per torch call). megatron's unfused attention takes its score buffer from
     megatron's global memory buffer, allocated on the "cuda" device when it grows: it is grown
     first, with the mode on, to the largest scores of this generation (a decode step over a
-    whole cache, a prefill's longest prompt), so the loop never allocates it."""
+    whole cache, a prefill's longest prompt), so the loop never allocates it. In
+    ``batch_invariant`` generation (whose attention uses no such buffer) the device-mapping mode
+    is taken off the torch-function stack, leaving the batch-invariant mode working."""
     import megatron_patches
 
     from puzzle.models.sdpa_attention import UnfusedCoreAttention
@@ -469,6 +478,8 @@ def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[i
         # prefills (and eager decode steps) run megatron's MoE router and dispatchers, which name
         # CUDA devices (the static MoE decode step of the graph path does not)
         return contextlib.nullcontext()
+    if batch_invariant:
+        return _batch_invariant_alone()
     unfused = [a for a in hooks.attention if isinstance(a, UnfusedCoreAttention)]
     if unfused:
         from megatron.core import parallel_state
@@ -481,6 +492,23 @@ def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[i
     from megatron_patches import cpu_backend
 
     return cpu_backend.device_mapping_suspended()
+
+
+@contextlib.contextmanager
+def _batch_invariant_alone():
+    """The batch-invariant mode (on when this is entered) as the only torch-function mode: it is
+    taken off the stack, then the device-mapping mode under it, and it is put back alone."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    from megatron_patches import cpu_backend
+    from puzzle.models import batch_invariant
+
+    stack = _get_current_function_mode_stack()
+    if len(stack) != 2 or not batch_invariant.is_mode(stack[1]):  # modes of others: leave them on
+        yield
+        return
+    with _pop_mode_temporarily(), cpu_backend.device_mapping_popped(), batch_invariant_mode():
+        yield
 
 
 def _assemble(prompts, results: Results, params: SamplingParams, forward_passes: int) -> GenerationOutput:

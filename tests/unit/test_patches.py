@@ -16,7 +16,7 @@ assert r == {"cpu_backend": True, "distrib_optimizer_step": True,
               "moe_alltoall_cpu": True, "cpu_backward_devices": True,
               "moe_tensor_parallel_without_sp": True, "moe_allgather_token_counts": True,
               "moe_gloo_split_gather": True, "rope_thd_cached": True, "frozen_linear_folds_tokens": True,
-              "checkpoint_writes_in_process": True,
+              "checkpoint_writes_in_process": True, "batch_invariant_reduce": True,
               "gloo_cuda_tensors": False} and r2 == r, r   # the gloo-CUDA patch: GPU machines only
 x = torch.zeros(2, device="cuda")
 assert x.device.type == "cpu" and x.type() == "torch.cuda.FloatTensor"

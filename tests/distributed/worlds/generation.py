@@ -393,8 +393,38 @@ def check_moe_static_decode():
     return res
 
 
+def check_batch_invariant_t4():
+    """--batch-invariant-mode at T = 4 (the tensor-parallel sums over 4 ranks added in rank order,
+    megatron's own all-reduce included): the log-probs generation records against a packed forward
+    of the same sequences at the same layout, each in the mode; and the same comparison without it."""
+    from puzzle.models.batch_invariant import batch_invariant_mode
+    from puzzle.models.packed_attention import PackedSequences
+    from puzzle.engine.vocab_parallel import vocab_parallel_logprobs
+
+    eng = _engine(ParallelPlan(1, 1, 4))
+    out = {}
+    for invariant in (True, False):
+        gen = generate(eng, PROMPTS, PARAMS["plain"], seed=SEED, batch_invariant=invariant)
+        seqs = [p + gen.response_tokens[i, :int(gen.response_lengths[i])].tolist() for i, p in enumerate(PROMPTS)]
+        lengths = [len(x) for x in seqs]
+        ids = torch.tensor([sum(seqs, [])])
+        pos = torch.tensor([[j for n in lengths for j in range(n)]])
+        eng.module.eval()
+        with torch.no_grad(), batch_invariant_mode(invariant):
+            logits = eng.module(ids, pos, None, packed_seq_params=PackedSequences.of(lengths))
+            lp = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], eng.layout.tp_group, ARCH.vocab_size)[0]
+        start, diff = 0, 0.0
+        for i, p in enumerate(PROMPTS):
+            n = int(gen.response_lengths[i])
+            scored = lp[start + len(p) - 1:start + len(p) - 1 + n]
+            diff = max(diff, float((scored - gen.logprobs[i, :n]).abs().max()))
+            start += lengths[i]
+        out["invariant" if invariant else "default"] = diff
+    return out
+
+
 if __name__ == "__main__":
     world_main([("reference", check_reference), ("layouts", check_layouts),
                 ("eos_and_limits", check_eos_and_limits), ("errors", check_errors),
                 ("fast_loop", check_fast_loop), ("lean_decode", check_lean_decode),
-                ("moe_static_decode", check_moe_static_decode)])
+                ("moe_static_decode", check_moe_static_decode), ("batch_invariant_t4", check_batch_invariant_t4)])

@@ -5,11 +5,19 @@ On 4 ranks, the PPO run (2 greedy iterations) at every layout the end-to-end tes
 script's own layouts (the reference), the actor generating through the switch, time-shared
 scoring and training, disjoint placement, --plan auto, and a reward model at two layouts.
 On 1 rank: the PPO run with every model at (1,1,1), and a GRPO run saved at iteration 2 and
-resumed from there in a new trainer."""
+resumed from there in a new trainer.
 
+--batch-invariant-mode: small PPO and GRPO runs (2 iterations) at (1,1,1) on 1 rank, and on 4 ranks
+with every model at (2,1,2), time-shared, the actor generating at (1,2,2) through the switch; on 1
+rank also the PPO run with a planted difference (every generation logit one ulp up before its
+log-prob is taken)."""
+
+import contextlib
+import math
 import os
 import tempfile
 
+import torch
 import torch.distributed as dist
 
 from tests.harness import TINY_GRPO, tiny_flags, train_in_world, world_main
@@ -42,6 +50,54 @@ GRPO_RUNNING = ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "4", 
                 "--reward-normalization", "running", "--train-iters", "4"]
 
 
+#: --batch-invariant-mode runs: small, 2 iterations each, rewards in the rank's process (no worker pool)
+INVARIANT = ["--batch-invariant-mode", "--train-iters", "2", "--rollout-batch-size", "4", "--global-batch-size", "4",
+             "--micro-batch-size", "2", "--max-new-tokens", "6", "--ppo-epochs", "1", "--reward-timeout", "0"]
+INVARIANT_GRPO = ["--n-samples-per-prompt", "4", "--global-batch-size", "16", "--micro-batch-size", "4",
+                  "--use-kl-loss", "--kl-loss-coef", "0.1", "--eval-iters", "0"]
+#: 4 ranks: every model at (2,1,2), time-shared scoring and training, the actor generating at (1,2,2)
+INVARIANT_4 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+               "--score-placement", "time-sharing", "--train-placement", "time-sharing",
+               "--actor-gen-tensor-model-parallel-size", "2", "--actor-gen-pipeline-model-parallel-size", "1"]
+INVARIANT_4_CRITIC = ["--critic-tensor-model-parallel-size", "2", "--critic-pipeline-model-parallel-size", "2"]
+LOGPROB_DIFF = ("gen_score_logprob_diff_max", "gen_score_logprob_diff_mean")
+
+
+@contextlib.contextmanager
+def one_ulp_generation_logits():
+    """The planted difference: generation takes each sampled token's log-prob from its logits moved
+    one ulp up (the tokens are sampled from the logits as they were)."""
+    from puzzle.rollout import pipelined_generation
+
+    original = pipelined_generation.sampled_logprobs
+
+    def planted(logits, *args, **kwargs):
+        return original(torch.nextafter(logits, torch.full_like(logits, math.inf)), *args, **kwargs)
+
+    pipelined_generation.sampled_logprobs = planted
+    try:
+        yield
+    finally:
+        pipelined_generation.sampled_logprobs = original
+
+
+def check_batch_invariant():
+    """Per run: each iteration's generation-vs-scoring log-prob difference (max, mean), whether the
+    actor generated through the switch, and the roles."""
+    def diffs(res):
+        return {"diff": [[row[k] for k in LOGPROB_DIFF] for row in res["rows"]], "switch": res["switch"],
+                "roles": res["roles"]}
+
+    if dist.get_world_size() == 1:
+        out = {"ppo": diffs(train_in_world(tiny_flags() + INVARIANT + ONE_RANK)),
+               "grpo": diffs(train_in_world(tiny_flags(TINY_GRPO) + INVARIANT + INVARIANT_GRPO))}
+        with one_ulp_generation_logits():
+            out["planted"] = diffs(train_in_world(tiny_flags() + INVARIANT + ONE_RANK + ["--train-iters", "1"]))
+        return out
+    return {"ppo": diffs(train_in_world(tiny_flags() + INVARIANT + INVARIANT_4 + INVARIANT_4_CRITIC)),
+            "grpo": diffs(train_in_world(tiny_flags(TINY_GRPO) + INVARIANT + INVARIANT_GRPO + INVARIANT_4))}
+
+
 def check_ppo_layouts():
     if dist.get_world_size() == 1:
         return {"one_rank": train_in_world(tiny_flags() + SMALL + ONE_RANK)}
@@ -62,4 +118,5 @@ def check_grpo_resume():
 
 
 if __name__ == "__main__":
-    world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume)])
+    world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume),
+                ("batch_invariant", check_batch_invariant)])
