@@ -440,7 +440,7 @@ class PPOParams:
               f"must be in [0, --max-new-tokens {self.max_new_tokens}] (got {self.overlong_buffer_len})")
         check(cls, self, "compile_generation", self.cuda_graph_generation or not self.compile_generation,
               "needs --cuda-graph-generation")
-        check(cls, self, "batch_invariant_mode", not self.cuda_graph_generation,
+        check(cls, self, "batch_invariant_mode", not (self.batch_invariant_mode and self.cuda_graph_generation),
               "not with --cuda-graph-generation: graphed and compiled decode steps fuse differently from "
               "scoring's forward")
 
