@@ -78,7 +78,8 @@ class GenerationStage:
                            seed=self.cfg.seed * 100003 + iteration,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
-                           batch_invariant=ppo.batch_invariant_mode, sample_offset=round_ * B + part * share, progress=self.progress)
+                           batch_invariant=ppo.batch_invariant_mode, sample_offset=round_ * B + part * share,
+                           progress=self.progress)
             responses, lengths, logprobs = out.response_tokens, out.response_lengths, out.logprobs
         batch = rollout_from_generation(prompt_ids, responses, lengths, layout, R, self.tokenizer.pad_id,
                                         self.device, seq_multiple=self.seq_multiple, logprobs=logprobs,
