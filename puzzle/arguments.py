@@ -710,6 +710,11 @@ def _check_batch_invariant(ppo, roles) -> None:
                                         "tensor parallelism splits the row-parallel products' sums (and the "
                                         "vocabulary) by T, so the two cannot compute the same log-probs; give "
                                         f"--actor-gen-tensor-model-parallel-size {actor.plan.T}")
+    etp = max(actor.plan.ETP, gen.ETP) if actor.arch.is_moe else 1
+    if etp > 2:
+        _fail("--batch-invariant-mode", f"the actor's experts are split over ETP={etp} ranks: their partial sums are "
+                                        "reduce-scattered in the ring's order, which follows the message size; "
+                                        "give --expert-tensor-parallel-size 1 or 2")
 
 
 def kv_bytes_per_sequence(arch, plan, seq_len: int, bytes_per_value: int) -> int:

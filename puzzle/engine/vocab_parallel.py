@@ -7,7 +7,8 @@ identity backward) on the MODEL's TP group — never megatron's global group. Id
 padding) are masked out, as sampling masks them (puzzle/rollout/sampling.py).
 
 In ``--batch-invariant-mode`` (puzzle/models/batch_invariant.py) the sums over the vocabulary are
-row-invariant products and the partial sums of the TP ranks are added in rank order, so a
+row-invariant products and the partial sums of the TP ranks are added in rank order (megatron's
+all-reduce goes to the mode's, megatron_patches/batch_invariant_reduce.py), so a
 position's log-prob has the same bits in a decode step (one row per sequence) and in scoring
 (every position of a packed micro-batch).
 """
@@ -45,8 +46,6 @@ def _allreduce_max(x: torch.Tensor, tp_group) -> torch.Tensor:
 def _reduce(x: torch.Tensor, tp_group) -> torch.Tensor:
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return x
-    if batch_invariant.active() and not x.requires_grad:
-        return batch_invariant.ordered_all_reduce(x.clone(), tp_group)
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     return reduce_from_tensor_model_parallel_region(x, group=tp_group)

@@ -12,11 +12,11 @@ that depends on nothing but the token's own data:
 - **products** (every linear layer, the output layer, the MoE router and experts): the rows are
   cut into tiles of ``ROW_TILE`` rows (the last one zero-padded) and multiplied as one batched
   product of fixed-shape [ROW_TILE, K] x [K, N] problems (N at least ``MIN_COLUMNS``); a row's
-  result is that of its tile's kernel, the same at any number of rows and at any place in its tile
-  (``tiled_bmm``; measured with MKL at 1 and 2 threads, tests/unit/test_batch_invariant.py). A ``TorchFunctionMode`` applies it to
-  ``torch.matmul``/``mm``/``addmm``/``linear`` with a 2-D right operand and to
-  ``torch._grouped_mm`` (one tiled product per group), so megatron-core's own layers run
-  unchanged.
+  result is that of its tile's kernel, the same at any number of rows and at any place in its
+  tile (``tiled_bmm``; measured with MKL at 1 and 2 threads, tests/unit/test_batch_invariant.py).
+  A ``TorchFunctionMode`` applies it to ``torch.matmul``/``mm``/``addmm``/``linear`` with a 2-D
+  right operand and to ``torch._grouped_mm`` (one tiled product per group), so megatron-core's
+  own layers run unchanged.
 - **attention** (``causal_attention``, ``decode_attention``; the core-attention modules of
   puzzle/models/sdpa_attention.py call them in the mode): keys in blocks of ``KEY_BLOCK`` from
   each sequence's first position; the scores of a block are a tiled product, the softmax takes
@@ -24,15 +24,22 @@ that depends on nothing but the token's own data:
   tiled product (the normaliser is its last column); the blocks are added in order. A block past
   the query's position adds an exact 0, so a decode step (keys up to the cache's longest row)
   and a full forward (keys up to the sequence's end) give the same bits.
-- **vocabulary sums** (puzzle/engine/vocab_parallel.py): the softmax normaliser of the
-  log-probs is a tiled product with a ones vector (``row_sum``).
+- **sums over a row** (``row_sum``: a tiled product with a ones vector; torch's reductions split
+  a long row over threads when there are few rows): the softmax normaliser of the log-probs
+  (puzzle/engine/vocab_parallel.py) and the statistics of ``rms_norm``/``layer_norm``, which the
+  mode computes itself.
+- **transcendental elementwise functions** (exp, log, sigmoid, SiLU, GELU, tanh, cos, sin, erf):
+  torch's vectorised CPU loop rounds some of them (sigmoid, SiLU) differently from its scalar
+  loop, which takes a tensor's last elements and the ends of each thread's share; the mode feeds
+  them an input whose innermost stride is 2, so every element takes the scalar loop.
 - **tensor-parallel sums** (row-parallel layers, the vocabulary's partial sums): gathered and
   added in rank order (``ordered_all_reduce``), so that a sum over T >= 3 ranks does not follow
   the ring's chunking of the message (megatron_patches/batch_invariant_reduce.py routes megatron's
   own all-reduce there).
 
-Norms, RoPE, activations, residual additions, the maximum and the gathers are per row already.
-The same layout (T) is needed in generation and scoring: T splits the row-parallel reductions.
+Additions, products and quotients of elements, the maximum and the gathers are exact per element
+or per row already. The same layout (T) is needed in generation and scoring: T splits the
+row-parallel reductions.
 
 The mode costs time (tiles pad small products, attention is not a fused kernel, one more
 dispatch per torch call): ``python -m puzzle.bench.generation`` and ``puzzle.bench.packing``
@@ -187,16 +194,15 @@ _POINTWISE = (torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.si
               torch.erf, torch.nn.functional.silu, torch.nn.functional.gelu)
 
 _ROUTES = {torch.matmul: _matmul, torch.Tensor.matmul: _matmul, torch.Tensor.__matmul__: _matmul,
-             torch.mm: _matmul, torch.Tensor.mm: _matmul, torch.addmm: _addmm,
-             torch.nn.functional.linear: _linear}
+           torch.mm: _matmul, torch.Tensor.mm: _matmul, torch.addmm: _addmm, torch.nn.functional.linear: _linear}
 if hasattr(torch, "_grouped_mm"):
     _ROUTES[torch._grouped_mm] = _grouped
 _ROUTES.update({f: _scalar_path(f) for f in _POINTWISE})
 _ROUTES.update({torch.nn.functional.rms_norm: _rms_norm, torch.rms_norm: _rms_norm,
-                  torch.nn.functional.layer_norm: _layer_norm, torch.layer_norm: _layer_norm})
+                torch.nn.functional.layer_norm: _layer_norm, torch.layer_norm: _layer_norm})
 
 
-class _TiledProducts(TorchFunctionMode):
+class _BatchInvariantMode(TorchFunctionMode):
     """Routes the matrix products of weights (2-D right operand) to ``tiled_matmul``, the
     transcendental elementwise functions to torch's scalar loop and the norms to row-invariant
     sums."""
@@ -213,7 +219,7 @@ class _TiledProducts(TorchFunctionMode):
 
 def is_mode(mode) -> bool:
     """Whether a torch-function mode is the one ``batch_invariant_mode()`` pushes."""
-    return isinstance(mode, _TiledProducts)
+    return isinstance(mode, _BatchInvariantMode)
 
 
 # ---- attention ----------------------------------------------------------------------------------
@@ -316,7 +322,7 @@ def batch_invariant_mode(enabled: bool = True):
     _depth += 1
     saved, batch_invariant_reduce.hook = batch_invariant_reduce.hook, ordered_all_reduce
     try:
-        with _TiledProducts():
+        with _BatchInvariantMode():
             yield
     finally:
         batch_invariant_reduce.hook = saved

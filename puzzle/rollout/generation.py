@@ -39,7 +39,9 @@ so they are the same at every layout, micro-batch size and order of service. Wit
 log-prob under the logits it was sampled from is recorded (``GenerationOutput.logprobs``), on
 every path: scoring compares its own with it (the generation-vs-scoring log-prob difference). With
 ``cuda_graphs`` (GPU, P=1) decode steps replay CUDA graphs captured per batch-size bucket
-(puzzle/rollout/cuda_graphs.py).
+(puzzle/rollout/cuda_graphs.py). With ``batch_invariant`` (--batch-invariant-mode) every call runs
+in puzzle/models/batch_invariant.py's mode, whose arithmetic scoring repeats bit for bit: the
+difference is then 0.
 """
 
 from __future__ import annotations

@@ -118,6 +118,11 @@ def test_the_flag_is_refused_where_parity_cannot_hold(monkeypatch):
                                             r"T=2: .* --actor-gen-tensor-model-parallel-size 2$"):
         validate_args(parse_args(BASE + flag + ["--tensor-model-parallel-size", "2",
                                                 "--actor-gen-tensor-model-parallel-size", "1"]), 4, 259)
+    with pytest.raises(ArgumentError, match=r"^--batch-invariant-mode: the actor's experts are split over ETP=4 ranks"):
+        validate_args(parse_args(BASE + flag + ["--num-experts", "4", "--tensor-model-parallel-size", "4"]), 4, 259)
+    moe = validate_args(parse_args(BASE + flag + ["--num-experts", "4", "--tensor-model-parallel-size", "4",
+                                                  "--expert-tensor-parallel-size", "2"]), 4, 259)
+    assert moe.roles["actor"].plan.ETP == 2
     with pytest.raises(ArgumentError, match="^--batch-invariant-mode: not with --cuda-graph-generation"):
         validate_args(parse_args(BASE + flag + ["--cuda-graph-generation"]), 1, 259)
     monkeypatch.setattr(device, "accelerator_available", lambda: True)
