@@ -66,6 +66,31 @@ def _rollout(kind: str, vocab: int, max_new: int):
                         old_logprobs=old_logprobs, advantages=torch.randn(ROWS, max_new, generator=g))
 
 
+def _row(args, P: int, T: int, kind: str, stage: str, batch, times: dict, budget: int, n_budget: int) -> dict:
+    """One JSON row of a layout, length distribution and stage from each mode's timed repeats."""
+    max_new = args.max_new_tokens
+    lengths = (batch.prompt_lengths + batch.response_lengths).float()
+    padded, packed, budgeted = (statistics.median(times[mode]) for mode in MODES)
+    # the ratios: medians of each repeat's own ratio (its runs are back to back, so the
+    # machine's load moves both sides of it alike)
+    over_packed, over_budget = (statistics.median(p / x for p, x in zip(times["padded"], times[m]))
+                                for m in ("packed", "budget"))
+    row = {"layout": args.layout, "P": P, "T": T, "distribution": kind, "stage": stage,
+           "rows": ROWS, "micro_batch_size": MBS, "max_new_tokens": max_new, "prompt": PROMPT,
+           "response_mean_over_max": round(float(batch.response_lengths.float().mean()) / max_new, 3),
+           "tokens_padded": ROWS * batch.tokens.shape[1], "tokens_packed": int(lengths.sum()),
+           "padded_s": round(padded, 4), "packed_s": round(packed, 4),
+           "speedup_packed_over_padded": round(over_packed, 3),
+           "token_budget": budget, "budget_micro_batches": n_budget, "budget_s": round(budgeted, 4),
+           "speedup_budget_over_padded": round(over_budget, 3), "repeats": args.repeats,
+           "hidden": HIDDEN, "layers": LAYERS, "loadavg_1min": round(os.getloadavg()[0], 2)}
+    if stage == "scoring":
+        row["invariant_s"] = round(statistics.median(times["invariant"]), 4)
+        row["slowdown_invariant_over_packed"] = round(statistics.median(
+            i / p for i, p in zip(times["invariant"], times["packed"])), 3)
+    return row
+
+
 def _worker(args) -> None:
     import megatron_patches
 
@@ -115,7 +140,6 @@ def _worker(args) -> None:
 
     for kind in ("long_tailed", "all_equal"):
         batch = _rollout(kind, vocab, MAX_NEW)
-        lengths = (batch.prompt_lengths + batch.response_lengths).float()
         for stage in ("scoring", "training"):
             modes = SCORING_MODES if stage == "scoring" else MODES
             times = {mode: [] for mode in modes}
@@ -124,25 +148,7 @@ def _worker(args) -> None:
             for r in range(args.repeats):  # each repeat runs every mode, starting at a different one
                 for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
                     times[mode].append(run(batch, stage, mode))
-            padded, packed, budgeted = (statistics.median(times[mode]) for mode in MODES)
-            # the ratios: medians of each repeat's own ratio (its runs are back to back, so the
-            # machine's load moves both sides of it alike)
-            over_packed, over_budget = (statistics.median(p / x for p, x in zip(times["padded"], times[m]))
-                                        for m in ("packed", "budget"))
-            n_budget = len(micro_batch_rows(batch, MBS, budget))
-            row = {"layout": args.layout, "P": P, "T": T, "distribution": kind, "stage": stage,
-                   "rows": ROWS, "micro_batch_size": MBS, "max_new_tokens": MAX_NEW, "prompt": PROMPT,
-                   "response_mean_over_max": round(float(batch.response_lengths.float().mean()) / MAX_NEW, 3),
-                   "tokens_padded": ROWS * batch.tokens.shape[1], "tokens_packed": int(lengths.sum()),
-                   "padded_s": round(padded, 4), "packed_s": round(packed, 4),
-                   "speedup_packed_over_padded": round(over_packed, 3),
-                   "token_budget": budget, "budget_micro_batches": n_budget, "budget_s": round(budgeted, 4),
-                   "speedup_budget_over_padded": round(over_budget, 3), "repeats": args.repeats,
-                   "hidden": HIDDEN, "layers": LAYERS, "loadavg_1min": round(os.getloadavg()[0], 2)}
-            if stage == "scoring":
-                row["invariant_s"] = round(statistics.median(times["invariant"]), 4)
-                row["slowdown_invariant_over_packed"] = round(statistics.median(
-                    i / p for i, p in zip(times["invariant"], times["packed"])), 3)
+            row = _row(args, P, T, kind, stage, batch, times, budget, len(micro_batch_rows(batch, MBS, budget)))
             if rank == 0:
                 print("ROW " + json.dumps(row), flush=True)
     dist.barrier()
