@@ -4,7 +4,8 @@ Every ``import`` / ``from ... import`` of every module under puzzle/ counts, whe
 (module level, inside a function, under ``if TYPE_CHECKING``): a function-local import does not
 hide an arrow. The layers, from the bottom:
 
-    0  config, config_flags, plan_layouts, parallel, fail_fast  (flags' values, process layouts, bad input)
+    0  config, config_flags, plan_layouts, parallel, fail_fast, model_shape
+       (flags' values, process layouts, bad input, the one model-shape type)
     1  models                                             (GPTModel builders, parameter layout/names)
     2  engine, rollout, pipeline, switch, algorithms, data  (model engines, generation, schedules, math)
     3  dataflow, checkpointing, save_failures, reward_functions, metrics, run_control, weight_sources
@@ -15,8 +16,8 @@ A module may import its own layer or any layer below. Below the command line (la
 reads the environment but the launcher's contract (``ENV_READERS``: torchrun's RANK, WORLD_SIZE,
 LOCAL_RANK), and nothing imports argparse but the flag definitions (``ARGPARSE_USERS``).
 ``plan_search/`` (the plan search) is in the top layer because its commands read the command line,
-but its cost model, memory model and search are pure: they import only config, parallel and
-plan_search itself, and nothing in plan_search/ reaches models, training, rollout, pipeline, switch
+but its cost model, memory model and search are pure: they import only config, model_shape,
+parallel and plan_search itself, and nothing in plan_search/ reaches models, training, rollout, pipeline, switch
 or torch.distributed.
 """
 
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "puzzle"
 
 LAYERS = [
-    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast"},
+    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast", "model_shape"},
     {"models"},
     {"engine", "rollout", "pipeline", "switch", "algorithms", "data"},
     {"dataflow", "checkpointing", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},
@@ -49,7 +50,7 @@ PLAN_FORBIDDEN = ("puzzle.models", "puzzle.engine", "puzzle.dataflow", "puzzle.r
                   "puzzle.switch", "torch.distributed")
 PLAN_PURE_CORE = ("puzzle.plan_search.cost_model", "puzzle.plan_search.memory_model", "puzzle.plan_search.search",
                   "puzzle.plan_search.profile_data", "puzzle.plan_search.bundled_profile")
-PLAN_PURE_ALLOWED = ("puzzle.config", "puzzle.parallel", "puzzle.plan_search")
+PLAN_PURE_ALLOWED = ("puzzle.config", "puzzle.model_shape", "puzzle.parallel", "puzzle.plan_search")
 
 
 def module_name(path: Path) -> str:
