@@ -99,11 +99,15 @@ class ModelShape:
             return self.kv_channels * self.num_query_groups
         return self.hidden_size * self.num_query_groups // self.num_attention_heads
 
+    def kv_bytes_per_token(self, T: int, bytes_per_value: int) -> float:
+        """The one KV-cache formula: bytes of one token's keys and values in one layer on a rank
+        of tensor-parallel degree T (the query groups split over T). Exact: T divides the groups."""
+        return 2.0 * self.kv_dim / T * bytes_per_value
+
     def kv_bytes_per_sequence(self, seq_len: int, plan: ParallelPlan, bytes_per_value: int) -> float:
-        """KV-cache bytes of one sequence of ``seq_len`` tokens on a rank of ``plan``: keys and
-        values of its stage's layers, the query groups split over T (the one KV formula of the
-        planner and of --inference-dynamic-batching-buffer-size-gb)."""
-        return seq_len * 2.0 * self.kv_dim / plan.T * bytes_per_value * (self.num_layers // plan.P)
+        """KV-cache bytes of one sequence of ``seq_len`` tokens on a rank of ``plan`` (its stage's
+        layers): the memory model's and --inference-dynamic-batching-buffer-size-gb's."""
+        return seq_len * self.kv_bytes_per_token(plan.T, bytes_per_value) * (self.num_layers // plan.P)
 
     @property
     def compute_shape(self) -> "ModelShape":

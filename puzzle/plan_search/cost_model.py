@@ -594,7 +594,7 @@ class CostModel:
         if s.is_moe and not w.cuda_graphs:  # the experts the tokens touch beyond the active width; the dispatcher
             t_layer += (prof.hbm_time(experts.decode_extra_expert_bytes(s, bm, plan.E, plan.ETP, T)) / eff
                         + self._moe_comm(role, bm, plan))
-        kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16) / eff
+        kv_read = prof.hbm_time(bm * ctx * s.kv_bytes_per_token(T, BF16)) / eff
         head = (max(prof.hbm_time(V * h / T * BF16), 2.0 * bm * h * V / T / (prof.peak_flops * prof.gemm_efficiency))
                 if role.lm_head else 0.0)
         # vocab-parallel sampling exchanges (value, id) pairs across the TP group every step
