@@ -17,8 +17,8 @@ reads the environment but the launcher's contract (``ENV_READERS``: torchrun's R
 LOCAL_RANK), and nothing imports argparse but the flag definitions (``ARGPARSE_USERS``).
 ``plan_search/`` (the plan search) is in the top layer because its commands read the command line,
 but its cost model, memory model and search are pure: they import only config, model_shape,
-parallel and plan_search itself, and nothing in plan_search/ reaches models, training, rollout, pipeline, switch
-or torch.distributed.
+parallel and plan_search itself, and nothing in plan_search/ reaches models, training, rollout,
+pipeline, switch or torch.distributed. ``algorithms/`` holds pure functions and frozen records only.
 """
 
 from __future__ import annotations
@@ -274,3 +274,22 @@ def test_trainer_reads_finds_a_planted_read():
     assert trainer_reads(planted) == [(3, "engines"), (4, "on_iteration_end"), (5, "generation_progress"),
                                       (7, "iteration")]
     assert trainer_reads("def f(trainer):\n    trainer.train()\n    trainer.close()\n") == []
+
+
+def stateful_classes(source: str) -> List[str]:
+    """Classes of ``source`` that are not frozen dataclasses (objects that hold state)."""
+    def frozen(dec) -> bool:
+        return isinstance(dec, ast.Call) and getattr(dec.func, "id", None) == "dataclass" and any(
+            k.arg == "frozen" and getattr(k.value, "value", False) is True for k in dec.keywords)
+
+    return [node.name for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ClassDef) and not any(frozen(d) for d in node.decorator_list)]
+
+
+def test_algorithms_hold_no_state():
+    """algorithms/ is pure functions (and frozen records); stateful controllers live with the stage
+    that owns them in dataflow/ (the KL controller, the running score moments)."""
+    found = {m: stateful_classes(p.read_text()) for m, p in sorted(PATHS.items()) if m.startswith("puzzle.algorithms")}
+    assert not {m: c for m, c in found.items() if c}, found
+    planted = "@dataclass(frozen=True)\nclass A:\n    x: int\n\n@dataclass\nclass B:\n    y: int\n\nclass C:\n    pass\n"
+    assert stateful_classes(planted) == ["B", "C"]
