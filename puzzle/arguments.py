@@ -717,12 +717,6 @@ def _check_batch_invariant(ppo, roles) -> None:
                                         "give --expert-tensor-parallel-size 1 or 2")
 
 
-def kv_bytes_per_sequence(arch, plan, seq_len: int, bytes_per_value: int) -> int:
-    """KV-cache bytes of one sequence of ``seq_len`` tokens on a rank of the generation layout."""
-    return seq_len * 2 * arch.num_query_groups * arch.kv_channels // plan.T * bytes_per_value * (
-        arch.num_layers // plan.P)
-
-
 def _kv_budget_micro_batch(levers: MemoryLevers, ppo, actor, samples_per_rank: int, value_bytes: int):
     """--inference-dynamic-batching-buffer-size-gb: the generation micro-batch (KV-cache rows of the
     continuous-batching loop) that fits the budget, the largest that divides the rank's samples."""
@@ -736,7 +730,7 @@ def _kv_budget_micro_batch(levers: MemoryLevers, ppo, actor, samples_per_rank: i
     if gen.P > 1:
         _fail(flag, f"needs an actor generation layout with P=1 (continuous batching; got P={gen.P})")
     width = ppo.max_prompt_length + ppo.max_new_tokens
-    per_seq = kv_bytes_per_sequence(actor.arch, gen, width, value_bytes)
+    per_seq = actor.arch.shape.kv_bytes_per_sequence(width, gen, value_bytes)
     fit = int(budget * (1 << 30) // per_seq)
     if fit < 1:
         _fail(flag, f"{budget} GiB holds no sequence of {width} tokens ({per_seq / (1 << 30):.2f} GiB each)")

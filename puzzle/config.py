@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from puzzle.config_flags import check, check_at_least, fail, flag
+from puzzle.model_shape import ModelShape
 
 
 
@@ -259,6 +260,18 @@ class ModelArch:
         to make_vocab_size_divisible_by.
         """
         return self.tokenizer_vocab_size or self.vocab_size
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model's shape (the planner's type: parameter counts, KV cache, plan checks)."""
+        moe = {} if not self.is_moe else dict(
+            num_experts=self.num_experts, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_router_topk=self.moe_router_topk, moe_dispatcher=self.moe_token_dispatcher_type,
+            moe_layers=self.num_layers if self.moe_layer_pattern is None else sum(self.moe_layer_pattern))
+        return ModelShape(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                          ffn_hidden_size=self.ffn_hidden_size, num_attention_heads=self.num_attention_heads,
+                          num_query_groups=self.num_query_groups, vocab_size=self.padded_vocab_size,
+                          swiglu=self.swiglu, kv_channels=self.kv_channels, **moe)
 
     @property
     def padded_vocab_size(self) -> int:

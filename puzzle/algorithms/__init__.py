@@ -1,29 +1,22 @@
-"""Pure tensor math for PPO/RLHF (no torch.distributed, no megatron)."""
+"""Pure tensor math for PPO/RLHF (no torch.distributed, no megatron, no state: the stateful KL
+controller and running score moments use it from puzzle/dataflow/)."""
 
 from puzzle.algorithms.advantages import compute_gae
-from puzzle.algorithms.kl import KL_KINDS, kl_penalty
-from puzzle.algorithms.kl_controller import (
-    DEFAULT_KL_HORIZON,
-    AdaptiveKLController,
-    FixedKLController,
-    build_kl_controller,
-)
+from puzzle.algorithms.kl import KL_KINDS, adaptive_kl_coef, kl_penalty
 from puzzle.algorithms.losses import LOSS_AGG_MODES, agg_loss, entropy_bonus, policy_loss, value_loss
 from puzzle.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from puzzle.algorithms.token_rewards import RunningMoments, compute_token_rewards, last_valid_index, normalize_scores
+from puzzle.algorithms.token_rewards import (compute_token_rewards, fold_moments, last_valid_index, normalize_scores,
+                                             running_std)
 
 __all__ = [
-    "AdaptiveKLController",
-    "DEFAULT_KL_HORIZON",
-    "FixedKLController",
     "KL_KINDS",
     "LOSS_AGG_MODES",
-    "RunningMoments",
+    "adaptive_kl_coef",
     "agg_loss",
-    "build_kl_controller",
     "compute_gae",
     "compute_token_rewards",
     "entropy_bonus",
+    "fold_moments",
     "kl_penalty",
     "last_valid_index",
     "masked_mean",
@@ -32,5 +25,6 @@ __all__ = [
     "masked_whiten",
     "normalize_scores",
     "policy_loss",
+    "running_std",
     "value_loss",
 ]

@@ -11,7 +11,7 @@ import torch
 
 from puzzle.algorithms.masked import check_same_shape
 
-__all__ = ["KL_KINDS", "kl_penalty"]
+__all__ = ["KL_KINDS", "adaptive_kl_coef", "kl_penalty"]
 
 # Canonical names; aliases map onto them.
 KL_KINDS = ("k1", "abs", "mse", "low_var_kl")
@@ -54,3 +54,16 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
         return k3.clamp(min=-_LOW_VAR_KL_CLAMP, max=_LOW_VAR_KL_CLAMP)
     valid = ", ".join(repr(k) for k in KL_KINDS + tuple(_ALIASES))
     raise ValueError(f"unknown kl kind {kind!r}; expected one of {valid}")
+
+
+def adaptive_kl_coef(kl_coef: float, current_kl: float, target: float, horizon: float, n_steps: int) -> float:
+    """The adaptive KL controller's next coefficient (Ziegler et al. 2019), steering the observed
+    KL towards ``target``::
+
+        e = clip(current_kl / target - 1, -0.2, 0.2)
+        kl_coef * (1 + e * n_steps / horizon)
+
+    ``n_steps``: the samples (sequences) ``current_kl`` was measured on.
+    """
+    proportional_error = min(max(current_kl / target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + proportional_error * n_steps / horizon)

@@ -10,7 +10,7 @@ import torch
 from puzzle.algorithms.kl import kl_penalty
 from puzzle.algorithms.masked import check_same_shape
 
-__all__ = ["last_valid_index", "compute_token_rewards", "normalize_scores", "RunningMoments"]
+__all__ = ["last_valid_index", "compute_token_rewards", "normalize_scores", "fold_moments", "running_std"]
 
 
 def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
@@ -84,58 +84,25 @@ def normalize_scores(scores: torch.Tensor, mean: float, std: float, eps: float =
     return (scores - mean) / (std + eps)
 
 
-class RunningMoments:
-    """Running mean/std of reward-model scores (Chan et al. parallel variance update).
+def fold_moments(mean: float, m2: float, count: int, scores: torch.Tensor) -> Tuple[float, float, int, float, float]:
+    """Running moments ``(mean, m2, count)`` (``m2``: the sum of squared deviations from the
+    mean) with a batch ``[N]`` of scores folded in (Chan et al.'s parallel variance update, in
+    float64): ``(mean, m2, count, batch_mean, batch_std)``, the batch's std unbiased."""
+    xs = scores.detach().reshape(-1).to(torch.float64)
+    n = xs.numel()
+    if n == 0:
+        return mean, m2, count, 0.0, 0.0
+    if not bool(torch.isfinite(xs).all()):
+        raise ValueError("scores contain NaN/inf")
+    b_mean = float(xs.mean())
+    b_m2 = float(((xs - b_mean) ** 2).sum())
+    total = count + n
+    delta = b_mean - mean
+    mean += delta * n / total
+    m2 += b_m2 + delta * delta * count * n / total
+    return mean, m2, total, b_mean, math.sqrt(b_m2 / (n - 1)) if n > 1 else 0.0
 
-    Usage per PPO step (gather scores across data-parallel ranks first, so every rank
-    sees the same statistics)::
 
-        scores = moments.normalize(scores)   # updates with this batch, then normalises
-
-    Before any update ``mean=0, std=1``; ``std`` is the unbiased std of everything seen
-    (1.0 while fewer than 2 scores were seen).  Statistics are kept in float64.
-    """
-
-    def __init__(self, eps: float = 1e-8):
-        self.eps = eps
-        self.mean = 0.0
-        self.m2 = 0.0  # sum of squared deviations from the running mean
-        self.count = 0
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
-
-    def update(self, scores: torch.Tensor) -> Tuple[float, float]:
-        """Fold a batch ``[N]`` of scores in. Returns ``(batch_mean, batch_std)`` (unbiased std)."""
-        xs = scores.detach().reshape(-1).to(torch.float64)
-        n = xs.numel()
-        if n == 0:
-            return 0.0, 0.0
-        if not bool(torch.isfinite(xs).all()):
-            raise ValueError("scores contain NaN/inf")
-        b_mean = float(xs.mean())
-        b_m2 = float(((xs - b_mean) ** 2).sum())
-        total = self.count + n
-        delta = b_mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += b_m2 + delta * delta * self.count * n / total
-        self.count = total
-        return b_mean, math.sqrt(b_m2 / (n - 1)) if n > 1 else 0.0
-
-    def normalize(self, scores: torch.Tensor, update: bool = True) -> torch.Tensor:
-        """Optionally :meth:`update` with ``scores``, then return them normalised. While every score
-        seen was equal (std 0) only the mean is subtracted: dividing by eps would blow up the
-        first different score."""
-        if update:
-            self.update(scores)
-        std = self.std
-        return normalize_scores(scores, self.mean, std if std > 1e-6 else 1.0, self.eps)
-
-    def state_dict(self) -> dict:
-        return {"mean": self.mean, "m2": self.m2, "count": self.count}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.mean = float(state["mean"])
-        self.m2 = float(state["m2"])
-        self.count = int(state["count"])
+def running_std(m2: float, count: int) -> float:
+    """The unbiased std of the running moments (1.0 while fewer than 2 scores were seen)."""
+    return math.sqrt(m2 / (count - 1)) if count > 1 else 1.0

@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from puzzle.model_shape import ModelShape
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles, stage_seconds
+from puzzle.plan_search.cost_model import CostModel, PPOWorkload, ppo_roles, stage_seconds
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_SCRIPT = REPO / "examples" / "run_ppo_tiny.sh"

@@ -149,7 +149,7 @@ def _decode_bytes(model, arch, prompts, n_new, elem_bytes: int, T: int) -> float
         if name.endswith("embedding.word_embeddings.weight") and arch.untie_embeddings_and_output_weights:
             emb += p.numel() * p.element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) - emb
-    kv_per_token = 2 * arch.num_layers * (arch.num_query_groups // T) * arch.kv_channels * elem_bytes
+    kv_per_token = arch.num_layers * arch.shape.kv_bytes_per_token(T, elem_bytes)
     steps = n_new - 1  # the first token comes from the prefill
     kv = sum(kv_per_token * sum(len(p) + s for p in prompts) for s in range(1, steps + 1))
     return steps * weights + kv

@@ -64,8 +64,8 @@ def measure_matmul(device, n: int = 8192, repeats: int = 10) -> float:
 def decode_bound_tokens_per_s(actor, gen_mbs: int, context: int, bandwidth: float,
                               dtype_bytes: int = 2) -> float:
     """Tokens/s if every decode step only read the actor's weights and the KV cache once."""
-    kv = 2 * actor.num_layers * actor.num_query_groups * (actor.hidden_size // actor.num_attention_heads)
-    step_bytes = actor.param_count(True) * dtype_bytes + gen_mbs * context * kv * dtype_bytes
+    kv = actor.num_layers * actor.kv_bytes_per_token(1, dtype_bytes)  # a token's keys and values, all layers
+    step_bytes = actor.param_count(True) * dtype_bytes + gen_mbs * context * kv
     return gen_mbs * bandwidth / step_bytes
 
 

@@ -10,9 +10,9 @@ from typing import Dict, Tuple
 import torch
 
 from puzzle.algorithms.advantage_estimators import compute_advantages
-from puzzle.algorithms.kl_controller import build_kl_controller
 from puzzle.algorithms.masked import masked_mean
 from puzzle.algorithms.token_rewards import compute_token_rewards
+from puzzle.dataflow.kl_controller import build_kl_controller
 
 
 class AdvantageStage:

@@ -19,9 +19,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from puzzle.algorithms import RunningMoments
 from puzzle.algorithms.advantage_estimators import group_mean_std
 from puzzle.algorithms.dapo import overlong_penalty
+from puzzle.algorithms.token_rewards import fold_moments, normalize_scores, running_std
 from puzzle.reward_functions.distributed import BadRewardPolicy, RolloutRewarder
 from puzzle.reward_functions.runner import Sample
 
@@ -45,6 +45,52 @@ def batch_samples(batch, tokenizer, records: List[dict], lo: int, hi: int) -> Li
     ``records[b]`` is row b's record."""
     return decode_rows(batch.tokens[lo:hi].cpu(), batch.prompt_lengths[lo:hi].tolist(),
                        batch.response_lengths[lo:hi].tolist(), tokenizer, records[lo:hi], first=lo)
+
+
+class RunningMoments:
+    """Running mean/std of reward-model scores (--reward-normalization running; the math is
+    ``puzzle.algorithms.token_rewards.fold_moments``), checkpointed with the trainer.
+
+    Usage per PPO step (gather scores across data-parallel ranks first, so every rank
+    sees the same statistics)::
+
+        scores = moments.normalize(scores)   # updates with this batch, then normalises
+
+    Before any update ``mean=0, std=1``; ``std`` is the unbiased std of everything seen
+    (1.0 while fewer than 2 scores were seen).  Statistics are kept in float64.
+    """
+
+    def __init__(self, eps: float = 1e-8):
+        self.eps = eps
+        self.mean = 0.0
+        self.m2 = 0.0  # sum of squared deviations from the running mean
+        self.count = 0
+
+    @property
+    def std(self) -> float:
+        return running_std(self.m2, self.count)
+
+    def update(self, scores: torch.Tensor) -> Tuple[float, float]:
+        """Fold a batch ``[N]`` of scores in. Returns ``(batch_mean, batch_std)`` (unbiased std)."""
+        self.mean, self.m2, self.count, b_mean, b_std = fold_moments(self.mean, self.m2, self.count, scores)
+        return b_mean, b_std
+
+    def normalize(self, scores: torch.Tensor, update: bool = True) -> torch.Tensor:
+        """Optionally :meth:`update` with ``scores``, then return them normalised. While every score
+        seen was equal (std 0) only the mean is subtracted: dividing by eps would blow up the
+        first different score."""
+        if update:
+            self.update(scores)
+        std = self.std
+        return normalize_scores(scores, self.mean, std if std > 1e-6 else 1.0, self.eps)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "m2": self.m2, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean = float(state["mean"])
+        self.m2 = float(state["m2"])
+        self.count = int(state["count"])
 
 
 class Rewards:

@@ -1,6 +1,7 @@
 """Plan search for PPO on (P, D, T) layouts: profiles, cost and memory models, Eq. (2) search."""
 
-from puzzle.plan_search.cost_model import (LLAMA_SHAPES, CostModel, ModelRole, ModelShape, PPOWorkload, TaskCost,
+from puzzle.model_shape import ModelShape
+from puzzle.plan_search.cost_model import (LLAMA_SHAPES, CostModel, ModelRole, PPOWorkload, TaskCost,
                                     grouped_time, pipeline_time, plan_problems, ppo_roles, sequential_time,
                                     switch_bytes_max_rank, switch_bytes_per_rank, time_sharing_time)
 from puzzle.plan_search.memory_model import MemoryFitError, MemoryModel, MemoryReport

@@ -15,31 +15,15 @@ import sys
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles, stage_seconds
+from puzzle.model_shape import ModelShape
+from puzzle.plan_search.cost_model import CostModel, PPOWorkload, ppo_roles, stage_seconds
 from puzzle.plan_search.memory_model import LOGITS_CHUNK_BYTES, GiB, MemoryModel, fmt_plan
 from puzzle.plan_search.profile_data import load_profile
 
 
 def shapes_from_config(cfg) -> Dict[str, ModelShape]:
-    out = {}
-    for role, spec in cfg.roles.items():
-        a = spec.arch
-        out[role] = ModelShape(num_layers=a.num_layers, hidden_size=a.hidden_size,
-                               ffn_hidden_size=a.ffn_hidden_size, num_attention_heads=a.num_attention_heads,
-                               num_query_groups=a.num_query_groups, vocab_size=a.padded_vocab_size,
-                               swiglu=a.swiglu, kv_channels=a.kv_channels, **_expert_fields(a))
-    return out
-
-
-def _expert_fields(arch) -> dict:
-    """The MoE fields of a ModelShape from a ModelArch (none for a dense model)."""
-    if not arch.is_moe:
-        return {}
-    pattern = arch.moe_layer_pattern
-    return dict(num_experts=arch.num_experts, moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-                moe_router_topk=arch.moe_router_topk,
-                moe_layers=arch.num_layers if pattern is None else sum(pattern),
-                moe_dispatcher=arch.moe_token_dispatcher_type)
+    """Every role's ModelShape (``ModelArch.shape``)."""
+    return {role: spec.arch.shape for role, spec in cfg.roles.items()}
 
 
 def workload_from_config(cfg) -> PPOWorkload:

@@ -43,119 +43,16 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.config import ROLES
+from puzzle.model_shape import ModelShape, layer_params
 from puzzle.parallel.plan import ParallelPlan, PlanError
 from puzzle.parallel.streams import stream_problem
 from puzzle.plan_search import experts
-from puzzle.plan_search.profile_data import Profile, layer_params
+from puzzle.plan_search.profile_data import Profile
 
 BF16 = 2  # bytes per bf16 value
 
 
 # ---- model / workload descriptions -------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelShape:
-    """A LLaMA-style decoder (RMSNorm, rotary positions, untied embedding and head)."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    vocab_size: int
-    swiglu: bool = True
-    # mixture of experts (puzzle.plan_search.experts): 0 experts = a dense model; ``moe_layers``
-    # of the layers have a MoE MLP (default all), the others a dense MLP of ffn_hidden_size
-    num_experts: int = 0
-    moe_ffn_hidden_size: int = 0
-    moe_router_topk: int = 0
-    moe_layers: Optional[int] = None
-    moe_dispatcher: str = "alltoall"
-    kv_channels: Optional[int] = None  # projection size per head (None: hidden / heads)
-
-    def __post_init__(self):
-        if self.num_experts and not (1 <= self.moe_router_topk <= self.num_experts and self.moe_ffn_hidden_size >= 1
-                                     and 0 <= self.n_moe_layers <= self.num_layers):
-            raise ValueError(f"ModelShape: inconsistent MoE fields (num_experts={self.num_experts}, "
-                             f"topk={self.moe_router_topk}, moe_ffn_hidden_size={self.moe_ffn_hidden_size}, "
-                             f"moe_layers={self.moe_layers} of {self.num_layers})")
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def n_moe_layers(self) -> int:
-        """Layers with a MoE MLP (``moe_layers``, default every layer of a MoE model)."""
-        if not self.is_moe:
-            return 0
-        return self.num_layers if self.moe_layers is None else self.moe_layers
-
-    @property
-    def kv_dim(self) -> int:
-        if self.kv_channels is not None:
-            return self.kv_channels * self.num_query_groups
-        return self.hidden_size * self.num_query_groups // self.num_attention_heads
-
-    @property
-    def compute_shape(self) -> "ModelShape":
-        """The dense shape whose layer does a MoE layer's per-rank work (active parameters: an
-        MLP ``topk`` experts wide, averaged with the dense layers); a dense model itself."""
-        if not self.is_moe:
-            return self
-        active = ((self.num_layers - self.n_moe_layers) * self.ffn_hidden_size
-                  + self.n_moe_layers * self.moe_router_topk * self.moe_ffn_hidden_size)
-        return ModelShape(self.num_layers, self.hidden_size, round(active / self.num_layers),
-                          self.num_attention_heads, self.num_query_groups, self.vocab_size, self.swiglu,
-                          kv_channels=self.kv_channels)
-
-    @property
-    def layer_split_params(self) -> float:
-        """Parameters of one layer that tensor parallelism splits (QKV, proj, dense MLP; averaged
-        over the layers when some MLPs are MoE layers, whose experts are counted apart)."""
-        split = layer_params(self)[0]
-        if not self.is_moe:
-            return split
-        dense_mlp = experts.mlp_matrices(self) * self.hidden_size * self.ffn_hidden_size
-        return split - experts.moe_fraction(self) * dense_mlp
-
-    @property
-    def layer_replicated_params(self) -> float:
-        """Parameters of one layer every TP rank holds whole (the two RMSNorm weights; a MoE
-        layer's router)."""
-        repl = layer_params(self)[1]
-        if not self.is_moe:
-            return repl
-        return repl + experts.moe_fraction(self) * self.num_experts * self.hidden_size
-
-    def head_params(self, lm_head: bool = True) -> int:
-        return self.vocab_size * self.hidden_size if lm_head else self.hidden_size
-
-    def param_count(self, lm_head: bool = True) -> int:
-        """Embedding + layers (experts included) + final norm + head (LM head V*h, or a scalar
-        value head h)."""
-        L = self.num_layers
-        n = (self.vocab_size * self.hidden_size + L * (self.layer_split_params + self.layer_replicated_params)
-             + self.hidden_size + self.head_params(lm_head))
-        return n if not self.is_moe else round(n + L * experts.expert_params_per_layer(self))
-
-    def active_param_count(self, lm_head: bool = True) -> int:
-        """Parameters a token goes through (topk experts of each MoE layer)."""
-        return self.compute_shape.param_count(lm_head) + (
-            round(self.n_moe_layers * self.num_experts * self.hidden_size) if self.is_moe else 0)
-
-    def check_plan(self, plan: ParallelPlan, what: str = "model") -> None:
-        plan.check_model(num_layers=self.num_layers, num_attention_heads=self.num_attention_heads,
-                         num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size,
-                         hidden_size=self.hidden_size, what=what)
-        if not self.is_moe:
-            if plan.has_experts_split:
-                raise PlanError(f"{what} has no experts: plan {plan} needs E=1 and ETP=T")
-            return
-        if self.num_experts % plan.E or self.moe_ffn_hidden_size % plan.ETP:
-            raise PlanError(f"{what} cannot use plan {plan}: num_experts={self.num_experts} / E={plan.E} or "
-                            f"moe_ffn_hidden_size={self.moe_ffn_hidden_size} / ETP={plan.ETP} is not whole")
-
-
 #: PUZZLE Table 1 (LLaMA, 32000 vocab, MHA) + LLaMA-2-70B (GQA with 8 groups).
 LLAMA_SHAPES: Dict[str, ModelShape] = {
     "350M": ModelShape(16, 512, 11008, 8, 8, 32000),
@@ -697,7 +594,7 @@ class CostModel:
         if s.is_moe and not w.cuda_graphs:  # the experts the tokens touch beyond the active width; the dispatcher
             t_layer += (prof.hbm_time(experts.decode_extra_expert_bytes(s, bm, plan.E, plan.ETP, T)) / eff
                         + self._moe_comm(role, bm, plan))
-        kv_read = prof.hbm_time(bm * ctx * 2 * s.kv_dim / T * BF16) / eff
+        kv_read = prof.hbm_time(bm * ctx * s.kv_bytes_per_token(T, BF16)) / eff
         head = (max(prof.hbm_time(V * h / T * BF16), 2.0 * bm * h * V / T / (prof.peak_flops * prof.gemm_efficiency))
                 if role.lm_head else 0.0)
         # vocab-parallel sampling exchanges (value, id) pairs across the TP group every step

@@ -31,29 +31,11 @@ holds more activations on its busiest expert rank.
 
 from __future__ import annotations
 
+from puzzle.model_shape import expert_params, expert_params_per_layer, moe_fraction
+
 BF16 = 2
 #: bytes per token of the router's fp32 logits and probabilities kept for the backward pass, per expert
 ROUTER_BYTES_PER_EXPERT = 8
-
-
-def mlp_matrices(shape) -> int:
-    """Weight matrices of one (expert or dense) MLP: 3 with SwiGLU (gate, up, down), else 2."""
-    return 3 if shape.swiglu else 2
-
-
-def expert_params(shape) -> int:
-    """Parameters of one expert's MLP."""
-    return mlp_matrices(shape) * shape.hidden_size * shape.moe_ffn_hidden_size
-
-
-def moe_fraction(shape) -> float:
-    """Share of the layers whose MLP is a MoE layer."""
-    return shape.n_moe_layers / shape.num_layers if shape.num_experts else 0.0
-
-
-def expert_params_per_layer(shape) -> float:
-    """Expert parameters of an average layer (all experts, before any split)."""
-    return moe_fraction(shape) * shape.num_experts * expert_params(shape)
 
 
 def expert_params_on_rank(shape, P: int, E: int, ETP: int) -> float:

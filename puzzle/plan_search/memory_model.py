@@ -199,8 +199,8 @@ class MemoryModel:
         return min(w.generation_micro_batch_size or b, b) if plan.P == 1 else b
 
     def kv_bytes_per_sequence(self, role: ModelRole, plan: ParallelPlan) -> float:
-        s = role.shape
-        return self.workload.seq_len * 2.0 * s.kv_dim / plan.T * BF16 * (s.num_layers // plan.P)
+        """bf16 keys and values of one sequence of the workload's length (ModelShape's formula)."""
+        return role.shape.kv_bytes_per_sequence(self.workload.seq_len, plan, BF16)
 
     def generation_items(self, role: ModelRole, plan: ParallelPlan, p: int, shadow: bool) -> List[Tuple[str, float]]:
         w, s = self.workload, role.shape

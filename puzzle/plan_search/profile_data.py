@@ -27,7 +27,9 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
+
+from puzzle.model_shape import head_size_if_unusual, layer_params
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
@@ -64,14 +66,8 @@ def shape_key(shape) -> tuple:
     size other than hidden / heads (``kv_channels``, Qwen3) is appended."""
     key = (int(shape.hidden_size), int(shape.ffn_hidden_size), int(shape.num_attention_heads),
            int(shape.num_query_groups), bool(shape.swiglu))
-    head = _head_size(shape)
+    head = head_size_if_unusual(shape)
     return key if head is None else key + (head,)
-
-
-def _head_size(shape) -> Optional[int]:
-    """``kv_channels`` when it differs from hidden / heads, else None."""
-    kvc = getattr(shape, "kv_channels", None)
-    return None if kvc is None or kvc * shape.num_attention_heads == shape.hidden_size else int(kvc)
 
 
 def _interp(points: Sequence[Tuple[float, float]], x: float) -> float:
@@ -309,19 +305,6 @@ def save_profile(profile: Profile, path: str) -> None:
 
 
 # ---- first-principles tables ---------------------------------------------------------------
-def layer_params(shape) -> Tuple[int, int]:
-    """(TP-split parameters, TP-replicated parameters) of one transformer layer."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
-    head = _head_size(shape)
-    if head is None:
-        kv = h * shape.num_query_groups // shape.num_attention_heads
-        split = h * (h + 2 * kv) + h * h + (3 if shape.swiglu else 2) * h * f
-    else:  # queries of heads x head size, keys and values of groups x head size
-        q, kv = head * shape.num_attention_heads, head * shape.num_query_groups
-        split = h * (q + 2 * kv) + q * h + (3 if shape.swiglu else 2) * h * f
-    return split, 2 * h  # two RMSNorm weights are replicated across TP
-
-
 def analytic_layer_table(shape, hw, name: str = "", seq_len: int = 512, T_values=(1, 2, 4, 8),
                          tokens=tuple(2 ** i for i in range(7, 17)),
                          sequences=tuple(2 ** i for i in range(0, 10))) -> LayerTable:

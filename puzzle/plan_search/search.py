@@ -40,8 +40,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+from puzzle.model_shape import ModelShape
 from puzzle.parallel.plan import ParallelPlan
-from puzzle.plan_search.cost_model import (CostModel, ModelShape, PPOWorkload, TaskCost, colocated_time, plan_problems,
+from puzzle.plan_search.cost_model import (CostModel, PPOWorkload, TaskCost, colocated_time, plan_problems,
                                     ppo_roles, sequential_time)
 from puzzle.plan_search.memory_model import GiB, MemoryModel, fmt_plan
 from puzzle.plan_search.profile_data import Profile, load_profile

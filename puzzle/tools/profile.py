@@ -231,7 +231,8 @@ def _fit_latency_bw(points, factor: float):
 def build_profile(spec: dict, raw: dict):
     """Profile from the worker's raw measurements (see the module docstring for the attribution)."""
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.plan_search.cost_model import CostModel, ModelRole, ModelShape, PPOWorkload
+    from puzzle.model_shape import ModelShape
+    from puzzle.plan_search.cost_model import CostModel, ModelRole, PPOWorkload
     from puzzle.plan_search.profile_data import LayerTable, Profile
 
     sh = spec["shape"]

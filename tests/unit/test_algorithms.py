@@ -1,4 +1,5 @@
-"""Unit tests for puzzle.algorithms. Expected numbers are worked out by hand in comments."""
+"""Unit tests for puzzle.algorithms (and the stateful KL controllers and running moments of
+puzzle/dataflow/ built on it). Expected numbers are worked out by hand in comments."""
 
 import math
 import random
@@ -7,13 +8,11 @@ import pytest
 import torch
 
 from puzzle.algorithms import (
-    AdaptiveKLController,
-    FixedKLController,
-    RunningMoments,
-    build_kl_controller,
+    adaptive_kl_coef,
     compute_gae,
     compute_token_rewards,
     entropy_bonus,
+    fold_moments,
     kl_penalty,
     last_valid_index,
     masked_mean,
@@ -24,6 +23,8 @@ from puzzle.algorithms import (
     policy_loss,
     value_loss,
 )
+from puzzle.dataflow.kl_controller import AdaptiveKLController, FixedKLController, build_kl_controller
+from puzzle.dataflow.reward_stage import RunningMoments
 
 F64 = torch.float64
 
@@ -180,6 +181,14 @@ def test_running_moments_and_normalize():
     flat = RunningMoments()  # every score equal so far: centred, not divided by ~0
     close(flat.normalize(t([0.0, 0.0, 0.0])), [0.0, 0.0, 0.0])
     close(flat.normalize(t([1.0]), update=False), [1.0], tol=1e-6)
+
+
+def test_fold_moments_is_pure():
+    # 1, 2, 3 folded into the moments of 4, 5 (mean 4.5, m2 0.5): 1..5 has mean 3, m2 10
+    assert fold_moments(4.5, 0.5, 2, t([1.0, 2.0, 3.0])) == (3.0, 10.0, 5, 2.0, 1.0)
+    assert fold_moments(4.5, 0.5, 2, t([])) == (4.5, 0.5, 2, 0.0, 0.0)
+    with pytest.raises(ValueError, match="NaN/inf"):
+        fold_moments(0.0, 0.0, 0, t([1.0, NAN]))
 
 
 # ---------------------------------------------------------------- GAE
@@ -357,6 +366,12 @@ def test_entropy_bonus():
 
 
 # ---------------------------------------------------------------- KL controllers
+def test_adaptive_kl_coef_hand():
+    assert adaptive_kl_coef(0.1, 9.0, 6.0, 10000, 500) == 0.1 * 1.01  # e = .5 -> .2; 1 + .2*500/1e4
+    assert adaptive_kl_coef(0.1, 6.0, 6.0, 10000, 500) == 0.1  # on target: unchanged
+    assert adaptive_kl_coef(0.1, 3.0, 6.0, 10000, 1000) == 0.1 * 0.98  # e = -.5 -> -.2
+
+
 def test_adaptive_kl_controller_hand():
     c = AdaptiveKLController(0.1, target=6.0, horizon=10000)
     c.update(9.0, n_steps=500)  # e = .5 -> .2; mult = 1 + .2*500/1e4 = 1.01

@@ -93,7 +93,7 @@ def test_cost_model_follows_the_decode_loop():
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.plan_search import LLAMA_SHAPES, load_profile
     from puzzle.plan_search.cost_model import CostModel, PPOWorkload, ppo_roles
-    from puzzle.plan_search.profile_data import layer_params
+    from puzzle.model_shape import layer_params
 
     import dataclasses
 
@@ -128,7 +128,7 @@ def test_graph_decode_efficiency_scales_graphed_steps_only():
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.plan_search import LLAMA_SHAPES, ProfileError, load_profile, validate_profile
     from puzzle.plan_search.cost_model import CostModel, PPOWorkload, ppo_roles
-    from puzzle.plan_search.profile_data import layer_params
+    from puzzle.model_shape import layer_params
 
     bundled = load_profile("a100_80gb")
     assert 0 < bundled.graph_decode_efficiency < 1  # the H100 figure it carries

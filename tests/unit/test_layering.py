@@ -4,7 +4,8 @@ Every ``import`` / ``from ... import`` of every module under puzzle/ counts, whe
 (module level, inside a function, under ``if TYPE_CHECKING``): a function-local import does not
 hide an arrow. The layers, from the bottom:
 
-    0  config, config_flags, plan_layouts, parallel, fail_fast  (flags' values, process layouts, bad input)
+    0  config, config_flags, plan_layouts, parallel, fail_fast, model_shape
+       (flags' values, process layouts, bad input, the one model-shape type)
     1  models                                             (GPTModel builders, parameter layout/names)
     2  engine, rollout, pipeline, switch, algorithms, data  (model engines, generation, schedules, math)
     3  dataflow, checkpointing, save_failures, reward_functions, metrics, run_control, weight_sources
@@ -15,9 +16,9 @@ A module may import its own layer or any layer below. Below the command line (la
 reads the environment but the launcher's contract (``ENV_READERS``: torchrun's RANK, WORLD_SIZE,
 LOCAL_RANK), and nothing imports argparse but the flag definitions (``ARGPARSE_USERS``).
 ``plan_search/`` (the plan search) is in the top layer because its commands read the command line,
-but its cost model, memory model and search are pure: they import only config, parallel and
-plan_search itself, and nothing in plan_search/ reaches models, training, rollout, pipeline, switch
-or torch.distributed.
+but its cost model, memory model and search are pure: they import only config, model_shape,
+parallel and plan_search itself, and nothing in plan_search/ reaches models, training, rollout,
+pipeline, switch or torch.distributed. ``algorithms/`` holds pure functions and frozen records only.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "puzzle"
 
 LAYERS = [
-    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast"},
+    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast", "model_shape"},
     {"models"},
     {"engine", "rollout", "pipeline", "switch", "algorithms", "data"},
     {"dataflow", "checkpointing", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},
@@ -49,7 +50,7 @@ PLAN_FORBIDDEN = ("puzzle.models", "puzzle.engine", "puzzle.dataflow", "puzzle.r
                   "puzzle.switch", "torch.distributed")
 PLAN_PURE_CORE = ("puzzle.plan_search.cost_model", "puzzle.plan_search.memory_model", "puzzle.plan_search.search",
                   "puzzle.plan_search.profile_data", "puzzle.plan_search.bundled_profile")
-PLAN_PURE_ALLOWED = ("puzzle.config", "puzzle.parallel", "puzzle.plan_search")
+PLAN_PURE_ALLOWED = ("puzzle.config", "puzzle.model_shape", "puzzle.parallel", "puzzle.plan_search")
 
 
 def module_name(path: Path) -> str:
@@ -273,3 +274,22 @@ def test_trainer_reads_finds_a_planted_read():
     assert trainer_reads(planted) == [(3, "engines"), (4, "on_iteration_end"), (5, "generation_progress"),
                                       (7, "iteration")]
     assert trainer_reads("def f(trainer):\n    trainer.train()\n    trainer.close()\n") == []
+
+
+def stateful_classes(source: str) -> List[str]:
+    """Classes of ``source`` that are not frozen dataclasses (objects that hold state)."""
+    def frozen(dec) -> bool:
+        return isinstance(dec, ast.Call) and getattr(dec.func, "id", None) == "dataclass" and any(
+            k.arg == "frozen" and getattr(k.value, "value", False) is True for k in dec.keywords)
+
+    return [node.name for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ClassDef) and not any(frozen(d) for d in node.decorator_list)]
+
+
+def test_algorithms_hold_no_state():
+    """algorithms/ is pure functions (and frozen records); stateful controllers live with the stage
+    that owns them in dataflow/ (the KL controller, the running score moments)."""
+    found = {m: stateful_classes(p.read_text()) for m, p in sorted(PATHS.items()) if m.startswith("puzzle.algorithms")}
+    assert not {m: c for m, c in found.items() if c}, found
+    planted = "@dataclass(frozen=True)\nclass A:\n    x: int\n\n@dataclass\nclass B:\n    y: int\n\nclass C:\n    pass\n"
+    assert stateful_classes(planted) == ["B", "C"]

@@ -82,7 +82,8 @@ def test_memory_model_knows_the_levers():
     import dataclasses
 
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles
+    from puzzle.model_shape import ModelShape
+    from puzzle.plan_search.cost_model import CostModel, PPOWorkload, ppo_roles
     from puzzle.plan_search.memory_model import LOGITS_CHUNK_BYTES, MemoryModel
     from puzzle.plan_search.profile_data import load_profile
     from puzzle.engine import vocab_parallel
@@ -119,13 +120,11 @@ def test_memory_model_knows_the_levers():
 
 
 def test_kv_budget_sets_the_generation_micro_batch():
-    from puzzle.arguments import kv_bytes_per_sequence
-
     base = _cfg()
     gen = base.roles["actor"].gen_plan
     per_rank = base.ppo.num_samples // gen.D
     width = base.ppo.max_prompt_length + base.ppo.max_new_tokens
-    per_seq = kv_bytes_per_sequence(base.roles["actor"].arch, gen, width, 4)
+    per_seq = base.roles["actor"].arch.shape.kv_bytes_per_sequence(width, gen, 4)
     assert base.ppo.generation_micro_batch_size is None
     for fit, rows in ((per_rank, per_rank), (per_rank + 5, per_rank), (1, 1), (3, 2)):  # divisors of 2 per rank
         gib = (fit + 0.5) * per_seq / (1 << 30)

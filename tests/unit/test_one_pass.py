@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from puzzle.algorithms.dapo import overlong_penalty
-from puzzle.algorithms.token_rewards import RunningMoments
 from puzzle.data.tokenizers import build_tokenizer
 from puzzle.reward_functions import BadRewardError
-from puzzle.dataflow.reward_stage import Rewards
+from puzzle.dataflow.reward_stage import Rewards, RunningMoments
 from puzzle.rollout.generation import Results, _assemble
 from puzzle.rollout.sampling import SamplingParams
 from puzzle.dataflow.batch import rollout_from_generation

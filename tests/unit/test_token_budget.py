@@ -198,7 +198,8 @@ def test_workload_prices_micro_batches_by_tokens():
 
 def test_cost_and_memory_models_read_the_token_pricing():
     from puzzle.parallel.plan import ParallelPlan
-    from puzzle.plan_search.cost_model import CostModel, ModelShape, PPOWorkload, ppo_roles
+    from puzzle.model_shape import ModelShape
+    from puzzle.plan_search.cost_model import CostModel, PPOWorkload, ppo_roles
     from puzzle.plan_search.memory_model import MemoryModel
     from puzzle.plan_search.profile_data import load_profile
 

@@ -1,4 +1,6 @@
-"""KL-coefficient controllers (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences")."""
+"""KL-coefficient controllers (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences"): the
+advantage stage's state, checkpointed with the trainer; the update rule is the pure
+``puzzle.algorithms.kl.adaptive_kl_coef``."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ import math
 from typing import Optional, Union
 
 import torch
+
+from puzzle.algorithms.kl import adaptive_kl_coef
 
 __all__ = ["FixedKLController", "AdaptiveKLController", "build_kl_controller", "DEFAULT_KL_HORIZON"]
 
@@ -45,15 +49,9 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Adaptive KL coefficient steering the observed KL towards ``target``.
-
-    ``update(current_kl, n_steps)``::
-
-        e = clip(current_kl / target - 1, -0.2, 0.2)
-        value *= 1 + e * n_steps / horizon
-
-    where ``n_steps`` is the number of samples (sequences) the KL was measured on.
-    """
+    """Adaptive KL coefficient steering the observed KL towards ``target``: ``update(current_kl,
+    n_steps)`` sets ``value`` to :func:`adaptive_kl_coef`'s (``n_steps``: the samples, i.e.
+    sequences, the KL was measured on)."""
 
     def __init__(self, init_kl_coef: float, target: float, horizon: float):
         self.value = _check_coef(init_kl_coef)
@@ -68,9 +66,7 @@ class AdaptiveKLController:
         current_kl = _as_float("current_kl", current_kl)
         if n_steps < 0:
             raise ValueError(f"n_steps must be >= 0, got {n_steps}")
-        proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        mult = 1.0 + proportional_error * n_steps / self.horizon
-        self.value *= mult
+        self.value = adaptive_kl_coef(self.value, current_kl, self.target, self.horizon, n_steps)
 
     def state_dict(self) -> dict:
         return {"type": "adaptive", "value": self.value, "target": self.target, "horizon": self.horizon}
