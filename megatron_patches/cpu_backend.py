@@ -17,7 +17,8 @@ every one of those raises. This patch, applied only when CUDA is unavailable:
    rank still gets its own dropout/init stream —, streams, events, nvtx, memory statistics);
 3. points megatron's ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``
    at the CPU generator;
-4. disables megatron's JIT fuser (``torch.compile`` adds ~30 s of compile time on CPU);
+4. disables megatron's JIT fuser (``torch.compile`` adds ~30 s of compile time on CPU), from
+   megatron.core's own import on (which then no longer imports torch._dynamo and torch._inductor);
 5. lets the static inference controller and inference P2P utilities run on CPU.
 
 Nothing here changes a numeric result: models, schedules, DDP and optimizers are megatron-core's
@@ -227,9 +228,26 @@ def _patch_torch_cuda() -> None:
 # ---------------------------------------------------------------------------------------------
 # 3.-5. megatron-core hooks
 # ---------------------------------------------------------------------------------------------
-def _patch_megatron() -> None:
-    import megatron.core.jit as mjit
+def _import_megatron_without_compiling():
+    """Import megatron.core with ``torch.compile`` a pass-through: its package import decorates
+    fused functions with ``torch.compile`` (megatron.core.jit), which imports torch._dynamo and
+    torch._inductor (about 2.4 s of every rank's start-up on 2 cores) for functions that this
+    backend never compiles. The real ``torch.compile`` is back as soon as the import returns."""
+    real = torch.compile
 
+    def pass_through(model=None, **kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = pass_through
+    try:
+        import megatron.core.jit as mjit
+    finally:
+        torch.compile = real
+    return mjit
+
+
+def _patch_megatron() -> None:
+    mjit = _import_megatron_without_compiling()
     mjit.disable_jit_fuser()
     # Modules that decorated functions with the compiling fuser before it was disabled.
     stale = [m for m in ("megatron.core.activations", "megatron.core.transformer.torch_norm",

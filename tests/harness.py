@@ -29,16 +29,17 @@ REPO = Path(__file__).resolve().parent.parent
 #: torch and megatron per rank) and each test still gets its own script's results. A script in no
 #: group, or run with arguments or another rank count, gets a world of its own. A failing check
 #: fails its group. Every world runs once per session: test files asking for the same world share
-#: its results.
+#: its results. Every 4-rank script shares one world: each start-up of one costs about 10 s of
+#: the suite's 8 minutes.
 SHARED_WORLDS = (
     (4, ("distributed/worlds/foundation.py", "distributed/worlds/switch.py", "distributed/worlds/time_sharing.py",
-         "distributed/worlds/generation.py")),
-    (4, ("distributed/worlds/hf_import.py", "distributed/worlds/model_families.py", "distributed/worlds/moe.py",
+         "distributed/worlds/generation.py",
+         "distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
+         "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py",
+         "distributed/worlds/save_reliability.py",
+         "distributed/worlds/hf_import.py", "distributed/worlds/model_families.py", "distributed/worlds/moe.py",
          "distributed/worlds/moe_switch.py", "distributed/worlds/long_context.py",
          "distributed/worlds/megatron_checkpoint.py")),  # last: it sets megatron's global state up and down
-    (4, ("distributed/worlds/grpo_layouts.py", "distributed/worlds/tiny_runs.py", "distributed/worlds/packing.py",
-         "distributed/worlds/vocab_rows.py", "distributed/worlds/token_budget.py",
-         "distributed/worlds/save_reliability.py")),
     (1, ("distributed/worlds/tiny_runs.py", "distributed/worlds/vocab_rows.py", "distributed/worlds/moe.py")),
 )
 SHARED_TIMEOUT = 1150  # under scripts/test.sh's per-test --timeout

@@ -113,7 +113,8 @@ def test_nonfinite_without_allowance_stops_naming_model_stage_iteration(tmp_path
 
 def test_sigterm_finishes_the_iteration_saves_and_resumes_identically(straight, tmp_path):
     """SIGTERM to rank 1 only: both ranks stop after the same iteration, save, exit 0. The resume
-    (tracker deleted: the newest verified checkpoint is found) repeats the uninterrupted run."""
+    in a new process (tracker deleted: the newest verified checkpoint is found) repeats the
+    uninterrupted run bit for bit, every metric but the timings: the suite's exact-resume check."""
     _, rows, _, _ = straight
     ckpt, log = tmp_path / "b", tmp_path / "log_b"
     proc = _launch(["--save", str(ckpt), "--exit-signal-handler", *SKIP_FLAGS], log, env=SKIP)

@@ -14,9 +14,11 @@ from tests.harness import TINY_CLI, TINY_PPO, assert_same_metrics, run_script, r
 
 @pytest.mark.learning
 def test_tiny_run_learns(tmp_path):
-    """The README quick start: reward of the last 5 iterations clearly above the first 5."""
-    proc, rows = run_script(TINY_PPO, [], tmp_path, timeout=900)
-    assert len(rows) == 24
+    """The README quick start: reward of the last 5 iterations clearly above the first 5. With a
+    save at the end, it is also the suite's 4-rank training job (the reward worker pool, a save)
+    that must exit 0 without an abort at exit (run_script checks; tests/e2e/test_clean_exit.py)."""
+    proc, rows = run_script(TINY_PPO, ["--save", str(tmp_path / "ckpt")], tmp_path, timeout=900)
+    assert len(rows) == 24 and (tmp_path / "ckpt" / "iter_0000024").is_dir()
     for key in ("iteration", "reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "entropy",
                 "response_length_mean", "samples_per_sec", "time_generate", "time_score", "time_train"):
         assert all(key in r and math.isfinite(r[key]) for r in rows), key

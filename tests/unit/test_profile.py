@@ -29,7 +29,7 @@ def test_profile_round_trips(tiny_profile, tmp_path):
     assert validate_profile(json.loads(again.read_text())).to_json() == prof.to_json()
 
 
-def test_profile_tables_positive_and_monotone_enough(tiny_profile):
+def test_profile_tables_positive(tiny_profile):
     path, raw = tiny_profile
     prof = load_profile(str(path))
     assert len(prof.layers) == 1
@@ -38,13 +38,12 @@ def test_profile_tables_positive_and_monotone_enough(tiny_profile):
         (64, 128, 4, 2, True)
     assert sorted(tab.fwd_s) == sorted(tab.bwd_s) == sorted(tab.decode_s) == [1]
     assert [x for x, _ in tab.fwd_s[1]] == [32.0, 128.0] and [x for x, _ in tab.decode_s[1]] == [1.0, 4.0]
+    # measured times: positive; how they grow with the inputs is not asserted (no timed asserts:
+    # a shared machine measured a 4x larger input at less than half the time)
     for rows in (tab.fwd_s[1], tab.bwd_s[1], tab.decode_s[1]):
         assert all(y > 0 for _, y in rows)
-        # a shared machine makes strict monotonicity flaky: larger inputs are not 2x faster
-        assert rows[-1][1] >= rows[0][1] / 2
-    # the raw whole-model micro-batch times grow with tokens (within the same tolerance)
     tr = raw["train"]["1"]
-    assert tr[-1]["fwd_s"] >= tr[0]["fwd_s"] / 2 and all(m["fwd_s"] > 0 and m["bwd_s"] > 0 for m in tr)
+    assert len(tr) == 2 and all(m["fwd_s"] > 0 and m["bwd_s"] > 0 for m in tr)  # micro-batches 1 and 4
     for k in ("peak_flops", "hbm_bandwidth", "device_memory_bytes"):
         assert getattr(prof, k) > 0
     assert prof.decode_step_overhead_s >= 0
