@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, List, Optional
 
+from puzzle.checkpoint_errors import CheckpointError
 from puzzle.parallel import launcher
 
 USAGE_EXIT_CODE = 2
@@ -30,10 +31,7 @@ def quiet_startup_warnings() -> None:
 
 
 def is_usage_error(e: BaseException) -> bool:
-    if isinstance(e, (ValueError, OSError)):
-        return True
-    checkpointing = sys.modules.get("puzzle.checkpointing")  # loaded by whoever can raise it
-    return checkpointing is not None and isinstance(e, checkpointing.CheckpointError)
+    return isinstance(e, (ValueError, OSError, CheckpointError))
 
 
 def report_usage_error(e: BaseException) -> int:

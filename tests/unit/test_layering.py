@@ -4,11 +4,11 @@ Every ``import`` / ``from ... import`` of every module under puzzle/ counts, whe
 (module level, inside a function, under ``if TYPE_CHECKING``): a function-local import does not
 hide an arrow. The layers, from the bottom:
 
-    0  config, config_flags, plan_layouts, parallel, fail_fast, model_shape
+    0  config, config_flags, plan_layouts, parallel, fail_fast, model_shape, checkpoint_errors
        (flags' values, process layouts, bad input, the one model-shape type)
     1  models                                             (GPTModel builders, parameter layout/names)
     2  engine, rollout, pipeline, switch, algorithms, data  (model engines, generation, schedules, math)
-    3  dataflow, checkpointing, save_failures, reward_functions, metrics, run_control, weight_sources
+    3  dataflow, checkpointing, rng_state, save_failures, reward_functions, metrics, run_control, weight_sources
        (dataflow: the trainer, the five stages, the rollout batch, micro-batching, evaluation)
     4  cli, arguments, flag_checks, tools, bench, plan_search  (command line and tools)
 
@@ -33,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "puzzle"
 
 LAYERS = [
-    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast", "model_shape"},
+    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast", "model_shape", "checkpoint_errors"},
     {"models"},
     {"engine", "rollout", "pipeline", "switch", "algorithms", "data"},
-    {"dataflow", "checkpointing", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},
+    {"dataflow", "checkpointing", "rng_state", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},
     {"cli", "arguments", "flag_checks", "tools", "bench", "plan_search"},
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}

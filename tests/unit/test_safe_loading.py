@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from puzzle import checkpointing
+from puzzle import checkpointing, rng_state
 from puzzle.checkpointing import CheckpointError, read_rng_file
 
 
@@ -73,7 +73,7 @@ def test_states_round_trip_in_this_and_the_earlier_format(tmp_path):
         path = tmp_path / f"rank_{i}.pt"
         torch.save(state, path)
         _draws()
-        checkpointing._set_rng_state(read_rng_file(str(path)))
+        rng_state.set_rng_state(read_rng_file(str(path)))
         assert _draws() == expected
 
 
