@@ -7,9 +7,16 @@ and keeps the ops it takes part in:
 * ``src_rank == me``: a send; ``dst_rank == me``: a receive.
 
 Remote ops are grouped per (segment, peer) and packed, in table order, into flat buffers of at
-most ``bucket_bytes`` (an op larger than a bucket gets its own). Sender and receiver derive the
-same packing from the same table, so one bucket is one ``isend`` / ``irecv`` pair with a tag
-unique to (segment, bucket). Receives for every segment are posted up front (non-blocking);
+most ``bucket_bytes`` (an op larger than a bucket gets its own); an op of at least
+``DIRECT_MIN_BYTES`` whose boxes are contiguous (a range of the first split dim) is a message of
+its own, sent from the source tensor and received into the destination tensor (no copies).
+Sender and receiver derive the same messages from the same table, so one message is one
+``isend`` / ``irecv`` pair with a tag unique to (segment, message). A rank's plan (its ops,
+messages and indices) is derived once per table and cached; the copies and messages run
+without the CPU backend's device-mapping mode (a Python call per torch call). A direct send reads its
+source tensor until :meth:`RoutingExecutor.finish`: nothing may change a sent range before then
+(in :mod:`puzzle.switch.overlap` later segments update other parameters; the
+DistributedOptimizer's bucket all-gather rewrites sent ranges with the values they already hold). Receives for every segment are posted up front (non-blocking);
 sends of segment k are posted by :meth:`RoutingExecutor.run_segment` once the caller says the
 source shards of segment k are final (:mod:`puzzle.switch.overlap` calls it right after the
 optimizer has updated segment k). Per peer pair, sends and receives are posted in the same
@@ -35,6 +42,8 @@ import torch.distributed as dist
 from puzzle.switch.routing import RoutingTable, Transfer, box_to_slices
 
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
+#: a contiguous op at least this large is its own message (no packing copies)
+DIRECT_MIN_BYTES = 256 * 1024
 _TAG_STRIDE = 1 << 16  # tags: segment * _TAG_STRIDE + bucket index of the (src, dst, segment) stream
 
 
@@ -96,6 +105,7 @@ class _Bucket:
     tag: int
     pieces: Tuple[_Piece, ...]
     numel: int
+    direct: bool = False  # one contiguous piece, sent from / received into the tensor itself
 
 
 def _numel(box) -> int:
@@ -113,17 +123,31 @@ def _piece(name: str, box) -> _Piece:
     return _Piece(name, box_to_slices(box), _numel(box), _shape(box))
 
 
-def _pack(ops: List[Transfer], bucket_bytes: int, esize: int) -> List[List[Transfer]]:
+def _contiguous(op: Transfer, axis: int) -> bool:
+    """Whether ``op``'s boxes are contiguous in both local tensors. A box spans every dim of the
+    local tensor but the split axis (whose range it may cut), on both sides: it is contiguous
+    when every dim before that axis has extent 1. Pure (sender and receiver agree)."""
+    return all(b - a == 1 for a, b in op.src_box[:axis])
+
+
+def _pack(ops: List[Transfer], bucket_bytes: int, esize: int, axis_of: Mapping[str, int]
+          ) -> List[Tuple[bool, List[Transfer]]]:
+    """(direct, ops) messages of one (src, dst, segment) stream, in table order: a contiguous op
+    of at least DIRECT_MIN_BYTES is a message of its own (no copy on either side), the others are
+    packed into buckets of at most ``bucket_bytes``."""
     out, cur, cur_bytes = [], [], 0
     for op in ops:
         nb = _numel(op.src_box) * esize
+        if nb >= DIRECT_MIN_BYTES and _contiguous(op, axis_of[op.param]):
+            out.append((True, [op]))
+            continue
         if cur and cur_bytes + nb > bucket_bytes:
-            out.append(cur)
+            out.append((False, cur))
             cur, cur_bytes = [], 0
         cur.append(op)
         cur_bytes += nb
     if cur:
-        out.append(cur)
+        out.append((False, cur))
     return out
 
 
@@ -152,13 +176,14 @@ class _RankPlan:
                 streams[(op.src_rank, op.dst_rank, seg)].append(op)
         self.send_buckets: List[List[_Bucket]] = [[] for _ in range(num_segments)]
         self.recv_buckets: List[_Bucket] = []
+        axis_of = {spec.name: spec.split_dim or 0 for spec in table.specs}
         for (s, d, seg), ops in sorted(streams.items()):
             send = s == rank
-            for i, bucket_ops in enumerate(_pack(ops, bucket_bytes, esize)):
+            for i, (direct, bucket_ops) in enumerate(_pack(ops, bucket_bytes, esize, axis_of)):
                 pieces = tuple(_piece(o.src_local, o.src_box) if send else _piece(o.dst_local, o.dst_box)
                                for o in bucket_ops)
                 b = _Bucket(peer=d if send else s, segment=seg, tag=seg * _TAG_STRIDE + i, pieces=pieces,
-                            numel=sum(p.numel for p in pieces))
+                            numel=sum(p.numel for p in pieces), direct=direct)
                 (self.send_buckets[seg] if send else self.recv_buckets).append(b)
 
     def _extend(self, side: str, name: str, box, param: str) -> None:
@@ -252,6 +277,13 @@ class RoutingExecutor:
                 raise ValueError(f"rank {me}: {side} parameter {name!r} has shape {shape}, "
                                  f"too small for the boxes of {param} (they reach {tuple(stops)})")
 
+    @staticmethod
+    def _view(piece: _Piece, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        view = params[piece.name][piece.index]
+        if not view.is_contiguous():  # a tensor not laid out row-major: the plan assumed it is
+            raise ValueError(f"{piece.name}{list(piece.shape)}: a direct message needs a contiguous tensor")
+        return view
+
     def _buffer(self, bucket: _Bucket, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         like = params[bucket.pieces[0].name]
         return torch.empty(bucket.numel, dtype=like.dtype, device=like.device)
@@ -266,7 +298,7 @@ class RoutingExecutor:
         self._start_clock()
         with _fast_dispatch():
             for b in self.plan.recv_buckets:
-                buf = self._buffer(b, self.dst_params)
+                buf = self._view(b.pieces[0], self.dst_params) if b.direct else self._buffer(b, self.dst_params)
                 work = dist.irecv(buf, src=b.peer, group=self.group, tag=b.tag)
                 self._recv_work.append((b, buf, work))
                 self.stats.messages_received += 1
@@ -285,11 +317,14 @@ class RoutingExecutor:
                 dst_params[d.name][d.index].copy_(src)
                 self.stats.bytes_local += s.numel * src.element_size()
             for b in self.plan.send_buckets[seg]:
-                buf = self._buffer(b, src_params)
-                off = 0
-                for p in b.pieces:
-                    buf[off:off + p.numel].view(p.shape).copy_(src_params[p.name][p.index])
-                    off += p.numel
+                if b.direct:
+                    buf = self._view(b.pieces[0], src_params)
+                else:
+                    buf = self._buffer(b, src_params)
+                    off = 0
+                    for p in b.pieces:
+                        buf[off:off + p.numel].view(p.shape).copy_(src_params[p.name][p.index])
+                        off += p.numel
                 work = dist.isend(buf, dst=b.peer, group=self.group, tag=b.tag)
                 self._send_work.append((buf, work))
                 self.stats.messages_sent += 1
@@ -307,7 +342,7 @@ class RoutingExecutor:
             for b, buf, work in self._recv_work:
                 work.wait()
                 off = 0
-                for p in b.pieces:
+                for p in () if b.direct else b.pieces:
                     dst_params[p.name][p.index].copy_(buf[off:off + p.numel].view(p.shape))
                     off += p.numel
                 self.stats.bytes_received += b.numel * buf.element_size()
