@@ -213,9 +213,10 @@ def _element_size(table: RoutingTable, *param_maps: Mapping[str, torch.Tensor]) 
     return table.dtype_bytes
 
 
-def _fast_dispatch():
-    """Torch calls without the CPU backend's device-mapping mode (one Python call per torch call;
-    the switch creates tensors only on its parameters' own device). A no-op off the CPU backend."""
+def fast_dispatch():
+    """Torch calls without the CPU backend's device-mapping mode (one Python call per torch call,
+    even per ``Parameter.data``): for the switch's own work, which creates tensors only on its
+    parameters' own device. A no-op off the CPU backend."""
     try:
         from megatron_patches import cpu_backend
     except ImportError:  # puzzle's routing used without megatron's patches
@@ -296,7 +297,7 @@ class RoutingExecutor:
     def post_recvs(self) -> None:
         """Post every receive of every segment (non-blocking)."""
         self._start_clock()
-        with _fast_dispatch():
+        with fast_dispatch():
             for b in self.plan.recv_buckets:
                 buf = self._view(b.pieces[0], self.dst_params) if b.direct else self._buffer(b, self.dst_params)
                 work = dist.irecv(buf, src=b.peer, group=self.group, tag=b.tag)
@@ -311,7 +312,7 @@ class RoutingExecutor:
             raise RuntimeError(f"segment {seg} already ran")
         self._done[seg] = True
         src_params, dst_params = self.src_params, self.dst_params
-        with _fast_dispatch():
+        with fast_dispatch():
             for s, d in self.plan.local[seg]:
                 src = src_params[s.name][s.index]
                 dst_params[d.name][d.index].copy_(src)
@@ -338,7 +339,7 @@ class RoutingExecutor:
                 self.run_segment(seg)
         t_wait = time.perf_counter()
         dst_params = self.dst_params
-        with _fast_dispatch():
+        with fast_dispatch():
             for b, buf, work in self._recv_work:
                 work.wait()
                 off = 0
