@@ -14,8 +14,11 @@ generation layouts of another E), in ONE run:
 * ``time_puzzle_s``: puzzle's switch into a pre-allocated shadow model (routing executor);
 * ``time_mcore_refit_s``: ``megatron.core.resharding.swap_model_weights(src, dst, 'gloo')``
   between the same two models (its plan is cached after the first call; the first call, which
-  builds the plan on rank 0, is ``time_mcore_first_s``); ``mcore_matches_puzzle``: bitwise
-  equal result. A failure gives null + the error (guarded by the process-group timeout);
+  builds the plan on rank 0, is ``time_mcore_first_s``), timed in turns with puzzle's switch of
+  the same case (``time_puzzle_alongside_mcore_s``; ``puzzle_vs_mcore_refit`` = their ratio, so
+  both sides of it see the same machine load); ``mcore_matches_puzzle``: bitwise equal result.
+  A pair its planner cannot match (MoE: it finds experts by local name) gets null columns and
+  ``mcore_error`` "megatron-core swap_model_weights: <its error>", and the next rows go on;
 * ``time_step_plus_switch_sequential_s``: megatron optimizer step, then the switch (K=1);
   ``time_step_plus_switch_async_s``: the step overlapped with the switch in K segments
   (puzzle.switch.overlap); ``hidden_fraction`` = (sequential - async) / time_puzzle_s, the share
@@ -83,6 +86,23 @@ def _timed(fn, repeats):
         if i:  # the first run is a warm-up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _timed_alternately(first, second, repeats):
+    """Medians of ``first`` and ``second`` run in turns (one warm-up turn), so both see the
+    same machine load."""
+    import torch.distributed as dist
+
+    times = ([], [])
+    for i in range(repeats + 1):
+        for fn, out in zip((first, second), times):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            if i:
+                out.append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _worker(args):
@@ -174,9 +194,43 @@ def _switch_row(args, arch, eng, kind, src, dst, tokens, world) -> dict:
     }
 
 
+def _mcore_unmatched(src_module, dst_module):
+    """The error megatron-core's refit planner raises for this pair, or None (collective).
+
+    Its planner matches every destination parameter to a source parameter by a resolved name
+    (global layer index; expert index for grouped-GEMM weights only), on rank 0 alone, and
+    raises there while the other ranks wait for the plan: they would hang until the
+    process-group timeout and leave the group unusable. So every rank runs the same name match
+    first, on names from megatron's own metadata functions, and all skip the call together."""
+    import torch.distributed as dist
+    from megatron.core.resharding.utils import _build_layer_module_prefix_map, extract_param_metadata
+    from megatron.core.utils import unwrap_model
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = []
+    for module in (src_module, dst_module):
+        core = unwrap_model(module)
+        prefixes = _build_layer_module_prefix_map(core)
+        names.append([extract_param_metadata(p, n, rank, core.pg_collection, num_experts=core.config.num_moe_experts,
+                                             layer_module_prefix_map=prefixes).resolved_name
+                      for n, p in core.named_parameters()])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, names)
+    src_names = {n for src, _ in gathered for n in src}
+    for dst_rank, (_, dst) in enumerate(gathered):
+        for n in dst:
+            if n not in src_names:
+                return f"RuntimeError: Destination parameter '{n}' on rank {dst_rank} not found in source model."
+    return None
+
+
 def _mcore_refit_columns(args, rows, cases, archs, engines, world):
-    """megatron-core's refit (swap_model_weights) of every case, last: a failure may leave the
-    process group unusable, so the cases after one are skipped. Returns the failure or None."""
+    """megatron-core's refit (swap_model_weights) of every case, last, timed alternately with
+    puzzle's switch of the same case (so both see the same machine load): ``time_mcore_refit_s``,
+    ``time_puzzle_alongside_mcore_s`` and their ratio ``puzzle_vs_mcore_refit``. A pair its planner
+    cannot match gets null columns and the reason in ``mcore_error``, and the next rows go on; any
+    other failure may leave the process group unusable, so the cases after it are skipped.
+    Returns that failure or None."""
     import torch
     import torch.distributed as dist
     from megatron.core.resharding import swap_model_weights
@@ -188,30 +242,40 @@ def _mcore_refit_columns(args, rows, cases, archs, engines, world):
     failed = None
     for row, (kind, src, dst) in zip(rows, cases):
         arch = archs[kind]
-        row.update(time_mcore_refit_s=None, time_mcore_first_s=None, mcore_matches_puzzle=None, mcore_error=None)
+        row.update(time_mcore_refit_s=None, time_mcore_first_s=None, time_puzzle_alongside_mcore_s=None,
+                   puzzle_vs_mcore_refit=None, mcore_matches_puzzle=None, mcore_error=None)
         if failed:
             row["mcore_error"] = f"skipped after an earlier failure: {failed}"
             continue
         eng = engines[(kind, src)]
         shadow = build_shadow(arch, "actor", dst)
+        unmatched = _mcore_unmatched(eng.module, shadow.module)
+        if unmatched:
+            row["mcore_error"] = f"megatron-core swap_model_weights: {unmatched}"
+            shadow.release()
+            continue
+        table = routing_table_for(arch, "actor", src, dst)
+        src_params, dst_params = table_params(eng.module, "actor"), shadow.params()
         try:
             dist.barrier()
             t0 = time.perf_counter()
             swap_model_weights(eng.module, shadow.module, "gloo")
             dist.barrier()
             row["time_mcore_first_s"] = round(time.perf_counter() - t0, 5)
-            row["time_mcore_refit_s"] = round(_timed(lambda: swap_model_weights(eng.module, shadow.module, "gloo"),
-                                                     args.repeats), 5)
-            mc = {k: v.clone() for k, v in shadow.params().items()}
-            execute_routing(routing_table_for(arch, "actor", src, dst), table_params(eng.module, "actor"),
-                            shadow.params())
-            same = all(torch.equal(mc[k], v) for k, v in shadow.params().items())
+            t_puzzle, t_mcore = _timed_alternately(lambda: execute_routing(table, src_params, dst_params),
+                                                   lambda: swap_model_weights(eng.module, shadow.module, "gloo"),
+                                                   args.repeats)
+            row.update(time_mcore_refit_s=round(t_mcore, 5), time_puzzle_alongside_mcore_s=round(t_puzzle, 5),
+                       puzzle_vs_mcore_refit=round(t_puzzle / t_mcore, 3))
+            mc = {k: v.clone() for k, v in dst_params.items()}
+            execute_routing(table, src_params, dst_params)
+            same = all(torch.equal(mc[k], v) for k, v in dst_params.items())
             flags = [None] * world
             dist.all_gather_object(flags, same)
             row["mcore_matches_puzzle"] = all(flags)
         except Exception as exc:  # noqa: BLE001 - reported in the row
             failed = f"{type(exc).__name__}: {exc}"[:300]
-            row["mcore_error"] = failed
+            row["mcore_error"] = f"megatron-core swap_model_weights: {failed}"
             traceback.print_exc()
         shadow.release()
     return failed

@@ -50,7 +50,7 @@ from typing import Dict, List, Mapping, Tuple
 
 import torch
 
-from puzzle.switch.routing_executor import DEFAULT_BUCKET_BYTES, RoutingExecutor, SwitchStats
+from puzzle.switch.routing_executor import DEFAULT_BUCKET_BYTES, RoutingExecutor, SwitchStats, fast_dispatch
 from puzzle.models.param_names import table_params
 from puzzle.switch.routing import RoutingTable, local_params
 
@@ -169,7 +169,8 @@ def step_and_switch(engine, table: RoutingTable, dst_params: Mapping[str, torch.
     with extra timings: step_s, segment_step_s)."""
     if engine.member and (engine.optimizer is None or not engine.trainable):
         raise RuntimeError(f"{engine.role}: step_and_switch needs a trainable engine")
-    src = table_params(engine.module, engine.role)
+    with fast_dispatch():
+        src = table_params(engine.module, engine.role)
     ex = RoutingExecutor(table, src, dst_params, group=group, bucket_bytes=bucket_bytes,
                          num_segments=segments)
     result = {"update_successful": True, "grad_norm": float("nan")}
@@ -180,7 +181,8 @@ def step_and_switch(engine, table: RoutingTable, dst_params: Mapping[str, torch.
         opt = engine.optimizer
         if getattr(opt.config, "overlap_param_gather_with_optimizer_step", False):
             raise NotImplementedError("segmented step: overlap_param_gather_with_optimizer_step unsupported")
-        seg_map = _segment_of_model_params(engine, table, ex.segment_of)
+        with fast_dispatch():
+            seg_map = _segment_of_model_params(engine, table, ex.segment_of)
         leaves = [_LeafSegments(leaf, seg_map) for leaf in _leaves(opt)]
 
         def segmented_step_with_ready_grads() -> bool:

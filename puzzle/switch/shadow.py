@@ -24,6 +24,7 @@ from puzzle.models.param_names import table_params
 from puzzle.parallel.plan import ParallelPlan, PlanError
 from puzzle.switch.overlap import step_and_switch
 from puzzle.switch.routing import RoutingTable, build_routing_table
+from puzzle.switch.routing_executor import fast_dispatch
 
 _TABLES: Dict[tuple, RoutingTable] = {}
 
@@ -152,15 +153,17 @@ def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1
     elif shadow.module is None and shadow.layout.member:
         raise RuntimeError("shadow model was released; build a new one")
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    with fast_dispatch():
+        dst_params = shadow.params()
     if optimizer_step:
-        result, stats = step_and_switch(train_engine, table, shadow.params(), segments=segments,
-                                                group=group, **kw)
+        result, stats = step_and_switch(train_engine, table, dst_params, segments=segments, group=group, **kw)
         shadow.step_result = result
     else:
         from puzzle.switch.routing_executor import execute_routing
 
-        stats = execute_routing(table, table_params(train_engine.module, train_engine.role),
-                                shadow.params(), group=group, num_segments=segments, **kw)
+        with fast_dispatch():
+            src_params = table_params(train_engine.module, train_engine.role)
+        stats = execute_routing(table, src_params, dst_params, group=group, num_segments=segments, **kw)
         shadow.step_result = None
     shadow.switch_stats = stats
     shadow.table = table
