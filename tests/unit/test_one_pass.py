@@ -12,12 +12,12 @@ from puzzle.algorithms.token_rewards import RunningMoments
 from puzzle.data.tokenizers import build_tokenizer
 from puzzle.reward_functions import BadRewardError
 from puzzle.dataflow.reward_stage import Rewards
-from puzzle.parallel.plan import ParallelPlan
 from puzzle.rollout.generation import Results, _assemble
 from puzzle.rollout.sampling import SamplingParams
 from puzzle.dataflow.batch import rollout_from_generation
 from puzzle.engine.nonfinite import NonFiniteError, SkipPolicy
 from puzzle.dataflow.training_stage import ACTOR_SUMS, CRITIC_SUMS, SUM_NAMES, NamedSums
+from puzzle.parallel.plan import ParallelPlan
 
 LAYOUT = SimpleNamespace(plan=ParallelPlan(), member=True, p=0, t=0, d=0,
                          generation_share=lambda: (0, 1, True))
