@@ -1,9 +1,10 @@
 """The rollout batch carrier and the moves that let models with different layouts share it.
 
 A rollout is small next to the weights (token ids and a few floats per token), so after each
-model computes its share it is assembled on EVERY rank with one world all-reduce: each row is
-contributed by exactly one owner rank (the last pipeline stage, TP rank 0, of the DP rank that
-computed it). Every model then takes its own data-parallel share, whatever its layout.
+model computes its share it is assembled on EVERY rank (``world_rows``): each row is handed on by
+exactly one owner rank (the last pipeline stage, TP rank 0, of the DP rank that computed it) and
+gathered on the device in its own dtype (int64 tokens and lengths, float32 log-probs and values).
+Every model then takes its own data-parallel share, whatever its layout.
 
 Sequences are stored right-padded: row b is prompt (P_b tokens), response (R_b tokens), then pad.
 With causal attention, padding after the sequence cannot affect it, so scoring and training
@@ -123,21 +124,76 @@ def gather_response(per_position: torch.Tensor, prompt_lengths: torch.Tensor, R:
     return per_position.gather(1, idx)
 
 
-def world_assemble(local: Optional[torch.Tensor], row_offset: int, total_rows: int,
-                   shape_tail, dtype, owner: bool, device: torch.device,
-                   rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Every rank gets the [total_rows, *shape_tail] tensor (on ``device``) whose rows were
-    computed by owners.
+#: the assembly before the batch moved in its own dtype (every field through a float64 zero buffer
+#: and a world all-reduce); kept only so that puzzle.bench.dataflow times both in one run
+_LEGACY_ASSEMBLY = False
 
-    ``local``: this rank's rows (placed at ``row_offset``, or at the indices ``rows``) when
-    ``owner``; ignored otherwise.
+
+def world_rows(local: Optional[torch.Tensor], owners: List[int], total_rows: int, shape_tail, dtype,
+               device: torch.device, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Every rank gets the [total_rows, *shape_tail] ``dtype`` tensor (on ``device``) whose rows
+    were computed by ``owners`` (global ranks, one per part, in the parts' order): owner k's rows
+    are k*n .. (k+1)*n - 1 (n = total_rows // len(owners)) or, with ``rows``, its batch rows
+    ``rows`` (in the order of ``local``; only the owner's count, but every rank passes some or
+    every rank None). ``local``: this rank's n rows when it is an owner (ignored otherwise).
+
+    Each owner's rows move once, in ``dtype``, on the device: one all-gather when every rank of
+    the world owns a part in rank order, else one broadcast from each owner (``rows`` move along).
     """
+    if _LEGACY_ASSEMBLY:
+        return _legacy_assemble(local, owners, total_rows, shape_tail, dtype, device, rows)
+    n = total_rows // len(owners)
+    me = dist.get_rank() if dist.is_initialized() else 0
+    mine = None
+    if me in owners:
+        if local is None or local.shape[0] != n:
+            raise ValueError(f"rank {me} owns {n} rows of the batch but has "
+                             f"{'none' if local is None else local.shape[0]}")
+        mine = local.to(device=device, dtype=dtype).contiguous()
+        if rows is not None:
+            rows = rows.to(device=device, dtype=torch.long)
+    values = _from_owners(mine, owners, (n, *shape_tail), dtype, device)
+    if rows is None:
+        return values
+    where = _from_owners(rows, owners, (n,), torch.long, device)
+    out = torch.empty((total_rows, *shape_tail), dtype=dtype, device=device)
+    out[where] = values
+    return out
+
+
+def _from_owners(mine: Optional[torch.Tensor], owners: List[int], part_shape, dtype,
+                 device: torch.device) -> torch.Tensor:
+    """The owners' parts (each ``part_shape``) one after another, on every rank."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return mine
+    if owners == list(range(world)):
+        out = torch.empty((world * part_shape[0], *part_shape[1:]), dtype=dtype, device=device)
+        dist.all_gather_into_tensor(out, mine)
+        return out
+    out = torch.empty((len(owners) * part_shape[0], *part_shape[1:]), dtype=dtype, device=device)
+    me = dist.get_rank()
+    for k, src in enumerate(owners):
+        part = out[k * part_shape[0]:(k + 1) * part_shape[0]]  # contiguous: a slice of the first dim
+        if src == me:
+            part.copy_(mine)
+        dist.broadcast(part, src)
+    return out
+
+
+def _legacy_assemble(local: Optional[torch.Tensor], owners: List[int], total_rows: int, shape_tail,
+                     dtype, device: torch.device, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``world_rows`` as it was: a float64 (long) zero buffer holding the owners' rows, summed over
+    the world by one all-reduce, then cast to ``dtype``."""
+    me = dist.get_rank() if dist.is_initialized() else 0
     buf = torch.zeros((total_rows, *shape_tail), dtype=torch.float64 if dtype.is_floating_point
                       else torch.long, device=device)
-    if owner and local is not None and rows is not None:
+    if me in owners and rows is not None:
         buf[rows] = local.to(buf.dtype)
-    elif owner and local is not None:
-        buf[row_offset:row_offset + local.shape[0]] = local.to(buf.dtype)
+    elif me in owners:
+        n = total_rows // len(owners)
+        k = owners.index(me)
+        buf[k * n:(k + 1) * n] = local.to(buf.dtype)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(buf)
     return buf.to(dtype)
@@ -152,23 +208,26 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
 
     ``responses``/``lengths`` are this rank's rows (prompts ``d*b .. (d+1)*b`` of the batch; with
     E > 1 the part of its expert-parallel group, Layout.generation_share) on the ranks that
-    generated (any may pass None off the layout); rows are contributed once, by the first pipeline
-    stage's TP rank 0 of each part. The sequence length is rounded up to
-    ``seq_multiple`` (sequence parallelism splits it over T); padding after a sequence does not
-    change it (causal attention). ``with_logprobs`` (the same on every rank): ``logprobs`` [b, R],
-    each generated token's log-prob as it was sampled, are the batch's ``gen_logprobs``.
+    generated (any may pass None off the layout); rows are handed on once, by the first pipeline
+    stage's TP rank 0 of each part (``ParallelPlan.generation_owners``): tokens and lengths in one
+    int64 gather, log-probs in one float32 gather (``world_rows``). The sequence length is rounded
+    up to ``seq_multiple`` (sequence parallelism splits it over T); padding after a sequence does
+    not change it (causal attention). ``with_logprobs`` (the same on every rank): ``logprobs``
+    [b, R], each generated token's log-prob as it was sampled, are the batch's ``gen_logprobs``.
     """
     B, R = len(prompt_ids), max_new_tokens
-    part, parts, first = layout.generation_share() if layout.member else (0, layout.plan.D, False)
-    share = B // parts
-    owner = first and layout.p == 0 and layout.t == 0
-    d0 = part * share
-    responses = world_assemble(responses, d0, B, (R,), torch.long, owner, device)
-    lengths = world_assemble(lengths, d0, B, (), torch.long, owner, device)
+    owners = layout.plan.generation_owners()
+    if _LEGACY_ASSEMBLY:
+        responses = world_rows(responses, owners, B, (R,), torch.long, device)
+        lengths = world_rows(lengths, owners, B, (), torch.long, device)
+    else:  # one gather of [b, R + 1]: the responses, then the lengths
+        local = torch.cat([responses, lengths.unsqueeze(1)], 1) if responses is not None else None
+        both = world_rows(local, owners, B, (R + 1,), torch.long, device)
+        responses, lengths = both[:, :R], both[:, R].contiguous()
     prompt_lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
     seq = -(-int((prompt_lengths + R).max()) // seq_multiple) * seq_multiple
     tokens = right_padded_rows(prompt_ids, responses, lengths, seq, pad_id)
-    gen_logprobs = world_assemble(logprobs, d0, B, (R,), torch.float32, owner, device) if with_logprobs else None
+    gen_logprobs = world_rows(logprobs, owners, B, (R,), torch.float32, device) if with_logprobs else None
     return RolloutBatch(tokens, prompt_lengths.to(device), lengths, R, gen_logprobs=gen_logprobs)
 
 

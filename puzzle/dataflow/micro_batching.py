@@ -11,7 +11,8 @@ It owns, for every stage that runs the role models (scoring, training, evaluatio
   rows from there; the packing of a group of rows is kept for the iteration, so every role with
   the same data-parallel layout (the actor and the reference in scoring, the same rows in
   training) runs the very same packed tensors;
-- gathering: ``gather_outputs`` assembles a model's per-micro-batch outputs on every rank.
+- gathering: ``gather_outputs`` assembles a model's per-micro-batch outputs on every rank (each
+  row gathered once from its owner, float32 on the device: batch.world_rows).
 
 Micro-batches are ``MicroBatch`` objects (what the forward steps of puzzle/dataflow/steps.py read).
 """
@@ -23,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from puzzle.dataflow.batch import ROW_FIELDS, RolloutBatch, world_assemble
+from puzzle.dataflow.batch import ROW_FIELDS, RolloutBatch, world_rows
 from puzzle.dataflow.token_budget import balance_rows, budget_micro_batches, split_to_count
 from puzzle.pipeline.stage import StageContext, one_program_roles
 
@@ -225,18 +226,18 @@ def _uniform_shape(mb: MicroBatch, seq_multiple: int) -> Optional[Tuple[int, int
 # ---- gathering ----------------------------------------------------------------------------------
 def gather_outputs(outputs: List[dict], key: str, engine, batch: RolloutBatch,
                    rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One field of a model's per-micro-batch outputs, assembled on every rank in batch order.
+    """One field of a model's per-micro-batch outputs, assembled on every rank in batch order, as
+    float32 on the batch's device (``world_rows``: gathered, each row once).
 
-    Rows come from the last pipeline stage, TP rank 0, of each DP rank of ``engine``'s layout:
-    its contiguous DP share, or the batch rows ``rows`` (in the order of the outputs) when given.
+    Rows come from the last pipeline stage, TP rank 0, of each DP rank of ``engine``'s layout
+    (``ParallelPlan.output_owners``): its contiguous DP share, or the batch rows ``rows`` (in the
+    order of the outputs) when given.
     """
     lay = engine.layout
     owner = engine.member and lay.is_last_stage and lay.t == 0
     local = torch.cat([o[key] for o in outputs]) if owner else None
-    share = batch.size // lay.plan.D
     tail = () if key == "scores" else (batch.max_new_tokens,)
-    return world_assemble(local, max(lay.d, 0) * share, batch.size, tail, torch.float32, owner,
-                          batch.device, rows=rows)
+    return world_rows(local, lay.plan.output_owners(), batch.size, tail, torch.float32, batch.device, rows=rows)
 
 
 class MicroBatching:

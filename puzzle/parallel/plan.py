@@ -139,6 +139,17 @@ class ParallelPlan:
             raise PlanError(f"plan {self}: E*ETP/T={width} must divide D={self.D} for generation")
         return d // width, self.D // width
 
+    def generation_owners(self) -> List[int]:
+        """The rank that hands on each part of a generated batch (``generation_share``'s parts, in
+        order): the first pipeline stage's TP rank 0 of the part's first DP rank."""
+        width = max(1, self.E * self.ETP // self.T)
+        return [self.rank(0, k * width, 0) for k in range(self.D // width)]
+
+    def output_owners(self) -> List[int]:
+        """The rank that hands on each DP rank's outputs (in DP order): the last pipeline stage's
+        TP rank 0."""
+        return [self.rank(self.P - 1, d, 0) for d in range(self.D)]
+
     def rank(self, p: int, d: int, t: int) -> int:
         if not (0 <= p < self.P and 0 <= d < self.D and 0 <= t < self.T):
             raise PlanError(f"coordinates (p={p}, d={d}, t={t}) are outside plan {self}")

@@ -72,7 +72,8 @@ class GenerationOutput:
 
     def responses(self) -> List[List[int]]:
         """The generated tokens of every row (up to and including EOS)."""
-        return [self.response_tokens[i, :int(n)].tolist() for i, n in enumerate(self.response_lengths)]
+        tokens = self.response_tokens.tolist()  # one read from the device
+        return [row[:n] for row, n in zip(tokens, self.response_lengths.tolist())]
 
 
 def service_order(prompts: List[List[int]]) -> List[int]:
@@ -514,11 +515,12 @@ def _batch_invariant_alone():
 
 
 def _assemble(prompts, results: Results, params: SamplingParams, forward_passes: int) -> GenerationOutput:
-    """The responses in response coordinates, pad after each one (on the host)."""
-    rlen = results.resp_len.cpu()
-    keep = torch.arange(params.max_new_tokens).unsqueeze(0) < rlen.unsqueeze(1)
-    tokens = torch.where(keep, results.out.cpu(), torch.full((), params.pad_id, dtype=torch.long))
-    logprobs = torch.where(keep, results.logprobs.cpu(), torch.zeros(()))
+    """The responses in response coordinates, pad after each one (on the device: the batch is
+    assembled there, puzzle/dataflow/batch.py)."""
+    rlen = results.resp_len
+    keep = torch.arange(params.max_new_tokens, device=rlen.device).unsqueeze(0) < rlen.unsqueeze(1)
+    tokens = torch.where(keep, results.out, torch.full((), params.pad_id, dtype=torch.long, device=rlen.device))
+    logprobs = torch.where(keep, results.logprobs, torch.zeros((), device=rlen.device))
     return GenerationOutput(response_tokens=tokens, response_lengths=rlen,
                             prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long),
                             forward_passes=forward_passes, logprobs=logprobs)

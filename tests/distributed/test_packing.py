@@ -2,7 +2,8 @@
 within fp32 rounding: log-probs, entropy, values, reward-model scores, advantages, returns and the
 gradients of a training mini-batch, for PPO and GRPO at (1,4,1), (2,1,2) time-shared with the
 switch, and (1,2,2) (tests/distributed/worlds/packing.py, one 4-rank world); with every row as
-long as the padded width, the padded path's numbers exactly (PPO)."""
+long as the padded width, the padded path's numbers exactly (PPO). The batch assembled by gathers
+in each field's dtype has the bits of the old float64 all-reduce assembly, and moves no float64."""
 
 import math
 
@@ -42,3 +43,24 @@ def test_packed_equals_padded_per_token(world, case):
                 assert diff == 0.0, (rank, case, k, diff, scale)
             tol = 1e-4 * scale if k.endswith("_grad") else 2e-6 * max(1.0, scale)
             assert diff <= tol, (rank, case, k, diff, scale)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("ppo")])
+def test_generated_and_scored_batch_has_the_old_assembly_bits(world, case):
+    for rank, res in enumerate(world):
+        same = dict(res["packed_equals_padded"][case]["legacy_assembly_same_bits"])
+        assert {"tokens", "response_lengths", "gen_logprobs", "old_logprobs", "entropy", "ref_logprobs",
+                "values", "scores"} <= set(same), (rank, case, same)
+        assert all(same.values()), (rank, case, same)
+
+
+def test_assembly_gathers_give_the_old_bits_and_move_no_float64(world):
+    for rank, res in enumerate(world):
+        plans = res["assembly_gathers"]
+        assert {"141", "212", "121_two_ranks", "141_E2"} <= set(plans)
+        for plan, out in plans.items():
+            assert out["same_bits"] and all(out["same_bits"].values()), (rank, plan, out["same_bits"])
+            old, new = ({k: v for k, v in out[m].items() if k != "calls"} for m in ("bytes_old", "bytes_new"))
+            assert old["float64"] > 0, (rank, plan, old)  # control: the old path summed float64 buffers
+            assert "float64" not in new and new.get("float32", 0) > 0, (rank, plan, new)
+            assert sum(new.values()) < sum(old.values()), (rank, plan, old, new)

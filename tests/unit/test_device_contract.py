@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from puzzle.parallel.device import Runtime, check_on_device
+from puzzle.parallel.plan import ParallelPlan
 from puzzle.tools.compare_metrics import compare, main as compare_main
 from puzzle.dataflow.batch import right_padded_rows, rollout_from_generation
 
@@ -59,7 +60,7 @@ def test_right_padded_rows_match_the_row_by_row_definition():
 
 
 def test_rollout_from_generation_world_of_one_rounds_for_sequence_parallel():
-    layout = SimpleNamespace(plan=SimpleNamespace(D=1), member=True, p=0, t=0, d=0,
+    layout = SimpleNamespace(plan=ParallelPlan(), member=True, p=0, t=0, d=0,
                              generation_share=lambda: (0, 1, True))
     prompts = [[5, 6, 7], [8]]
     responses = torch.tensor([[1, 2, 0], [3, 0, 0]])

@@ -16,8 +16,9 @@ from puzzle.rollout.sampling import SamplingParams
 from puzzle.dataflow.batch import rollout_from_generation
 from puzzle.engine.nonfinite import NonFiniteError, SkipPolicy
 from puzzle.dataflow.training_stage import ACTOR_SUMS, CRITIC_SUMS, SUM_NAMES, NamedSums
+from puzzle.parallel.plan import ParallelPlan
 
-LAYOUT = SimpleNamespace(plan=SimpleNamespace(D=1), member=True, p=0, t=0, d=0,
+LAYOUT = SimpleNamespace(plan=ParallelPlan(), member=True, p=0, t=0, d=0,
                          generation_share=lambda: (0, 1, True))
 
 

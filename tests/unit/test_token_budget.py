@@ -8,7 +8,7 @@ import torch
 
 from puzzle.arguments import parse_args, validate_args
 from puzzle.flag_checks import ArgumentError
-from puzzle.dataflow.batch import RolloutBatch, world_assemble
+from puzzle.dataflow.batch import RolloutBatch, world_rows
 from puzzle.dataflow.micro_batching import micro_batch_rows, micro_batches, most_budget_micro_batches
 from puzzle.dataflow.token_budget import balance_rows, budget_micro_batches, split_to_count
 
@@ -110,8 +110,8 @@ def test_rollout_batch_budget_micro_batches_carry_their_rows():
         assert int(mb["packed_seq_params"].total) <= 14
         assert torch.equal(mb["advantages"], batch.fields["advantages"][mb["rows"]])
     # outputs in micro-batch order go back to batch order through the rows
-    out = world_assemble(torch.cat([batch.fields["advantages"][mb["rows"]] for mb in mbs]), 0, 6, (9,),
-                         torch.float32, True, torch.device("cpu"), rows=rows)
+    out = world_rows(torch.cat([batch.fields["advantages"][mb["rows"]] for mb in mbs]), [0], 6, (9,),
+                     torch.float32, torch.device("cpu"), rows=rows)
     assert torch.equal(out, batch.fields["advantages"])
     with pytest.raises(ValueError, match="packed"):
         micro_batches(batch, 2, packed=False, token_budget=14)

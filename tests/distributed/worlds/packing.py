@@ -7,6 +7,13 @@ gathers over the whole world), (2,1,2) time-shared with the actor generating at
 each scored field, of the advantages and returns, and of the gradients of one training
 mini-batch, with the scale of each quantity; and for PPO the same with the rows made all equally
 long (packed micro-batches of equal sequences run as dense [k, n] batches: the padded path's numbers).
+
+Also the batch's assembly (puzzle/dataflow/batch.py ``world_rows``): for PPO at each layout, the
+generated batch and the packed scored fields assembled as before (float64 zero buffers summed by
+world all-reduces, ``_LEGACY_ASSEMBLY``) against the gathers, bit for bit; and, without a model,
+the generation output and scored fields (contiguous shares and token-budget rows) at plans that
+gather, broadcast, leave ranks out or generate per expert group, with the bytes by dtype the
+collectives delivered (no float64 in the gathers).
 """
 
 from dataclasses import replace
@@ -19,6 +26,7 @@ from puzzle.data.tokenizers import build_tokenizer
 from puzzle.pipeline.stage import run_stage
 from puzzle.dataflow.trainer import PPOTrainer
 from puzzle.dataflow import steps
+from puzzle.dataflow import batch as batch_module
 from puzzle.dataflow.batch import ROW_FIELDS, RolloutBatch
 from tests.harness import world_main
 
@@ -137,6 +145,8 @@ def _compare(name: str, layout: str) -> dict:
             out[f"{role}_grad"] = _largest(g_padded[role], g_packed[role])
         if name == "ppo":  # every role's head (log-probs, values, scores); GRPO's actor is the same path
             out.update(_compare_equal_lengths(trainer, batch, cfg.ppo.mini_batch_size))
+            # a list (not a dict: the dicts of ``out`` are differences)
+            out["legacy_assembly_same_bits"] = sorted(_legacy_assembly_same_bits(trainer, prompts, batch, packed).items())
         return out
     finally:
         trainer.close()
@@ -160,9 +170,80 @@ def _compare_equal_lengths(trainer, batch, mini_batch_size: int) -> dict:
     return out
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits (float32 compared as int32: -0.0 is not 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.float32:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    return torch.equal(a, b)
+
+
+def _legacy_assembly_same_bits(trainer, prompts, batch, scored: dict) -> dict:
+    """Generation and packed scoring again with the assembly as before (``_LEGACY_ASSEMBLY``):
+    whether each batch field and scored field has the same bits as the gathers gave."""
+    batch_module._LEGACY_ASSEMBLY = True
+    try:
+        old_batch, _ = trainer.generate(prompts)
+        old_scored = _score(trainer, batch, True)
+    finally:
+        batch_module._LEGACY_ASSEMBLY = False
+    out = {k: _same_bits(getattr(old_batch, k), getattr(batch, k))
+           for k in ("tokens", "prompt_lengths", "response_lengths", "gen_logprobs")}
+    out.update({k: _same_bits(old_scored[k], scored[k]) for k in scored})
+    return out
+
+
+#: plans of the model-free assembly check: every rank owns a part (one all-gather), owners on
+#: some ranks (broadcasts), ranks off the plan, and generation per expert-parallel group
+ASSEMBLY_PLANS = {"141": dict(P=1, D=4, T=1), "212": dict(P=2, D=1, T=2), "221": dict(P=2, D=2, T=1),
+                  "121_two_ranks": dict(P=1, D=2, T=1), "141_E2": dict(P=1, D=4, T=1, E=2)}
+
+
+def check_assembly_gathers():
+    """For each plan: whether the gathers give the old assembly's bits (generation output,
+    scored fields, token-budget rows), and the bytes by dtype each way delivered to this rank."""
+    from types import SimpleNamespace
+
+    from puzzle.bench.dataflow import SCORED, assemble, collective_bytes, synthetic_rollout
+    from puzzle.dataflow.micro_batching import gather_outputs
+    from puzzle.parallel.groups import layout_for
+    from puzzle.parallel.plan import ParallelPlan
+
+    prompts, tokens, lengths, logprobs = synthetic_rollout(8, 6, seed=3)
+    g = torch.Generator().manual_seed(4)
+    scored = {k: -torch.rand(8, 6, generator=g) for k in SCORED}
+    results = {}
+    for name, dims in ASSEMBLY_PLANS.items():
+        layout = layout_for(ParallelPlan(**dims))
+        engine = SimpleNamespace(layout=layout, member=layout.member)
+        n = 8 // layout.plan.D
+        d = max(layout.d, 0)
+        mine = torch.arange(d * n, (d + 1) * n).flip(0)  # token-budget outputs: the share's rows, reordered
+        runs = {}
+        for mode in ("old", "new"):
+            batch_module._LEGACY_ASSEMBLY = mode == "old"
+            counts = {}
+            try:
+                with collective_bytes(counts):
+                    batch, fields = assemble(layout, prompts, tokens, lengths, logprobs, scored, torch.device("cpu"))
+                    fields["rows"] = gather_outputs([{"values": scored["values"][mine]}], "values", engine, batch,
+                                                    rows=mine)
+            finally:
+                batch_module._LEGACY_ASSEMBLY = False
+            runs[mode] = (batch, fields, counts)
+        (old_batch, old_fields, old_counts), (new_batch, new_fields, new_counts) = runs["old"], runs["new"]
+        same = {k: _same_bits(getattr(old_batch, k), getattr(new_batch, k))
+                for k in ("tokens", "prompt_lengths", "response_lengths", "gen_logprobs")}
+        same.update({k: _same_bits(old_fields[k], new_fields[k]) for k in old_fields})
+        same["rows_in_batch_order"] = _same_bits(new_fields["rows"], scored["values"])
+        results[name] = {"same_bits": same, "bytes_old": old_counts, "bytes_new": new_counts}
+    return results
+
+
 def check_packed_equals_padded():
     return {f"{name}/{layout}": _compare(name, layout) for name in CONFIGS for layout in LAYOUTS}
 
 
 if __name__ == "__main__":
-    world_main([("packed_equals_padded", check_packed_equals_padded)])
+    world_main([("assembly_gathers", check_assembly_gathers), ("packed_equals_padded", check_packed_equals_padded)])
