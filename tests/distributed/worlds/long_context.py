@@ -121,14 +121,13 @@ def check_budgeted_generation():
     """Generation under a KV budget that holds 3 of the 8 sequences (the rows the budget flag
     derives) streams them through 3 cache slots: the tokens equal those of all 8 at once, greedy
     and sampled (seeded), at T=2, with EOS so that slots free up at different steps."""
-    from puzzle.arguments import kv_bytes_per_sequence
     from puzzle.rollout import SamplingParams, generate
 
     eng = ModelEngine("actor", ARCH, layout_for(T2D2), trainable=False, seed=3)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, ARCH.vocab_size, (n,), generator=g).tolist() for n in (5, 3, 8, 2, 6, 4, 7, 3)]
     max_new = 10
-    per_seq = kv_bytes_per_sequence(ARCH, T2D2, 8 + max_new, 4)
+    per_seq = ARCH.shape.kv_bytes_per_sequence(8 + max_new, T2D2, 4)
     rows = int(3.5 * per_seq) // per_seq
     out = {"rows": rows}
     greedy = generate(eng, prompts, SamplingParams(max_new, greedy=True), seed=9).responses()
