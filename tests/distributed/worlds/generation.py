@@ -141,7 +141,7 @@ def check_errors():
         "partial_logprobs": lambda: generate(eng, [[1]], SamplingParams(4), seed=0, partial_tokens=[[5]],
                                              partial_logprobs=[[]]),
         "sample_ids": lambda: generate(eng, [[1], [2]], SamplingParams(2), seed=0, sample_ids=[3, 3]),
-        "quota": lambda: generate(eng, [[1], [2]], SamplingParams(2), seed=0, stop=_quota(2, 1, 2)),
+        "quota": lambda: generate(eng, [[1], [2]], SamplingParams(2), seed=0, stop=_quota(2, 2, 2)),
     }.items():
         try:
             call()
