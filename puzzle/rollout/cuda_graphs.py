@@ -243,7 +243,7 @@ class DecodeGraphs:
         return graph, out
 
     # -- whole-step graphs ---------------------------------------------------------------------
-    def fused_decode(self, sb, run, sample, key, seed: int, sample_offset: int, steps_left: int,
+    def fused_decode(self, sb, run, sample, key, seed: int, steps_left: int,
                      vocab_ids: torch.Tensor, check_every: int = 8) -> int:
         """Decode ``sb`` (every prompt in a slot) until its rows finish; returns the steps run.
 
@@ -256,7 +256,7 @@ class DecodeGraphs:
         if fd is None:
             fd = self.fused[key] = FusedDecode(self, sb.slots, sb.max_new, sb.stop_ids, vocab_ids)
         fd.model_call, fd.sample = run, sample
-        return fd.run(sb, seed, sample_offset, steps_left, check_every)
+        return fd.run(sb, seed, steps_left, check_every)
 
 
 class FusedDecode:
@@ -295,10 +295,10 @@ class FusedDecode:
         done = (self.count >= self.max_new) | torch.isin(tok, self.stop_ids)
         self.active.logical_and_(~done)
 
-    def run(self, sb, seed: int, sample_offset: int, steps_left: int, check_every: int) -> int:
+    def run(self, sb, seed: int, steps_left: int, check_every: int) -> int:
         for name in self.STATE:
             getattr(self, name).copy_(getattr(sb, name))
-        self.sample_ids.copy_(sample_offset + sb.row)
+        self.sample_ids.copy_(sb.results.sample_ids[sb.row])
         self.seed.fill_(seed)
         start, was_active = sb.count.clone(), sb.active.clone()
         capture = self.graphs.capture

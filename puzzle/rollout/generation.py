@@ -55,6 +55,7 @@ from typing import Callable, List, Optional
 import torch
 
 from puzzle.models.batch_invariant import batch_invariant_mode
+from puzzle.rollout.partial import GroupQuota, check_resume, check_sample_ids
 from puzzle.rollout.sampling import SamplingParams
 
 
@@ -69,6 +70,9 @@ class GenerationOutput:
     # [b, max_new] float32: log-prob of each generated token as it was sampled (sampling.py
     # ``sampled_logprobs``: temperature-scaled, unfiltered, scoring's function); 0 after the response
     logprobs: Optional[torch.Tensor] = None
+    # [b] bool: the row ended (a stop id or max_new_tokens); False only for rows left running
+    # when ``stop`` ended the generation (their tokens so far are in the first columns)
+    finished: Optional[torch.Tensor] = None
 
     def responses(self) -> List[List[int]]:
         """The generated tokens of every row (up to and including EOS)."""
@@ -99,10 +103,11 @@ class SlotBatch:
     """Prompts ``order`` served through one static KV cache of ``slots`` rows."""
 
     def __init__(self, order: List[int], prompts: List[List[int]], params: SamplingParams,
-                 slots: int, results: "Results", device, cache=None):
+                 slots: int, results: "Results", device, cache=None, resumed: Optional[List[List[int]]] = None):
         from puzzle.models.sdpa_attention import StaticKVCache
 
         self.prompts, self.queue = prompts, deque(order)
+        self.resumed = resumed  # per row: the partial response a prefill continues (or None)
         self.max_new = params.max_new_tokens
         self.stop_ids = torch.tensor(list(params.stop_ids), dtype=torch.long, device=device)
         self.slots, self.results, self.device = slots, results, device
@@ -120,6 +125,8 @@ class SlotBatch:
         self.host_lens = [0] * slots
         self.host_count = [0] * slots
         self.host_active: List[int] = []       # slots generating, ascending
+        self.host_row = [0] * slots            # host copy of self.row
+        self.finished_rows: List[int] = []     # rows finished by the last advance
         self.free = list(range(slots))         # free slots, ascending
         self.call: Optional[Call] = None
         self.call_slots: List[int] = []        # host copy of call.slots
@@ -146,24 +153,33 @@ class SlotBatch:
         k = min(len(self.free), len(self.queue))
         slots, self.free = self.free[:k], self.free[k:]
         rows = [self.queue.popleft() for _ in range(k)]
-        lens = [len(self.prompts[r]) for r in rows]
-        packed = [t for r in rows for t in self.prompts[r]]
+        seqs = [self.prefill_tokens(r) for r in rows]
+        done = [len(q) - len(self.prompts[r]) for r, q in zip(rows, seqs)]  # tokens resumed
+        lens = [len(q) for q in seqs]
+        packed = [t for q in seqs for t in q]
         ids = torch.tensor([packed], dtype=torch.long, device=self.device)  # [1, T]
         slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
         lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
         self.row[slots_t] = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.lens[slots_t] = lens_t
-        self.count[slots_t] = 0
-        for s, n in zip(slots, lens):
-            self.host_lens[s], self.host_count[s] = n, 0
+        self.count[slots_t] = torch.tensor(done, dtype=torch.long, device=self.device)
+        for s, n, c, r in zip(slots, lens, done, rows):
+            self.host_lens[s], self.host_count[s], self.host_row[s] = n, c, r
         self.call_slots = slots
         self.cache.prefill(slots, lens, self.device)
         pos = self.cache.pos.unsqueeze(0)
         return Call(True, 1, len(packed), ids, pos, slots_t, lens_t.cumsum(0) - 1)
 
-    def sample_ids(self, offset: int) -> torch.Tensor:
+    def prefill_tokens(self, r: int) -> List[int]:
+        """Row r's prefill: its prompt, then the partial response it resumes (if any)."""
+        if self.resumed is None or not self.resumed[r]:
+            return self.prompts[r]
+        return list(self.prompts[r]) + list(self.resumed[r])
+
+    def sample_ids(self) -> torch.Tensor:
+        """The global sample index of each row this call samples."""
         call = self.call
-        return offset + (self.row[:call.n] if call.dense else self.row[call.slots])
+        return self.results.sample_ids[self.row[:call.n] if call.dense else self.row[call.slots]]
 
     def steps(self) -> torch.Tensor:
         call = self.call
@@ -195,6 +211,7 @@ class SlotBatch:
         if self.stop_ids.numel():
             fin = [f or e for f, e in zip(fin, torch.isin(tok, self.stop_ids).tolist())]
         gone = [s for s, f in zip(slots, fin) if f]
+        self.finished_rows = [self.host_row[s] for s in gone]
         if gone:
             self.active[torch.tensor(gone, dtype=torch.long, device=self.device)] = False
             self.host_active = [s for s in self.host_active if s not in gone]
@@ -206,6 +223,7 @@ class SlotBatch:
         """Host copies from the device state (after steps that updated it on the device)."""
         self.host_lens, self.host_count = self.lens.tolist(), self.count.tolist()
         self.host_active = [i for i, a in enumerate(self.active.tolist()) if a]
+        self.host_row = self.row.tolist()
 
 
 @dataclass
@@ -213,6 +231,7 @@ class Results:
     out: torch.Tensor       # [b, max_new]
     resp_len: torch.Tensor  # [b]
     logprobs: torch.Tensor  # [b, max_new] float32: each sampled token's log-prob
+    sample_ids: Optional[torch.Tensor] = None  # [b] long: each row's global sample index (noise key)
 
 
 class _Hooks:
@@ -355,7 +374,9 @@ def _check_prompts(prompts, vocab: int) -> None:
 def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int,
              micro_batch_size: Optional[int] = None, *, sample_offset: int = 0,
              cuda_graphs: bool = False, compile_graphs: bool = False, batch_invariant: bool = False,
-             progress: Optional[Callable[[int, int], None]] = None) -> GenerationOutput:
+             progress: Optional[Callable[[int, int], None]] = None, stop: Optional[GroupQuota] = None,
+             partial_tokens: Optional[List[List[int]]] = None, partial_logprobs=None,
+             sample_ids: Optional[List[int]] = None) -> GenerationOutput:
     """Generate continuations of this DP rank's ``prompts`` with the actor ``engine``.
 
     Call on every rank of the engine's layout, with the same prompts on all TP/PP ranks of one
@@ -369,12 +390,26 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     ``batch_invariant`` (--batch-invariant-mode): every model call and log-prob in
     puzzle/models/batch_invariant.py's mode, whose arithmetic scoring repeats bit for bit (no
     CUDA graphs).
+
+    Partial rollouts (puzzle/rollout/partial.py). ``stop`` (a ``GroupQuota``, P=1): generation
+    ends once that many whole groups of rows have finished, counted over this rank's rows (TP
+    ranks see the same tokens and stop together; each DP rank meets its own quota); rows left
+    running or waiting come back with ``finished`` False and their tokens so far. No whole-step
+    CUDA graphs then. ``partial_tokens`` / ``partial_logprobs``: per row a response to continue
+    (empty: none), prefilled after the prompt; the row samples from step ``len(partial)`` on, up
+    to ``max_new_tokens`` in all, and its output holds the whole response (the given tokens and
+    log-probs first). ``sample_ids``: each row's global sample index (default
+    ``sample_offset + row``; a resumed row keeps its own, so its noise stream continues).
+    Without these arguments the output is the same as before they existed, bit for bit.
     """
     from puzzle.rollout.pipelined_generation import run_schedule
 
     width = _check_inputs(engine, prompts, params, sample_offset)
     b = len(prompts)
     P = engine.layout.plan.P
+    resumed = check_resume(b, params, engine.arch.valid_vocab_size, partial_tokens, partial_logprobs)
+    rows_sample_ids = check_sample_ids(b, sample_offset, sample_ids)
+    _check_stop(stop, b, P)
     mbs = micro_batch_size if micro_batch_size is not None else math.ceil(b / P)
     if not isinstance(mbs, int) or mbs < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
@@ -388,17 +423,16 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
 
         graphs = DecodeGraphs.for_model(model, P, device, compile_graphs)
 
-    order = service_order(prompts)
+    rtok = None if resumed is None else resumed[0]
+    prefills = prompts if rtok is None else [list(p) + list(q) for p, q in zip(prompts, rtok)]
     results = Results(torch.zeros(b, params.max_new_tokens, dtype=torch.long, device=device),
                       torch.zeros(b, dtype=torch.long, device=device),
-                      torch.zeros(b, params.max_new_tokens, dtype=torch.float32, device=device))
-    if P == 1:  # one cache, refilled as rows finish
-        slots = min(mbs, b)
-        cache = graphs.cache(slots, width) if graphs is not None else None
-        batches = [SlotBatch(order, prompts, params, slots, results, device, cache)]
-    else:       # length buckets, one cache each, pipelined
-        batches = [SlotBatch(order[i:i + mbs], prompts, params, len(order[i:i + mbs]), results,
-                             device) for i in range(0, b, mbs)]
+                      torch.zeros(b, params.max_new_tokens, dtype=torch.float32, device=device),
+                      torch.tensor(rows_sample_ids, dtype=torch.long, device=device))
+    if resumed is not None:
+        _write_partial(results, *resumed)
+    batches = _slot_batches(prompts, prefills, rtok, params, mbs, P, results, device,
+                            graphs.cache(min(mbs, b), width) if graphs is not None and P == 1 else None)
     was_training = model.training
     model.eval()
     # megatron runs inference without sequence parallelism (a decode step has one position)
@@ -410,13 +444,14 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     try:
         with torch.no_grad(), batch_invariant_mode(batch_invariant), \
                 _Hooks(model, width if graphs is None else graphs.width) as hooks, \
-                _fast_dispatch(hooks, batches, prompts, batch_invariant):
+                _fast_dispatch(hooks, batches, prefills, batch_invariant):
             if graphs is not None:
                 graphs.keep_rope_tables(hooks)
             stepper = Stepper(engine, hooks, graphs, on_call=_progress_report(progress, batches, b))
-            run_schedule(engine, batches, stepper, params, seed, sample_offset)
+            run_schedule(engine, batches, stepper, params, seed,
+                         stop.tracker() if stop is not None else None)
             if progress is not None:
-                progress(b, b)
+                progress(b - sum(len(sb.queue) + len(sb.host_active) for sb in batches), b)
     finally:
         if graphs is None:
             for sb in batches:
@@ -425,6 +460,28 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         if sequence_parallel:
             set_model_to_sequence_parallel(model, True)
     return _assemble(prompts, results, params, stepper.forward_passes)
+
+
+def _slot_batches(prompts, prefills, resumed, params: SamplingParams, mbs: int, P: int,
+                  results: Results, device, cache) -> List[SlotBatch]:
+    """P=1: one cache of ``mbs`` rows, refilled as rows finish; P>1: length buckets of ``mbs``
+    rows, one cache each, pipelined. Rows are served in ``service_order`` of their prefills."""
+    order, b = service_order(prefills), len(prompts)
+    if P == 1:
+        return [SlotBatch(order, prompts, params, min(mbs, b), results, device, cache, resumed)]
+    return [SlotBatch(order[i:i + mbs], prompts, params, len(order[i:i + mbs]), results, device,
+                      resumed=resumed) for i in range(0, b, mbs)]
+
+
+def _check_stop(stop: Optional[GroupQuota], rows: int, P: int) -> None:
+    if stop is None:
+        return
+    if not isinstance(stop, GroupQuota):
+        raise ValueError(f"stop must be a GroupQuota (got {type(stop).__name__})")
+    stop.check(rows)
+    if P > 1:
+        raise ValueError("stop (a finished-groups quota) works at P=1 only: at P>1 the pipelined "
+                         "length buckets each run to completion")
 
 
 def _check_inputs(engine, prompts: List[List[int]], params: SamplingParams, sample_offset: int) -> int:
@@ -514,13 +571,28 @@ def _batch_invariant_alone():
         yield
 
 
+def _write_partial(results: Results, tokens: List[List[int]], logprobs: List[torch.Tensor]) -> None:
+    """The resumed rows' partial responses (and their log-probs as sampled) into the results."""
+    for r, (tok, lp) in enumerate(zip(tokens, logprobs)):
+        if tok:
+            n = len(tok)
+            results.out[r, :n] = torch.tensor(tok, dtype=torch.long)
+            results.logprobs[r, :n] = lp.to(results.logprobs.device)
+            results.resp_len[r] = n
+
+
 def _assemble(prompts, results: Results, params: SamplingParams, forward_passes: int) -> GenerationOutput:
     """The responses in response coordinates, pad after each one (on the device: the batch is
-    assembled there, puzzle/dataflow/batch.py)."""
+    assembled there, puzzle/dataflow/batch.py). A row finished iff it ends with a stop id or has
+    max_new_tokens tokens (a row stops at exactly these)."""
     rlen = results.resp_len
     keep = torch.arange(params.max_new_tokens, device=rlen.device).unsqueeze(0) < rlen.unsqueeze(1)
     tokens = torch.where(keep, results.out, torch.full((), params.pad_id, dtype=torch.long, device=rlen.device))
     logprobs = torch.where(keep, results.logprobs, torch.zeros((), device=rlen.device))
+    last = results.out.gather(1, (rlen - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    stop_ids = torch.tensor(list(params.stop_ids), dtype=torch.long, device=rlen.device)
+    stopped = torch.isin(last, stop_ids) & (rlen > 0)
     return GenerationOutput(response_tokens=tokens, response_lengths=rlen,
                             prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long),
-                            forward_passes=forward_passes, logprobs=logprobs)
+                            forward_passes=forward_passes, logprobs=logprobs,
+                            finished=stopped | (rlen >= params.max_new_tokens))

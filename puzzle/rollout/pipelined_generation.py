@@ -34,7 +34,9 @@ from puzzle.rollout.sampling import SamplingParams, sample_tokens, sampled_logpr
 
 
 def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: int,
-                 sample_offset: int) -> None:
+                 quota=None) -> None:
+    """Runs the model calls of ``mbatches`` until their rows finish or, at P=1, until ``quota``
+    (a partial.QuotaTracker) reports its quota of finished groups met."""
     layout = engine.layout
     tp = layout.tp_group
     vocab = engine.arch.valid_vocab_size  # the tokenizer's ids: scoring masks the same rows
@@ -43,7 +45,7 @@ def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: 
         """(tokens [m], their log-probs [m]) of the call's sampled rows."""
         logits = mb.select(logits)
         tok = sample_tokens(logits, params, true_vocab=vocab, seed=seed,
-                            sample_ids=mb.sample_ids(sample_offset), step=mb.steps(), tp_group=tp)
+                            sample_ids=mb.sample_ids(), step=mb.steps(), tp_group=tp)
         return tok, sampled_logprobs(logits, tok, params, true_vocab=vocab, tp_group=tp)
 
     def sample_in_graph(logits, sample_ids, steps, seed_buffer, vocab_ids):
@@ -54,15 +56,17 @@ def run_schedule(engine, mbatches: List, stepper, params: SamplingParams, seed: 
     if layout.plan.P == 1:
         for mb in mbatches:
             while not mb.done:
-                if stepper.graphs is not None and not mb.queue:  # every prompt has its slot
+                if stepper.graphs is not None and not mb.queue and quota is None:  # every prompt has its slot
                     stepper.hooks.bind(mb.cache)
                     left = mb.max_new - min(mb.host_count[s] for s in mb.host_active)
                     ids = vocab_ids_of(engine.arch.padded_vocab_size // layout.plan.T, tp, mb.device)
                     stepper.forward_passes += stepper.graphs.fused_decode(
-                        mb, stepper.run, sample_in_graph, (params, vocab), seed, sample_offset, left, ids)
+                        mb, stepper.run, sample_in_graph, (params, vocab), seed, left, ids)
                     continue
                 mb.next_call()
                 mb.advance(*sample(mb, stepper(mb, None)))
+                if quota is not None and quota.add(mb.finished_rows):
+                    return
         return
     _run_pipelined(engine, mbatches, stepper, sample)
 

@@ -104,6 +104,11 @@ def test_invalid_arguments_raise_value_errors(world):
     assert "outside [0, 200)" in msgs["bad_token"]
     assert "max_position_embeddings" in msgs["too_long"]
     assert "eos_id" in msgs["bad_eos"]
+    assert "leaves nothing of max_new_tokens=2" in msgs["partial_full"]
+    assert "holds a stop id" in msgs["partial_stop_id"]
+    assert "1 partial tokens but 0 log-probs" in msgs["partial_logprobs"]
+    assert "distinct" in msgs["sample_ids"]
+    assert "groups_needed must be an int in [1, 1]" in msgs["quota"]
 
 
 def test_continuous_batching_same_tokens_fewer_calls(world):
@@ -180,3 +185,38 @@ def test_moe_graph_decode_step_is_megatrons_moe_forward(world):
     assert t1["calls"] > 8 and 0 <= t1["max_logit_diff"] < 1e-6, t1
     assert seen["expert_parallel_refused"].startswith(
         "--cuda-graph-generation: MoE layer decoder.layers.0: experts split over E=2 expert-parallel ranks")
+
+
+def test_partial_rollouts_stop_at_group_quota_and_resume(world):
+    """A quota of 1 whole group (groups of 2 rows, 4 cache rows):
+    generation stops early; finished rows are the unstopped run's, bit for bit; unfinished rows
+    are a prefix of it (some with tokens, some never started); resumed with the same weights,
+    seed and sample indices they end as the unstopped run's responses, log-probs bit for bit in
+    batch-invariant mode (greedy and temperature 1), within float rounding without it."""
+    res = world[0]["partial_rollouts"]
+    for key in ("greedy/invariant", "greedy/default", "plain/invariant"):
+        r = res[key]
+        assert all(r["full_finished"]), key  # no quota: every row finishes
+        fin = r["finished"]
+        assert any(fin) and not all(fin), (key, fin)
+        assert r["forward_passes"][0] < r["forward_passes"][1], (key, r["forward_passes"])
+        assert r["finished_rows_equal"] and r["unfinished_prefix"], (key, r)
+        complete = [g for g in range(len(fin) // 2) if fin[2 * g] and fin[2 * g + 1]]
+        assert complete, (key, fin)  # the quota: a whole group
+        left = [i for i, f in enumerate(fin) if not f]
+        assert all(r["lengths"][i] < r["full_lengths"][i] for i in left), (key, r)
+        assert r["resumed_finished"] == [True] * len(left)
+        assert r["resumed_tokens_equal"] == [True] * len(left), (key, r)
+        if key.endswith("invariant"):
+            assert r["resumed_logprobs_equal"] and r["resumed_logprob_max_diff"] == 0.0, (key, r)
+        else:
+            assert r["resumed_logprob_max_diff"] < 1e-5, (key, r)
+    lengths = res["plain/invariant"]["lengths"] + res["greedy/invariant"]["lengths"]
+    partly = [i for i, f in enumerate(res["plain/invariant"]["finished"] + res["greedy/invariant"]["finished"])
+              if not f and lengths[i] > 0]
+    assert partly  # some rows resumed from tokens of their own, not from the prompt alone
+    assert "P=1 only" in res["pipelined_refused"]
+    # resume through 2 pipeline stages: the uninterrupted run's tokens; the kept log-probs as given
+    pipe = res["pipelined_resume"]
+    assert pipe["tokens_equal"] and pipe["kept_logprobs_equal"], pipe
+    assert pipe["logprob_max_diff"] < 1e-5, pipe

@@ -1,5 +1,7 @@
 """4-rank world: KV-cache generation at several (P, D, T) layouts (rollout issue)."""
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -116,6 +118,12 @@ def check_eos_and_limits():
     return res
 
 
+def _quota(rows, group_size, needed):
+    from puzzle.rollout.partial import GroupQuota
+
+    return GroupQuota.consecutive(rows, group_size, needed)
+
+
 def check_errors():
     eng = _engine(ParallelPlan(1, 1, 1))
     if not eng.member:
@@ -126,6 +134,14 @@ def check_errors():
         "bad_token": lambda: generate(eng, [[1, 500]], PARAMS["greedy"], seed=0),
         "too_long": lambda: generate(eng, [[1] * 60], SamplingParams(10), seed=0),
         "bad_eos": lambda: generate(eng, [[1]], SamplingParams(2, eos_id=250), seed=0),
+        "partial_full": lambda: generate(eng, [[1]], SamplingParams(2), seed=0, partial_tokens=[[5, 6]],
+                                         partial_logprobs=[[-1.0, -1.0]]),
+        "partial_stop_id": lambda: generate(eng, [[1]], SamplingParams(4, eos_id=6), seed=0,
+                                            partial_tokens=[[6]], partial_logprobs=[[-1.0]]),
+        "partial_logprobs": lambda: generate(eng, [[1]], SamplingParams(4), seed=0, partial_tokens=[[5]],
+                                             partial_logprobs=[[]]),
+        "sample_ids": lambda: generate(eng, [[1], [2]], SamplingParams(2), seed=0, sample_ids=[3, 3]),
+        "quota": lambda: generate(eng, [[1], [2]], SamplingParams(2), seed=0, stop=_quota(2, 2, 2)),
     }.items():
         try:
             call()
@@ -423,8 +439,81 @@ def check_batch_invariant_t4():
     return out
 
 
+def _rows_equal(a, b, i, n=None):
+    """Row i of outputs a and b: the same first n (default: a's length) tokens and log-probs."""
+    n = int(a.response_lengths[i]) if n is None else n
+    return torch.equal(a.response_tokens[i, :n], b.response_tokens[i, :n]) and \
+        torch.equal(a.logprobs[i, :n], b.logprobs[i, :n])
+
+
+def check_partial_rollouts():
+    """Partial rollouts at (1, 1, 1): 4 prompts x 2 samples (groups of 2 consecutive rows), 4
+    cache rows, rows stopping at an EOS: a quota of 1 whole group stops early, the finished rows
+    are the full run's, the unfinished ones a prefix of it; resumed (same weights, seed and sample
+    indices) they give the full run's responses: tokens, and log-probs bit for bit in
+    batch-invariant mode (elsewhere a prefill's logits round differently from a decode step's)."""
+    from puzzle.rollout.partial import GroupQuota
+
+    res = {}
+    pipelined = _engine(ParallelPlan(2, 1, 1))
+    if pipelined.member:
+        try:
+            generate(pipelined, PROMPTS, PARAMS["greedy"], seed=SEED, stop=GroupQuota.consecutive(4, 2, 1))
+        except ValueError as e:
+            res["pipelined_refused"] = str(e)
+        # resume at P=2 (length buckets through 2 stages): rows continuing 0, 3, 5, 7 of their tokens
+        full = generate(pipelined, PROMPTS, PARAMS["plain"], seed=SEED, micro_batch_size=2)
+        keep = [0, 3, 5, 7]
+        again = generate(pipelined, PROMPTS, PARAMS["plain"], seed=SEED, micro_batch_size=2,
+                         partial_tokens=[full.responses()[i][:k] for i, k in enumerate(keep)],
+                         partial_logprobs=[full.logprobs[i, :k] for i, k in enumerate(keep)])
+        res["pipelined_resume"] = {
+            "tokens_equal": again.responses() == full.responses(),
+            "kept_logprobs_equal": all(torch.equal(again.logprobs[i, :k], full.logprobs[i, :k])
+                                       for i, k in enumerate(keep)),
+            "logprob_max_diff": float((again.logprobs - full.logprobs).abs().max()),
+            "forward_passes": [again.forward_passes, full.forward_passes]}
+    eng = _engine(ParallelPlan(1, 1, 1))
+    if not eng.member:
+        return res
+    rows = [p for p in PROMPTS for _ in range(2)]
+    for name, modes in (("greedy", (True, False)), ("plain", (True,))):
+        base = generate(eng, rows, PARAMS[name], seed=SEED, micro_batch_size=4)
+        prm = replace(PARAMS[name], eos_id=int(base.response_tokens[0, 2]))
+        for invariant in modes:
+            run = dict(seed=SEED, micro_batch_size=4, batch_invariant=invariant)
+            full = generate(eng, rows, prm, **run)
+            part = generate(eng, rows, prm, stop=GroupQuota.consecutive(len(rows), 2, 1), **run)
+            fin = part.finished.tolist()
+            left = [i for i, f in enumerate(fin) if not f]
+            resumed = generate(eng, [rows[i] for i in left], prm, sample_ids=left,
+                               partial_tokens=[part.responses()[i] for i in left],
+                               partial_logprobs=[part.logprobs[i, :int(part.response_lengths[i])] for i in left],
+                               **run)
+            diff = max((float((resumed.logprobs[j] - full.logprobs[i]).abs().max())
+                        for j, i in enumerate(left)), default=0.0)
+            res[f"{name}/{'invariant' if invariant else 'default'}"] = {
+                "full_finished": full.finished.tolist(), "finished": fin,
+                "full_lengths": full.response_lengths.tolist(),
+                "lengths": part.response_lengths.tolist(),
+                "forward_passes": [part.forward_passes, full.forward_passes],
+                "finished_rows_equal": all(_rows_equal(part, full, i) and
+                                           part.response_lengths[i] == full.response_lengths[i]
+                                           for i in range(len(rows)) if fin[i]),
+                "unfinished_prefix": all(_rows_equal(part, full, i) for i in left),
+                "resumed_finished": resumed.finished.tolist(),
+                "resumed_tokens_equal": [resumed.responses()[j] == full.responses()[i]
+                                         for j, i in enumerate(left)],
+                "resumed_logprobs_equal": all(torch.equal(resumed.logprobs[j], full.logprobs[i])
+                                              for j, i in enumerate(left)),
+                "resumed_logprob_max_diff": diff,
+            }
+    return res
+
+
 if __name__ == "__main__":
     world_main([("reference", check_reference), ("layouts", check_layouts),
                 ("eos_and_limits", check_eos_and_limits), ("errors", check_errors),
                 ("fast_loop", check_fast_loop), ("lean_decode", check_lean_decode),
-                ("moe_static_decode", check_moe_static_decode), ("batch_invariant_t4", check_batch_invariant_t4)])
+                ("moe_static_decode", check_moe_static_decode), ("batch_invariant_t4", check_batch_invariant_t4),
+                ("partial_rollouts", check_partial_rollouts)])
