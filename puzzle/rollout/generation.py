@@ -233,6 +233,13 @@ class Results:
     logprobs: torch.Tensor  # [b, max_new] float32: each sampled token's log-prob
     sample_ids: Optional[torch.Tensor] = None  # [b] long: each row's global sample index (noise key)
 
+    @classmethod
+    def empty(cls, rows: int, max_new: int, sample_ids: List[int], device) -> "Results":
+        return cls(torch.zeros(rows, max_new, dtype=torch.long, device=device),
+                   torch.zeros(rows, dtype=torch.long, device=device),
+                   torch.zeros(rows, max_new, dtype=torch.float32, device=device),
+                   torch.tensor(sample_ids, dtype=torch.long, device=device))
+
 
 class _Hooks:
     """Cache binding and forward hooks that adapt GPTModel.forward to generation."""
@@ -425,24 +432,13 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
 
     rtok = None if resumed is None else resumed[0]
     prefills = prompts if rtok is None else [list(p) + list(q) for p, q in zip(prompts, rtok)]
-    results = Results(torch.zeros(b, params.max_new_tokens, dtype=torch.long, device=device),
-                      torch.zeros(b, dtype=torch.long, device=device),
-                      torch.zeros(b, params.max_new_tokens, dtype=torch.float32, device=device),
-                      torch.tensor(rows_sample_ids, dtype=torch.long, device=device))
+    results = Results.empty(b, params.max_new_tokens, rows_sample_ids, device)
     if resumed is not None:
         _write_partial(results, *resumed)
     batches = _slot_batches(prompts, prefills, rtok, params, mbs, P, results, device,
                             graphs.cache(min(mbs, b), width) if graphs is not None and P == 1 else None)
-    was_training = model.training
-    model.eval()
-    # megatron runs inference without sequence parallelism (a decode step has one position)
-    sequence_parallel = bool(model.config.sequence_parallel)
-    if sequence_parallel:
-        from megatron.core.transformer.utils import set_model_to_sequence_parallel
-
-        set_model_to_sequence_parallel(model, False)
     try:
-        with torch.no_grad(), batch_invariant_mode(batch_invariant), \
+        with _inference_model(model), torch.no_grad(), batch_invariant_mode(batch_invariant), \
                 _Hooks(model, width if graphs is None else graphs.width) as hooks, \
                 _fast_dispatch(hooks, batches, prefills, batch_invariant):
             if graphs is not None:
@@ -456,10 +452,26 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         if graphs is None:
             for sb in batches:
                 sb.cache = None  # drop every KV cache, also on error
+    return _assemble(prompts, results, params, stepper.forward_passes)
+
+
+@contextlib.contextmanager
+def _inference_model(model):
+    """``model`` in eval mode and without sequence parallelism (megatron runs inference without
+    it: a decode step has one position) for the block; both restored after it, also on error."""
+    was_training = model.training
+    model.eval()
+    sequence_parallel = bool(model.config.sequence_parallel)
+    if sequence_parallel:
+        from megatron.core.transformer.utils import set_model_to_sequence_parallel
+
+        set_model_to_sequence_parallel(model, False)
+    try:
+        yield
+    finally:
         model.train(was_training)
         if sequence_parallel:
             set_model_to_sequence_parallel(model, True)
-    return _assemble(prompts, results, params, stepper.forward_passes)
 
 
 def _slot_batches(prompts, prefills, resumed, params: SamplingParams, mbs: int, P: int,

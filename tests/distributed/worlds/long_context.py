@@ -128,7 +128,7 @@ def check_budgeted_generation():
     prompts = [torch.randint(0, ARCH.vocab_size, (n,), generator=g).tolist() for n in (5, 3, 8, 2, 6, 4, 7, 3)]
     max_new = 10
     per_seq = ARCH.shape.kv_bytes_per_sequence(8 + max_new, T2D2, 4)
-    rows = int(3.5 * per_seq) // per_seq
+    rows = int(3.5 * per_seq // per_seq)
     out = {"rows": rows}
     greedy = generate(eng, prompts, SamplingParams(max_new, greedy=True), seed=9).responses()
     eos = greedy[0][2]
