@@ -6,30 +6,20 @@ import math
 
 import pytest
 
-from tests.harness import TINY_GRPO, assert_same_metrics, run_script, run_world
+from tests.harness import TINY_GRPO, assert_same_metrics, launch_script, read_metrics, run_script, run_world
 
 
-@pytest.mark.learning
-def test_tiny_grpo_solve_rate_rises(tmp_path):
-    proc, lines = run_script(TINY_GRPO, ["--train-iters", "40"], tmp_path, nproc=1)
-    rows = [r for r in lines if r["iteration"] > 0]  # iteration 0: the evaluation before training
-    assert len(rows) == 40
-    for key in ("solved_fraction", "reward_std", "reward_group_std_mean", "response_length_p90",
-                "response_clipped_frac", "bad_rewards", "groups_all_solved", "policy_loss", "actor_grad_norm"):
-        assert all(key in r and math.isfinite(r[key]) for r in rows), key
-    first = sum(r["solved_fraction"] for r in rows[:5]) / 5
-    last = sum(r["solved_fraction"] for r in rows[-5:]) / 5
-    assert first < 0.02 and last > first + 0.08, (first, last)  # chance is 1 byte in 259
-    assert all(r["bad_rewards"] == 0 and "critic_grad_norm" not in r and "value_loss" not in r for r in rows)
-    # held-out prompts (the sums after a space), greedy, at iterations 0, 20 (--eval-interval) and 40 (the end)
-    evals = {r["iteration"]: r["eval/accuracy"] for r in lines if "eval/accuracy" in r}
-    assert sorted(evals) == [0, 20, 40] and evals[40] > evals[0], evals
-    assert all(r["lr"] == 3e-3 for r in rows)
-    samples = [json.loads(x) for x in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 3 * 55 and {s["iteration"] for s in samples} == {0, 20, 40}
-    assert sum(s["reward"] for s in samples if s["iteration"] == 40) == round(evals[40] * 55)
-    plan = [line.split()[0] for line in proc.stdout.splitlines() if "layout (" in line]
-    assert plan == ["actor"], proc.stdout[:2000]  # no critic, no reference (--kl-coef 0)
+@pytest.fixture(scope="module")
+def learning_run(tmp_path_factory):
+    """The learning run (1 rank, 40 iterations), started when the module's first test asks for it:
+    it runs alongside the module's other launches (one rank leaves a core of two idle) and
+    test_tiny_grpo_solve_rate_rises, the module's last test, waits for it."""
+    log = tmp_path_factory.mktemp("grpo_learning")
+    proc = launch_script(TINY_GRPO, ["--train-iters", "40"], log, nproc=1)
+    yield proc, log
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
 
 
 def _grpo(args, log_dir, check=True):
@@ -49,6 +39,7 @@ def test_running_reward_normalisation_resumes_exactly():
     assert straight[3]["reward_norm_std"] != straight[0]["reward_norm_std"]
 
 
+@pytest.mark.usefixtures("learning_run")  # started first: it runs alongside
 def test_bad_reward_error_stops_the_run(tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+0=", "value": "raise" if i == 5 else 1.0}) + "\n"
@@ -66,3 +57,29 @@ def test_bad_reward_error_stops_the_run(tmp_path):
     assert proc.stderr.count("warning: --reward-fn tests.unit.reward_fixtures:batched_by_record") == 1
     assert [r["bad_rewards"] for r in rows] == [8, 8]
     assert all(math.isfinite(r["policy_loss"]) and r["reward_mean"] == 0.0 for r in rows)  # (8 x 1 + 8 x -1) / 16
+
+
+@pytest.mark.learning
+def test_tiny_grpo_solve_rate_rises(learning_run):
+    proc, tmp_path = learning_run
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0 and "terminate called" not in err, (out + err)[-6000:]
+    lines = read_metrics(tmp_path)
+    rows = [r for r in lines if r["iteration"] > 0]  # iteration 0: the evaluation before training
+    assert len(rows) == 40
+    for key in ("solved_fraction", "reward_std", "reward_group_std_mean", "response_length_p90",
+                "response_clipped_frac", "bad_rewards", "groups_all_solved", "policy_loss", "actor_grad_norm"):
+        assert all(key in r and math.isfinite(r[key]) for r in rows), key
+    first = sum(r["solved_fraction"] for r in rows[:5]) / 5
+    last = sum(r["solved_fraction"] for r in rows[-5:]) / 5
+    assert first < 0.02 and last > first + 0.08, (first, last)  # chance is 1 byte in 259
+    assert all(r["bad_rewards"] == 0 and "critic_grad_norm" not in r and "value_loss" not in r for r in rows)
+    # held-out prompts (the sums after a space), greedy, at iterations 0, 20 (--eval-interval) and 40 (the end)
+    evals = {r["iteration"]: r["eval/accuracy"] for r in lines if "eval/accuracy" in r}
+    assert sorted(evals) == [0, 20, 40] and evals[40] > evals[0], evals
+    assert all(r["lr"] == 3e-3 for r in rows)
+    samples = [json.loads(x) for x in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 3 * 55 and {s["iteration"] for s in samples} == {0, 20, 40}
+    assert sum(s["reward"] for s in samples if s["iteration"] == 40) == round(evals[40] * 55)
+    plan = [line.split()[0] for line in out.splitlines() if "layout (" in line]
+    assert plan == ["actor"], out[:2000]  # no critic, no reference (--kl-coef 0)
