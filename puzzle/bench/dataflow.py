@@ -34,10 +34,10 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from puzzle.bench.worker_ranks import run_layouts
 
 LAYOUTS = {"141": (1, 4, 1), "212": (2, 1, 2)}  # name -> (P, D, T) on 4 ranks
 MODES = ("old", "new")
@@ -245,25 +245,9 @@ def main(argv=None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    rows = []
-    for layout in args.layouts:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-               "-m", "puzzle.bench.dataflow", "--worker", "--layout", layout, "--repeats", str(args.repeats),
-               "--rows", str(args.rows), "--max-new-tokens", str(args.max_new_tokens)]
-        proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
-        for line in proc.stdout.splitlines():
-            if line.startswith("ROW "):
-                rows.append(json.loads(line[4:]))
-                print(line[4:], flush=True)
-        if proc.returncode != 0:
-            sys.stderr.write("\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:]) + "\n")
-            return proc.returncode
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
-    return 0
+    worker_args = ["--repeats", str(args.repeats), "--rows", str(args.rows),
+                   "--max-new-tokens", str(args.max_new_tokens)]
+    return run_layouts("puzzle.bench.dataflow", args.layouts, lambda layout: 4, worker_args, args.out)
 
 
 if __name__ == "__main__":

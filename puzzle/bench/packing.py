@@ -26,10 +26,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from puzzle.bench.worker_ranks import run_layouts
 
 HIDDEN, LAYERS, HEADS = 256, 4, 8
 PROMPT, MAX_NEW, ROWS, MBS = 32, 224, 16, 4
@@ -168,26 +168,9 @@ def main(argv=None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    rows = []
-    for layout in args.layouts:
-        P, T = LAYOUTS[layout]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={P * T}",
-               "-m", "puzzle.bench.packing", "--worker", "--layout", layout, "--repeats", str(args.repeats),
-               "--max-new-tokens", str(args.max_new_tokens)]
-        proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True)
-        for line in proc.stdout.splitlines():
-            if line.startswith("ROW "):
-                rows.append(json.loads(line[4:]))
-                print(line[4:], flush=True)
-        if proc.returncode != 0:
-            sys.stderr.write("\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:]) + "\n")
-            return proc.returncode
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
-    return 0
+    worker_args = ["--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens)]
+    return run_layouts("puzzle.bench.packing", args.layouts, lambda layout: LAYOUTS[layout][0] * LAYOUTS[layout][1],
+                       worker_args, args.out)
 
 
 if __name__ == "__main__":
