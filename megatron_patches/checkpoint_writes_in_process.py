@@ -7,7 +7,7 @@ checked on megatron-core 0.16.0 and 0.16.1.
 
 Reason: the torch_dist save strategy (``TorchDistSaveShardedStrategy``, the default of
 ``dist_checkpointing.save``) writes each rank's shards from ``write_preloaded_data_multiproc``,
-which forks one writer process per bucket (``mp.get_context("fork")``) after ``count_queue.put``
+which starts one writer process per bucket with the "fork" start method after ``count_queue.put``
 has started a queue-feeder thread, in a process that already runs gloo's threads, the reward
 worker pool's threads and the allocator's. A lock held by any of them at the fork stays held
 forever in the child: the classic fork-after-threads deadlock. Seen: rank 0 waiting for ever at
