@@ -29,12 +29,11 @@ every rank derives the same parameter -> segment map (:func:`segment_of_params`)
 
 from __future__ import annotations
 
-import contextlib
 import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -216,11 +215,9 @@ def _element_size(table: RoutingTable, *param_maps: Mapping[str, torch.Tensor]) 
 def fast_dispatch():
     """Torch calls without the CPU backend's device-mapping mode (one Python call per torch call,
     even per ``Parameter.data``): for the switch's own work, which creates tensors only on its
-    parameters' own device. A no-op off the CPU backend."""
-    try:
-        from megatron_patches import cpu_backend
-    except ImportError:  # puzzle's routing used without megatron's patches
-        return contextlib.nullcontext()
+    parameters' own device. A no-op off the CPU backend (``device_mapping_suspended`` says so)."""
+    from megatron_patches import cpu_backend
+
     return cpu_backend.device_mapping_suspended()
 
 
