@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test suite: pure unit tests (seconds), distributed gloo worlds, end-to-end tiny PPO runs;
-# at the end pytest lists the 15 slowest tests (setup included: a shared world or run is set up
-# by the first test that needs it). A quicker pass without the two learning-curve runs:
+# The test suite: pure unit tests (seconds), distributed gloo worlds, end-to-end tiny PPO runs.
+# The shared worlds and the learning-curve runs start in the background (SCHED_IDLE) once the
+# tests are collected, and the tests reading them run last (tests/conftest.py); at the end pytest
+# lists the 15 slowest tests. A quicker pass without the two learning-curve runs:
 #   bash scripts/test.sh -m "not learning"
 set -euo pipefail
 cd "$(dirname "$0")/.."

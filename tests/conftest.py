@@ -1,16 +1,60 @@
-"""Shared by the test files: ``saved_run``, the session's one saved tiny PPO run, and the
+"""Shared by the test files: ``saved_run``, the session's one saved tiny PPO run, the
 ``learning`` marker of the learning-curve runs (the README command runs them; a quicker pass
-leaves them out: ``bash scripts/test.sh -m "not learning"``)."""
+leaves them out: ``bash scripts/test.sh -m "not learning"``), and the order of a session: the
+shared worlds (tests/harness.py SHARED_WORLDS) start in the background once the tests are
+collected, and the test files that read them run last, so that the worlds' ranks, which spend
+much of their time waiting on each other's collectives, share the two cores with the rest; the
+learning-curve runs (marked ``launch_ahead``) start then too."""
 
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 
+from tests import harness
 from tests.harness import (SAVED_RUN_ENV, SAVED_RUN_FLAGS, SAVED_RUN_NPROC, SAVED_RUN_SKIP_FLAGS, TINY_PPO,
                            read_metrics, run_script)
 
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "learning: a learning-curve run (left out by -m 'not learning')")
+    config.addinivalue_line("markers", "launch_ahead(script, args, nproc): a launch script's run started when the "
+                            "tests are collected, read by the test through the fixture ``ahead``")
+
+
+def _reads_worlds(item) -> int:
+    """2: a test file of tests/distributed; 1: another file that reads a world; 0: the rest."""
+    module = getattr(item, "module", None)
+    if module is None or not hasattr(module, "run_world"):
+        return 0
+    return 2 if "distributed" in Path(module.__file__).parts else 1
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_reads_worlds)  # stable: each file's tests keep their order
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    if any(_reads_worlds(i) for i in session.items):
+        harness.start_shared_worlds()
+    for item in session.items:
+        marker = item.get_closest_marker("launch_ahead")
+        if marker is not None:
+            harness.launched_ahead(*marker.args)
+
+
+def pytest_sessionfinish(session):
+    harness.stop_shared_worlds()
+    harness.stop_launched_ahead()
+
+
+@pytest.fixture
+def ahead(request) -> "harness.LaunchedAhead":
+    """The run named by the test's ``launch_ahead(script, args, nproc)`` marker, started when the
+    session's tests were collected: it ran alongside the tests before this one."""
+    return harness.launched_ahead(*request.node.get_closest_marker("launch_ahead").args)
 
 
 SavedRun = namedtuple("SavedRun", "root ckpt rows stdout stderr")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,9 +25,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-#: World scripts that share one world, as (ranks, scripts): the first test asking for any script
-#: of a group at that rank count runs the whole group in one torchrun (one start-up, one import of
-#: torch and megatron per rank) and each test still gets its own script's results. A script in no
+#: World scripts that share one world, as (ranks, scripts): each group runs whole in one torchrun
+#: (one start-up, one import of torch and megatron per rank), started in the background once a
+#: session's tests are collected (tests/conftest.py) or else by the first test asking for any
+#: script of it at that rank count, and each test still gets its own script's results. A script in no
 #: group, or run with arguments or another rank count, gets a world of its own. A failing check
 #: fails its group. Every world runs once per session: test files asking for the same world share
 #: its results. Every 4-rank script shares one world: each start-up of one costs about 10 s of
@@ -54,12 +56,12 @@ def run_world(script: str, nproc: int, *args: str, timeout: int = 600) -> list:
     if group is None or args:  # a world of its own (run once per session)
         key = (script, nproc, args)
         if key not in _shared_results:
-            _shared_results[key] = _spawn_world(script, nproc, *args, timeout=timeout)
+            _shared_results[key] = _World(script, nproc, *args).results(timeout)
         return _shared_results[key]
     if group not in _shared_results:
         try:
-            _shared_results[group] = _spawn_world("distributed/worlds/shared.py", nproc, *group[1],
-                                                  timeout=SHARED_TIMEOUT)
+            world = _started_groups.pop(group, None) or _World("distributed/worlds/shared.py", nproc, *group[1])
+            _shared_results[group] = world.results(SHARED_TIMEOUT)
         except AssertionError as e:
             _shared_results[group] = e
     results = _shared_results[group]
@@ -69,24 +71,82 @@ def run_world(script: str, nproc: int, *args: str, timeout: int = 600) -> list:
     return [{name[len(prefix):]: v for name, v in r.items() if name.startswith(prefix)} for r in results]
 
 
-def _spawn_world(script: str, nproc: int, *args: str, timeout: int = 600) -> list:
-    with tempfile.TemporaryDirectory(prefix="puzzle-world-") as out:
-        env = dict(os.environ, PUZZLE_TEST_OUT=out, OMP_NUM_THREADS="1",
+#: the shared worlds started ahead (``start_shared_worlds``), not yet collected
+_started_groups: dict = {}
+
+
+def start_shared_worlds() -> None:
+    """Start every SHARED_WORLDS group now, in the background: tests/conftest.py calls this when the
+    session has tests that need them and runs those tests last, so the worlds' ranks (mostly
+    waiting on each other's collectives) share the cores with the tests run meanwhile."""
+    for group in SHARED_WORLDS:
+        if group not in _shared_results and group not in _started_groups:
+            _started_groups[group] = _World("distributed/worlds/shared.py", group[0], *group[1], background=True)
+
+
+def stop_shared_worlds() -> None:
+    """End the worlds started ahead that no test collected (a deselected run)."""
+    while _started_groups:
+        _started_groups.popitem()[1].stop()
+
+
+def _in_background() -> None:
+    """In a child before it starts: run under SCHED_IDLE, so that the tests in the foreground take
+    the cores first and this process takes only what they leave (the ranks of a tiny run, waiting
+    on each other's collectives, leave much). A plain low priority is not enough: a waking rank
+    of the foreground would wait its turn behind the background at every collective."""
+    if hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+class _World:
+    """One torchrun of a world script, started at construction (``background``: at a lower
+    priority); its output goes to files (a pipe nobody reads while it runs would fill and stall it)."""
+
+    def __init__(self, script: str, nproc: int, *args: str, background: bool = False):
+        self.name, self.nproc = f"{script} x{nproc}", nproc
+        self.out = Path(tempfile.mkdtemp(prefix="puzzle-world-"))
+        env = dict(os.environ, PUZZLE_TEST_OUT=str(self.out), OMP_NUM_THREADS="1",
                    PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(REPO / "tests" / script), *args]
-        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-        results = []
-        for r in range(nproc):
-            f = Path(out) / f"rank{r}.json"
-            results.append(json.loads(f.read_text()) if f.exists() else None)
-        if proc.returncode != 0 or any(r is None for r in results):
-            tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-80:])
-            errors = [f"rank {r}, check {name}:\n{v['error']}" for r, res in enumerate(results) if res
-                      for name, v in res.items() if isinstance(v, dict) and "error" in v and len(v) == 1]
-            raise AssertionError(f"world {script} x{nproc} failed (rc={proc.returncode}):\n"
-                                 + "\n".join(errors[:2] + [tail]))
-        return results
+        self.log = open(self.out / "output.log", "w+")
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=_in_background if background else None)
+
+    def results(self, timeout: float) -> list:
+        """Wait for the world (at most ``timeout`` s more); its per-rank results, or an
+        AssertionError with the failing checks and the output's tail."""
+        try:
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"world {self.name} ran past {timeout} s") from None
+            results = []
+            for r in range(self.nproc):
+                f = self.out / f"rank{r}.json"
+                results.append(json.loads(f.read_text()) if f.exists() else None)
+            if self.proc.returncode != 0 or any(r is None for r in results):
+                self.log.seek(0)
+                tail = "\n".join(self.log.read().splitlines()[-80:])
+                errors = [f"rank {r}, check {name}:\n{v['error']}" for r, res in enumerate(results) if res
+                          for name, v in res.items() if isinstance(v, dict) and "error" in v and len(v) == 1]
+                raise AssertionError(f"world {self.name} failed (rc={self.proc.returncode}):\n"
+                                     + "\n".join(errors[:2] + [tail]))
+            return results
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:  # torchrun passes SIGTERM on to its ranks
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.out, ignore_errors=True)
 
 
 def world_main(checks) -> None:
@@ -171,6 +231,56 @@ def launch_script(script: Path, args, log_dir, nproc=None, env=None) -> subproce
     extra = dict(env or {}, **({"NPROC": str(nproc)} if nproc is not None else {}))
     return subprocess.Popen(["bash", str(script), *args, "--log-dir", str(log_dir)], cwd=REPO,
                             env=script_env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class LaunchedAhead:
+    """A launch script's run started when the session's tests are collected (tests/conftest.py,
+    the ``launch_ahead`` marker) and read by its test later: it runs in the background (``_in_background``)
+    alongside the tests between.
+    Output goes to files: a pipe nobody reads while it runs could fill and stall it."""
+
+    def __init__(self, script: Path, args, nproc: int):
+        self.dir = Path(tempfile.mkdtemp(prefix="puzzle-ahead-"))
+        self.log_dir = self.dir / "log"
+        self._out, self._err = open(self.dir / "stdout", "w+"), open(self.dir / "stderr", "w+")
+        self.proc = subprocess.Popen(["bash", str(script), *args, "--log-dir", str(self.log_dir)], cwd=REPO,
+                                     env=script_env(NPROC=str(nproc)), stdout=self._out, stderr=self._err, text=True,
+                                     preexec_fn=_in_background)
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait for the run (at most ``timeout`` s more); its exit status and output."""
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.stop(keep_files=True)
+        self._out.seek(0)
+        self._err.seek(0)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self._out.read(), self._err.read())
+
+    def stop(self, keep_files: bool = False) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if not keep_files:
+            self._out.close()
+            self._err.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_launched_ahead: dict = {}
+
+
+def launched_ahead(script: Path, args, nproc: int) -> LaunchedAhead:
+    """The run of ``script`` with ``args`` on ``nproc`` ranks started ahead (started now if not)."""
+    key = (str(script), tuple(args), nproc)
+    if key not in _launched_ahead:
+        _launched_ahead[key] = LaunchedAhead(script, args, nproc)
+    return _launched_ahead[key]
+
+
+def stop_launched_ahead() -> None:
+    while _launched_ahead:
+        _launched_ahead.popitem()[1].stop()
 
 
 def run_script(script: Path, args, log_dir, nproc=None, env=None, check=True, timeout=600):

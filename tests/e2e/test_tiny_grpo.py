@@ -6,20 +6,7 @@ import math
 
 import pytest
 
-from tests.harness import TINY_GRPO, assert_same_metrics, launch_script, read_metrics, run_script, run_world
-
-
-@pytest.fixture(scope="module")
-def learning_run(tmp_path_factory):
-    """The learning run (1 rank, 40 iterations), started when the module's first test asks for it:
-    it runs alongside the module's other launches (one rank leaves a core of two idle) and
-    test_tiny_grpo_solve_rate_rises, the module's last test, waits for it."""
-    log = tmp_path_factory.mktemp("grpo_learning")
-    proc = launch_script(TINY_GRPO, ["--train-iters", "40"], log, nproc=1)
-    yield proc, log
-    if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
+from tests.harness import TINY_GRPO, assert_same_metrics, read_metrics, run_script, run_world
 
 
 def _grpo(args, log_dir, check=True):
@@ -39,7 +26,6 @@ def test_running_reward_normalisation_resumes_exactly():
     assert straight[3]["reward_norm_std"] != straight[0]["reward_norm_std"]
 
 
-@pytest.mark.usefixtures("learning_run")  # started first: it runs alongside
 def test_bad_reward_error_stops_the_run(tmp_path):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+0=", "value": "raise" if i == 5 else 1.0}) + "\n"
@@ -60,11 +46,13 @@ def test_bad_reward_error_stops_the_run(tmp_path):
 
 
 @pytest.mark.learning
-def test_tiny_grpo_solve_rate_rises(learning_run):
-    proc, tmp_path = learning_run
-    out, err = proc.communicate(timeout=900)
+@pytest.mark.launch_ahead(TINY_GRPO, ["--train-iters", "40"], 1)
+def test_tiny_grpo_solve_rate_rises(ahead):
+    """The learning run (1 rank, 40 iterations), launched ahead (tests/conftest.py)."""
+    proc = ahead.finish(timeout=900)
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0 and "terminate called" not in err, (out + err)[-6000:]
-    lines = read_metrics(tmp_path)
+    lines = read_metrics(ahead.log_dir)
     rows = [r for r in lines if r["iteration"] > 0]  # iteration 0: the evaluation before training
     assert len(rows) == 40
     for key in ("solved_fraction", "reward_std", "reward_group_std_mean", "response_length_p90",
@@ -78,7 +66,7 @@ def test_tiny_grpo_solve_rate_rises(learning_run):
     evals = {r["iteration"]: r["eval/accuracy"] for r in lines if "eval/accuracy" in r}
     assert sorted(evals) == [0, 20, 40] and evals[40] > evals[0], evals
     assert all(r["lr"] == 3e-3 for r in rows)
-    samples = [json.loads(x) for x in (tmp_path / "eval_samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(x) for x in (ahead.log_dir / "eval_samples.jsonl").read_text().splitlines()]
     assert len(samples) == 3 * 55 and {s["iteration"] for s in samples} == {0, 20, 40}
     assert sum(s["reward"] for s in samples if s["iteration"] == 40) == round(evals[40] * 55)
     plan = [line.split()[0] for line in out.splitlines() if "layout (" in line]

@@ -10,8 +10,7 @@ import math
 import pytest
 
 from puzzle import cli
-from tests.harness import (TINY_CLI, TINY_PPO, assert_same_metrics, launch_script, read_metrics, run_script,
-                           run_world)
+from tests.harness import TINY_CLI, TINY_PPO, assert_same_metrics, read_metrics, run_script, run_world
 
 
 #: the quick start's flags on one rank: every model at (P,D,T) = (1,1,1), the same arithmetic up
@@ -22,23 +21,18 @@ QUICK_START_ITERS = 4
 
 
 @pytest.mark.learning
-def test_tiny_run_learns(tmp_path):
+@pytest.mark.launch_ahead(TINY_PPO, ONE_RANK, 1)
+def test_tiny_run_learns(ahead, tmp_path):
     """The README quick start as a user runs it (4 ranks, the actor at (2,1,2)) for its first
     QUICK_START_ITERS iterations, with a save at the end: also the suite's 4-rank training job
     (the reward worker pool, a save) that must exit 0 without an abort at exit (run_script
-    checks; tests/e2e/test_clean_exit.py). Its 24 iterations on one rank, run alongside, learn:
-    reward of the last 5 iterations clearly above the first 5; their first iterations are the
-    4-rank run's (the same sampled tokens, fp32 sums in another order)."""
-    one = launch_script(TINY_PPO, ONE_RANK, tmp_path / "one", nproc=1)  # alongside: 1 rank leaves a core idle
-    try:
-        proc, rows = run_script(TINY_PPO, ["--train-iters", str(QUICK_START_ITERS), "--save", str(tmp_path / "ckpt")],
-                                tmp_path / "four", timeout=900)
-        out, err = one.communicate(timeout=900)
-    finally:
-        if one.poll() is None:
-            one.kill()
-            one.communicate()
-    assert one.returncode == 0 and "terminate called" not in err, (out + err)[-6000:]
+    checks; tests/e2e/test_clean_exit.py). Its 24 iterations on one rank, launched ahead
+    (tests/conftest.py), learn: reward of the last 5 iterations clearly above the first 5; their
+    first iterations are the 4-rank run's (the same sampled tokens, fp32 sums in another order)."""
+    proc, rows = run_script(TINY_PPO, ["--train-iters", str(QUICK_START_ITERS), "--save", str(tmp_path / "ckpt")],
+                            tmp_path / "four", timeout=900)
+    one = ahead.finish(timeout=900)
+    assert one.returncode == 0 and "terminate called" not in one.stderr, (one.stdout + one.stderr)[-6000:]
     assert len(rows) == QUICK_START_ITERS and (tmp_path / "ckpt" / f"iter_{QUICK_START_ITERS:07d}").is_dir()
     for key in ("iteration", "reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "entropy",
                 "response_length_mean", "samples_per_sec", "time_generate", "time_score", "time_train"):
@@ -47,7 +41,7 @@ def test_tiny_run_learns(tmp_path):
     last = next(line for line in proc.stdout.splitlines()
                 if line.startswith(f" iteration {QUICK_START_ITERS:>8}/{QUICK_START_ITERS:>8} | elapsed: "))
     assert "| ETA: 0:00:00 | learning rate: 2.000E-03 | reward: " in last and "grad norm actor/critic: " in last
-    whole = read_metrics(tmp_path / "one")
+    whole = read_metrics(ahead.log_dir)
     assert len(whole) == 24
     assert_same_metrics(whole[:QUICK_START_ITERS], rows, KEYS, rel=1e-4, abs=1e-5)
     first = sum(r["reward_mean"] for r in whole[:5]) / 5
