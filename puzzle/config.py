@@ -685,6 +685,10 @@ class RunConfig:
     skip_bad_records: bool = flag(
         False, _DATA, "Skip (and count) malformed prompt records instead of stopping at the first.")
     reward_fn: Optional[str] = flag(None, _PPO, "Reward function module:function.", type=str)
+    env: Optional[str] = flag(
+        None, _PPO, "Environment that answers the model's turns and gives the reward: module:Class or a built-in "
+        "(calculator; single_turn: --reward-fn as an episode of one turn). Its steps run in the reward workers, "
+        "each under --reward-timeout.", type=str)
     reward_model: Optional[str] = flag(
         None, _PPO, "Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.", type=str)
     reward_workers: int = flag(
@@ -753,7 +757,7 @@ class RunConfig:
             fail("--bf16/--fp16", f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
         check_at_least(cls, self, 1, "train_iters", "log_interval", "switch_segments")
         check_at_least(cls, self, 0, "reward_workers")
-        check(cls, self, "reward_workers", not self.reward_workers or bool(self.reward_fn),
+        check(cls, self, "reward_workers", not self.reward_workers or bool(self.reward_fn or self.env),
               "needs --reward-fn (a reward model scores in the scoring stage, in the rank's process)")
         check_at_least(cls, self, 0, "reward_timeout", optional=True)
         check(cls, self, "bad_reward_value", math.isfinite(self.bad_reward_value),

@@ -101,9 +101,10 @@ class Rewards:
         ppo = cfg.ppo
         self.tokenizer, self.n_samples = tokenizer, ppo.n_samples_per_prompt
         self.function: Optional[RolloutRewarder] = None
-        if cfg.reward_fn:
+        if cfg.reward_fn or cfg.env:
             self.function = RolloutRewarder(cfg.reward_fn, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
-                                            on_bad_reward=cfg.on_bad_reward, bad_reward_value=cfg.bad_reward_value)
+                                            on_bad_reward=cfg.on_bad_reward, bad_reward_value=cfg.bad_reward_value,
+                                            env=cfg.env)
         self.policy = self.function.policy if self.function else BadRewardPolicy(cfg.on_bad_reward,
                                                                                 cfg.bad_reward_value)
         self.model_name = cfg.reward_model
