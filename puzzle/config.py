@@ -498,6 +498,7 @@ _OPS = "preemption, time limits, hangs and non-finite steps"
 _LOGGING = "logging and checkpoints"
 _DATA = "data"
 _REWARD_FN = "reward functions (--reward-fn; docs/grpo.md)"
+_ENV = "environments (--env; docs/grpo.md)"
 #: --score-placement / --train-placement: how the models of one stage share the devices
 PLACEMENTS = ("sequential", "disjoint", "time-sharing")
 
@@ -689,6 +690,12 @@ class RunConfig:
         None, _PPO, "Environment that answers the model's turns and gives the reward: module:Class or a built-in "
         "(calculator; single_turn: --reward-fn as an episode of one turn). Its steps run in the reward workers, "
         "each under --reward-timeout.", type=str)
+    max_turns: int = flag(
+        1, _ENV, "Turns per sample: above 1 the turns run in the decode loop (P=1, T=1), the environment answering "
+        "each turn that ends at one of its turn_stops with an observation; --max-new-tokens bounds the whole "
+        "response, observations included.")
+    max_observation_tokens: int = flag(
+        64, _ENV, "Tokens of one observation; a longer one is cut, ending in a truncation marker.")
     reward_model: Optional[str] = flag(
         None, _PPO, "Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.", type=str)
     reward_workers: int = flag(
@@ -760,6 +767,8 @@ class RunConfig:
         check(cls, self, "reward_workers", not self.reward_workers or bool(self.reward_fn or self.env),
               "needs --reward-fn (a reward model scores in the scoring stage, in the rank's process)")
         check_at_least(cls, self, 0, "reward_timeout", optional=True)
+        check_at_least(cls, self, 1, "max_turns", "max_observation_tokens")
+        check(cls, self, "max_turns", self.max_turns == 1 or bool(self.env), "needs --env (what answers the turns)")
         check(cls, self, "bad_reward_value", math.isfinite(self.bad_reward_value),
               f"must be a finite number (got {self.bad_reward_value})")
         check(cls, self, "reward_fn", not self.reward_fn or ":" in self.reward_fn,

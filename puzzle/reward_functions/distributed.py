@@ -67,9 +67,11 @@ class RolloutRewarder:
     def __init__(self, spec: str, *, workers: int = 0, timeout=None, on_bad_reward: str = "default",
                  bad_reward_value: float = 0.0, env: Optional[str] = None):
         self.policy = BadRewardPolicy(on_bad_reward, bad_reward_value)
+        self.env_runner = None
         if env:
             self.source = f"--env {env}"
-            self.scorer = SingleTurnEpisodes(EnvRunner(EnvSpec.of(env, spec), workers, timeout))
+            self.env_runner = EnvRunner(EnvSpec.of(env, spec), workers, timeout)  # also runs multi-turn episodes
+            self.scorer = SingleTurnEpisodes(self.env_runner)
         else:
             self.source = f"--reward-fn {spec}"
             self.scorer = RewardScorer(load_reward_fn(spec), workers, timeout)

@@ -6,6 +6,7 @@ built-in's registry name (``BUILTIN_ENVS``). One instance serves one sample (an 
     env = Class()                   # the built-in single-turn wrapper also gets reward_fn=...
     env.reset(record)  -> Optional[str]          # the first prompt; None: the record's prompt as loaded
     env.step(turn)     -> (observation, reward, done)   # or a StepResult
+    Class.turn_stops   -> the strings that end a model's turn (multi-turn: --max-turns > 1)
 
 ``turn`` is a :class:`Turn`: the model's text and token ids of this turn and everything before
 it. ``observation`` (a str) is inserted after the turn when ``done`` is false; ``reward`` (a real
@@ -125,6 +126,30 @@ class EnvSpec:
         return cls(spec, path, kwargs)
 
 
+def turn_stops(spec: EnvSpec) -> List[str]:
+    """The strings that end a turn of ``spec``'s environment (its class's ``turn_stops``: the
+    close of a tool call), empty when it declares none."""
+    module_name, _, cls_name = spec.path.partition(":")
+    stops = getattr(getattr(importlib.import_module(module_name), cls_name), "turn_stops", ())
+    if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"--env {spec.spec}: turn_stops must be a sequence of non-empty strings (got {stops!r})")
+    return list(stops)
+
+
+def check_turn_setup(spec: EnvSpec, max_turns: int, max_observation_tokens: int, tokenizer) -> None:
+    """Multi-turn (``max_turns`` > 1) needs the environment's ``turn_stops`` and room for the
+    truncation marker in an observation; a ValueError names the flag."""
+    if max_turns == 1:
+        return
+    if not turn_stops(spec):
+        raise ValueError(f"--max-turns {max_turns}: --env {spec.spec} declares no turn_stops (the strings that end "
+                         f"a turn), so its samples cannot have several turns")
+    marker = len(tokenizer.encode(TRUNCATION_MARKER))
+    if max_observation_tokens < marker:
+        raise ValueError(f"--max-observation-tokens {max_observation_tokens}: below the {marker} tokens of the "
+                         f"truncation marker {TRUNCATION_MARKER!r}")
+
+
 class EnvFactory:
     """Makes the environments of one ``EnvSpec`` (in a worker or in the rank's process); ``spec``
     and ``one_sample_per_call`` are what the worker pool reads (``runner.RewardScorer``)."""
@@ -209,6 +234,7 @@ class Calculator:
     """
 
     CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
+    turn_stops = (CALL_CLOSE,)
 
     def __init__(self):
         self.answer: Optional[str] = None

@@ -481,7 +481,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
 def _check_turns(turns, plan, stop, partial_tokens, cuda_graphs) -> None:
     if turns is None:
         return
-    if (plan.P, plan.T) != (1, 1):
+    if (plan.P, plan.T) != (1, 1) or plan.has_experts_split:
         raise ValueError(f"multi-turn generation (--env) runs at P=1, T=1 for now; the actor generates at {plan}")
     for given, what in ((stop is not None, "a finished-groups quota (partial rollouts)"),
                         (partial_tokens is not None, "partial rows to resume"), (cuda_graphs, "CUDA graphs")):

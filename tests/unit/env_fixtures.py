@@ -36,3 +36,29 @@ class Counter:
 
 class NotAnEnvironment:  # no step()
     pass
+
+
+class Vowels:
+    """Multi-turn: a turn ends at a vowel, answered with "ok"; reward 0.5 per turn."""
+    turn_stops = tuple("aeiou")
+
+    def reset(self, record):
+        pass
+
+    def step(self, turn):
+        return "ok", 0.5, False
+
+
+class Shouty:
+    """Multi-turn: "boom" raises, "long" answers 100 characters, "end" is done with reward 1."""
+    turn_stops = (";",)
+
+    def reset(self, record):
+        pass
+
+    def step(self, turn):
+        if turn.text.startswith("boom"):
+            raise RuntimeError("boom")
+        if turn.text.startswith("long"):
+            return "y" * 100, 0.25, False
+        return ("", 1.0, True) if turn.text.startswith("end") else ("fine", None, False)

@@ -95,3 +95,29 @@ def test_single_turn_wrapper_scores_as_the_reward_function():
     no_answer = [Sample(0, "p", "7", [1], [55], {})]
     (value, why), = SingleTurnEpisodes(EnvRunner(EnvSpec.of("single_turn", spec))).score(no_answer)
     assert value is None and "no 'answer' field" in why
+
+
+def test_episodes_decode_turns_step_them_and_encode_capped_observations():
+    from puzzle.data.tokenizers import ByteTokenizer
+    from puzzle.dataflow.env_turns import EpisodeTurns
+    from puzzle.reward_functions.env_runner import error_observation
+    from puzzle.reward_functions.environments import check_turn_setup
+
+    tok = ByteTokenizer()
+    runner = EnvRunner(EnvSpec.of(f"{FX}:Shouty"))
+    ep = EpisodeTurns(runner, tok, [tok.encode("p0"), tok.encode("p1"), tok.encode("p2")], [{}, {}, {}], 3, 20,
+                      [tok.encode(";")])
+    obs = ep.step([0, 1, 2], [tok.encode(t) for t in ("long;", "boom;", "hm;")], [[], [], []], [False] * 3)
+    assert obs[0] == tok.encode("y" * 6 + TRUNCATION_MARKER)  # 20 tokens, the marker last
+    assert tok.decode(obs[1]) == error_observation("raised RuntimeError: boom")[:20 - 14] + TRUNCATION_MARKER
+    assert obs[2] == tok.encode("fine")
+    assert ep.step([0, 1], [tok.encode("end;") + [tok.eos_id], tok.encode("boom")], [obs[0], obs[1]],
+                   [False, True]) == [None, obs[1]]
+    assert ep.scores() == [(1.25, None), (None, "raised RuntimeError: boom"), (0.0, None)]
+    assert ep.counts == {"tool_calls": 3, "observations_truncated": 3}
+    assert dict(runner.stats) == {"env_steps": 5, "env_step_errors": 2, "env_step_timeouts": 0}
+    with pytest.raises(ValueError, match="declares no turn_stops"):
+        check_turn_setup(EnvSpec.of(f"{FX}:Faulty"), 2, 64, tok)
+    with pytest.raises(ValueError, match="--max-observation-tokens 5: below the 14 tokens"):
+        check_turn_setup(EnvSpec.of("calculator"), 2, 5, tok)
+    check_turn_setup(EnvSpec.of(f"{FX}:Faulty"), 1, 5, tok)  # one turn: nothing to check
