@@ -769,6 +769,11 @@ class RunConfig:
         check_at_least(cls, self, 0, "reward_timeout", optional=True)
         check_at_least(cls, self, 1, "max_turns", "max_observation_tokens")
         check(cls, self, "max_turns", self.max_turns == 1 or bool(self.env), "needs --env (what answers the turns)")
+        actor = self.roles.get("actor")
+        gen = actor and (actor.gen_plan or actor.plan)
+        check(cls, self, "max_turns", self.max_turns == 1 or gen is None
+              or ((gen.P, gen.T) == (1, 1) and not gen.has_experts_split),
+              f"multi-turn generation runs at P=1, T=1 for now; the actor generates at {gen}")
         check(cls, self, "bad_reward_value", math.isfinite(self.bad_reward_value),
               f"must be a finite number (got {self.bad_reward_value})")
         check(cls, self, "reward_fn", not self.reward_fn or ":" in self.reward_fn,
