@@ -486,8 +486,8 @@ def _check_lengths_and_rewards(args, check_paths: bool) -> int:
                                   f"exceeds --seq-length {args.seq_length}")
     if args.hf_reward_path and not args.reward_model:
         args.reward_model = args.hf_reward_path
-    if not args.reward_fn and not args.reward_model:
-        _fail("--reward-fn", "no reward source: pass --reward-fn module:function, --hf-reward-path DIR, "
+    if not args.reward_fn and not args.reward_model and not args.env:
+        _fail("--reward-fn", "no reward source: pass --reward-fn module:function, --env, --hf-reward-path DIR, "
                              "--reward-pretrained-checkpoint DIR or --reward-model (an HF or Megatron-LM checkpoint "
                              "directory, or 'random' for tests)")
     if args.reward_model and args.reward_model != "random" and not args.hf_reward_path \
@@ -500,8 +500,10 @@ def _check_lengths_and_rewards(args, check_paths: bool) -> int:
     if args.reward_fn and args.reward_model:
         _fail("--reward-fn", f"give one reward source, not both --reward-fn and a reward model "
                              f"({args.reward_model})")
-    if "reward_timeout" in flags_given(RunConfig, args) and not args.reward_fn:
-        _fail("--reward-timeout", "needs --reward-fn (it bounds the reward function's calls)")
+    if args.env and args.reward_model:
+        _fail("--env", f"give one reward source, not both --env and a reward model ({args.reward_model})")
+    if "reward_timeout" in flags_given(RunConfig, args) and not (args.reward_fn or args.env):
+        _fail("--reward-timeout", "needs --reward-fn or --env (it bounds the reward function's calls)")
     return max_prompt
 
 
@@ -776,7 +778,7 @@ def resolve_vocab_size(args) -> int:
 def config_for_planning(args, layouts: Optional[PlanLayouts] = None):
     """A RunConfig for planning and dry runs: no files needed, a reward model assumed if none given."""
     args = argparse.Namespace(**vars(args))
-    if not args.reward_fn and not args.reward_model and not args.hf_reward_path \
+    if not args.reward_fn and not args.env and not args.reward_model and not args.hf_reward_path \
             and not args.reward_pretrained_checkpoint:
         args.reward_model = "random"
     return validate_args(args, resolve_world_size(args), resolve_vocab_size(args), check_paths=False,

@@ -95,6 +95,10 @@ def _checked(argv, world_size: int, report: bool = True):
             from puzzle.reward_functions import load_reward_fn
 
             load_reward_fn(cfg.reward_fn)
+        if cfg.env:  # an unknown environment is refused here, naming it
+            from puzzle.reward_functions.environments import EnvSpec, check_turn_setup
+
+            check_turn_setup(EnvSpec.of(cfg.env, cfg.reward_fn), cfg.max_turns, cfg.max_observation_tokens, tokenizer)
         dataset = load_prompt_dataset(cfg.prompt_data or bundled_prompts_path(), tokenizer,
                                       cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,
                                       overflow=cfg.prompt_overflow, split=cfg.prompt_split,

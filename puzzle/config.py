@@ -510,6 +510,7 @@ _OPS = "preemption, time limits, hangs and non-finite steps"
 _LOGGING = "logging and checkpoints"
 _DATA = "data"
 _REWARD_FN = "reward functions (--reward-fn; docs/grpo.md)"
+_ENV = "environments (--env; docs/grpo.md)"
 #: --score-placement / --train-placement: how the models of one stage share the devices
 PLACEMENTS = ("sequential", "disjoint", "time-sharing")
 
@@ -697,6 +698,16 @@ class RunConfig:
     skip_bad_records: bool = flag(
         False, _DATA, "Skip (and count) malformed prompt records instead of stopping at the first.")
     reward_fn: Optional[str] = flag(None, _PPO, "Reward function module:function.", type=str)
+    env: Optional[str] = flag(
+        None, _PPO, "Environment that answers the model's turns and gives the reward: module:Class or a built-in "
+        "(calculator; single_turn: --reward-fn as an episode of one turn). Its steps run in the reward workers, "
+        "each under --reward-timeout.", type=str)
+    max_turns: int = flag(
+        1, _ENV, "Turns per sample: above 1 the turns run in the decode loop (P=1, T=1), the environment answering "
+        "each turn that ends at one of its turn_stops with an observation; --max-new-tokens bounds the whole "
+        "response, observations included.")
+    max_observation_tokens: int = flag(
+        64, _ENV, "Tokens of one observation; a longer one is cut, ending in a truncation marker.")
     reward_model: Optional[str] = flag(
         None, _PPO, "Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.", type=str)
     reward_workers: int = flag(
@@ -765,9 +776,16 @@ class RunConfig:
             fail("--bf16/--fp16", f"precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
         check_at_least(cls, self, 1, "train_iters", "log_interval", "switch_segments")
         check_at_least(cls, self, 0, "reward_workers")
-        check(cls, self, "reward_workers", not self.reward_workers or bool(self.reward_fn),
+        check(cls, self, "reward_workers", not self.reward_workers or bool(self.reward_fn or self.env),
               "needs --reward-fn (a reward model scores in the scoring stage, in the rank's process)")
         check_at_least(cls, self, 0, "reward_timeout", optional=True)
+        check_at_least(cls, self, 1, "max_turns", "max_observation_tokens")
+        check(cls, self, "max_turns", self.max_turns == 1 or bool(self.env), "needs --env (what answers the turns)")
+        actor = self.roles.get("actor")
+        gen = actor and (actor.gen_plan or actor.plan)
+        check(cls, self, "max_turns", self.max_turns == 1 or gen is None
+              or ((gen.P, gen.T) == (1, 1) and not gen.has_experts_split),
+              f"multi-turn generation runs at P=1, T=1 for now; the actor generates at {gen}")
         check(cls, self, "bad_reward_value", math.isfinite(self.bad_reward_value),
               f"must be a finite number (got {self.bad_reward_value})")
         check(cls, self, "reward_fn", not self.reward_fn or ":" in self.reward_fn,

@@ -102,6 +102,10 @@ def check_algorithm_args(args) -> None:
         if spec.needs_greedy_baseline:
             fail("--filter-groups", "not with --advantage-estimator remax (its greedy baseline is generated "
                                      "for the iteration's first prompts)")
+    if getattr(args, "max_turns", 1) > 1:  # multi-turn episodes score the rows as they are generated
+        for given, what in ((args.filter_groups, "--filter-groups"), (spec.needs_greedy_baseline, f"--advantage-estimator {est}")):
+            if given:
+                fail("--max-turns", f"multi-turn samples are not yet scored for {what}")
     if spec.needs_greedy_baseline and not args.reward_fn:
         fail("--advantage-estimator", "remax scores its greedy baseline in the generation stage: it needs "
                                        "--reward-fn, not a reward model")
@@ -123,6 +127,9 @@ def check_partial_rollouts(args, spec) -> None:
     if args.filter_groups:
         fail("--rl-partial-rollouts", "not with --filter-groups (dynamic sampling over-generates in rounds "
                                       "of whole groups; the two would serve the same prompts twice)")
+    if getattr(args, "max_turns", 1) > 1:
+        fail("--rl-partial-rollouts", "not with --max-turns > 1 (an episode's environment state cannot be "
+                                      "carried to the next iteration yet)")
     if not args.rl_inference_logprobs_is_correction:
         fail("--rl-partial-rollouts", "needs --rl-inference-logprobs-is-correction: carried tokens were sampled "
                                       "under an older policy and the loss must weight them by the log-probs "

@@ -99,9 +99,26 @@ def _in_background() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` and every process under it (torchrun's ranks run in sessions of their own)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.kill()
+    proc.wait()
+
+
 class _World:
-    """One torchrun of a world script, started at construction (``background``: at a lower
-    priority); its output goes to files (a pipe nobody reads while it runs would fill and stall it)."""
+    """One torchrun of a world script, started at construction (``background``: under
+    SCHED_IDLE); its output goes to files (a pipe nobody reads while it runs would fill and stall it)."""
 
     def __init__(self, script: str, nproc: int, *args: str, background: bool = False):
         self.name, self.nproc = f"{script} x{nproc}", nproc
@@ -143,8 +160,7 @@ class _World:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                _kill_tree(self.proc)
         self.log.close()
         shutil.rmtree(self.out, ignore_errors=True)
 
@@ -235,9 +251,9 @@ def launch_script(script: Path, args, log_dir, nproc=None, env=None) -> subproce
 
 class LaunchedAhead:
     """A launch script's run started when the session's tests are collected (tests/conftest.py,
-    the ``launch_ahead`` marker) and read by its test later: it runs in the background (``_in_background``)
-    alongside the tests between.
-    Output goes to files: a pipe nobody reads while it runs could fill and stall it."""
+    the ``launch_ahead`` marker) and read by its test later: it runs in the background, under
+    SCHED_IDLE, alongside the tests between. Output goes to files: a pipe nobody reads while it
+    runs could fill and stall it."""
 
     def __init__(self, script: Path, args, nproc: int):
         self.dir = Path(tempfile.mkdtemp(prefix="puzzle-ahead-"))
@@ -259,8 +275,7 @@ class LaunchedAhead:
 
     def stop(self, keep_files: bool = False) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            _kill_tree(self.proc)
         if not keep_files:
             self._out.close()
             self._err.close()

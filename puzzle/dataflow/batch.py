@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 
 #: the per-row fields of a rollout ([B, R] or [B]) and the one stage that writes each
-ROW_FIELDS = {"gen_logprobs": "generation", "group_index": "generation",
+ROW_FIELDS = {"gen_logprobs": "generation", "group_index": "generation", "loss_mask": "generation",
               "scores": "reward", "baseline_scores": "reward",
               "old_logprobs": "scoring", "entropy": "scoring", "ref_logprobs": "scoring", "values": "scoring",
               "advantages": "advantages", "returns": "advantages"}
@@ -45,6 +45,9 @@ class RolloutBatch:
     max_new_tokens: int
     gen_logprobs: Optional[torch.Tensor] = None     # [B, R] generation: each token's log-prob as sampled
     group_index: Optional[torch.Tensor] = None      # [B] generation: the prompt of each row (N > 1)
+    # [B, R] generation (multi-turn, --env): 1 for the model's tokens, 0 for the observation tokens
+    # an environment inserted (in the sequence, attended to, but no loss, KL, value target or advantage)
+    loss_mask: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None           # [B] reward: raw sequence scores
     baseline_scores: Optional[torch.Tensor] = None  # [B] reward: ReMax's greedy baseline, shaped
     old_logprobs: Optional[torch.Tensor] = None     # [B, R] scoring: the actor's
@@ -80,8 +83,11 @@ class RolloutBatch:
 
     @property
     def response_mask(self) -> torch.Tensor:
+        """[B, R] float: 1 for the response tokens that are trained on (the model's: the loss,
+        KL, value targets and advantages read only these), 0 for padding and observations."""
         k = torch.arange(self.max_new_tokens, device=self.device).unsqueeze(0)
-        return (k < self.response_lengths.unsqueeze(1)).float()
+        mask = (k < self.response_lengths.unsqueeze(1)).float()
+        return mask if self.loss_mask is None else mask * self.loss_mask.to(mask.dtype)
 
     def rows(self, index: torch.Tensor) -> "RolloutBatch":
         return RolloutBatch(self.tokens[index], self.prompt_lengths[index],
@@ -202,7 +208,8 @@ def _legacy_assemble(local: Optional[torch.Tensor], owners: List[int], total_row
 def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[torch.Tensor],
                             lengths: Optional[torch.Tensor], layout, max_new_tokens: int,
                             pad_id: int, device: torch.device, seq_multiple: int = 1, *,
-                            logprobs: Optional[torch.Tensor] = None, with_logprobs: bool = False) -> RolloutBatch:
+                            logprobs: Optional[torch.Tensor] = None, with_logprobs: bool = False,
+                            loss_mask: Optional[torch.Tensor] = None, with_loss_mask: bool = False) -> RolloutBatch:
     """The world's RolloutBatch from each generation DP rank's [b, R] responses and [b] lengths
     (``GenerationOutput.response_tokens`` / ``response_lengths``: response coordinates).
 
@@ -213,7 +220,8 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
     int64 gather, log-probs in one float32 gather (``world_rows``). The sequence length is rounded
     up to ``seq_multiple`` (sequence parallelism splits it over T); padding after a sequence does
     not change it (causal attention). ``with_logprobs`` (the same on every rank): ``logprobs``
-    [b, R], each generated token's log-prob as it was sampled, are the batch's ``gen_logprobs``.
+    [b, R], each generated token's log-prob as it was sampled, are the batch's ``gen_logprobs``;
+    ``with_loss_mask`` (multi-turn): ``loss_mask`` [b, R] (0 at observation tokens) its ``loss_mask``.
     """
     B, R = len(prompt_ids), max_new_tokens
     owners = layout.plan.generation_owners()
@@ -228,7 +236,8 @@ def rollout_from_generation(prompt_ids: List[List[int]], responses: Optional[tor
     seq = -(-int((prompt_lengths + R).max()) // seq_multiple) * seq_multiple
     tokens = right_padded_rows(prompt_ids, responses, lengths, seq, pad_id)
     gen_logprobs = world_rows(logprobs, owners, B, (R,), torch.float32, device) if with_logprobs else None
-    return RolloutBatch(tokens, prompt_lengths.to(device), lengths, R, gen_logprobs=gen_logprobs)
+    mask = world_rows(loss_mask, owners, B, (R,), torch.float32, device) if with_loss_mask else None
+    return RolloutBatch(tokens, prompt_lengths.to(device), lengths, R, gen_logprobs=gen_logprobs, loss_mask=mask)
 
 
 def right_padded_rows(prompt_ids: List[List[int]], response_tokens: torch.Tensor,

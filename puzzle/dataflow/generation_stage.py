@@ -17,6 +17,7 @@ import torch
 from puzzle.algorithms.advantage_estimators import ESTIMATORS
 from puzzle.algorithms.dapo import informative_groups
 from puzzle.dataflow.batch import RolloutBatch, concat_rollouts, rollout_from_generation
+from puzzle.dataflow.env_turns import gather_episodes
 
 
 @dataclass
@@ -41,6 +42,7 @@ class GenerationStage:
         self.actor, self.switch, self.rewards = actor, switch, rewards
         self.device, self.seq_multiple = device, seq_multiple
         self.progress = None  # progress(finished, rows) of each generation (a terminal display)
+        self.episodes = None  # multi-turn (--max-turns > 1): the last sample()'s EpisodeResults
         self.partial = None  # --rl-partial-rollouts: the carried samples (puzzle/dataflow/partial_stage.py)
         if self.ppo.rl_partial_rollouts:
             from puzzle.dataflow.partial_stage import PartialRollouts
@@ -63,7 +65,10 @@ class GenerationStage:
         elif self.ppo.filter_groups:
             out = self._dynamic_sampling(engine, prompt_ids, records, refill, iteration)
         else:
-            out = Rollout(self.rollout(engine, prompt_ids, iteration), records)
+            out = Rollout(self.rollout(engine, prompt_ids, iteration, records=records), records)
+            if self.episodes is not None:  # multi-turn: the episodes scored the rows
+                out.scores, n_bad = self.rewards.episode_scores(self.episodes, iteration)
+                out.stats.update(self.episodes.metrics(out.batch.size), bad_rewards=n_bad)
         if ESTIMATORS[self.ppo.advantage_estimator].needs_greedy_baseline:
             out.greedy = self.rollout(engine, prompt_ids, iteration, greedy=True)
         if self.switch:
@@ -72,19 +77,20 @@ class GenerationStage:
         return out
 
     def rollout(self, engine, prompt_ids: List[List[int]], iteration: int, round_: int = 0,
-                greedy: bool = False) -> RolloutBatch:
+                greedy: bool = False, records: Optional[List[dict]] = None) -> RolloutBatch:
         """Generate N samples of every prompt (prompt-major); the noise is keyed by the global
         sample index (+ round x batch size for later rounds)."""
         N = self.ppo.n_samples_per_prompt
         rows = [p for p in prompt_ids for _ in range(N)]
         batch = self.sample(engine, rows, seed=self.cfg.seed * 100003 + iteration, greedy=self.ppo.greedy or greedy,
-                            first_sample=round_ * len(rows), with_logprobs=True)
+                            first_sample=round_ * len(rows), with_logprobs=True,
+                            records=None if records is None else [r for r in records for _ in range(N)])
         if N > 1:
             batch = batch.with_outputs("generation", group_index=torch.arange(len(rows), device=batch.device) // N)
         return batch
 
     def sample(self, engine, rows: List[List[int]], seed: int, greedy: bool, first_sample: int = 0,
-               with_logprobs: bool = False) -> RolloutBatch:
+               with_logprobs: bool = False, records: Optional[List[dict]] = None) -> RolloutBatch:
         """One response to each of ``rows`` (prompt token ids, one per row) from ``engine`` at the
         run's sampling settings (``greedy``: argmax), assembled into the world's batch; the noise of
         row b is keyed by (``seed``, ``first_sample`` + b). Evaluation samples through here too."""
@@ -92,19 +98,26 @@ class GenerationStage:
 
         ppo = self.ppo
         B, layout, R = len(rows), engine.layout, ppo.max_new_tokens
-        responses = lengths = logprobs = None
+        responses = lengths = logprobs = loss_mask = turns = out = None
+        multi_turn = self.rewards.multi_turn and records is not None  # episodes of --env (env_turns.py)
         if engine.member:
             part, parts, _ = layout.generation_share()  # E > 1: an expert-parallel group generates together
             share = B // parts
+            if multi_turn:
+                turns = self.rewards.episodes(rows[part * share:(part + 1) * share],
+                                              records[part * share:(part + 1) * share])
             out = generate(engine, rows[part * share:(part + 1) * share], self._sampling_params(greedy), seed=seed,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
                            batch_invariant=ppo.batch_invariant_mode, sample_offset=first_sample + part * share,
-                           progress=self.progress)
+                           progress=self.progress, turns=turns)
             responses, lengths, logprobs = out.response_tokens, out.response_lengths, out.logprobs
+            if multi_turn:
+                loss_mask = (~out.observation_mask).float().to(lengths.device)
+        self.episodes = gather_episodes(turns, out, layout, B, self.device) if multi_turn else None
         return rollout_from_generation(rows, responses, lengths, layout, R, self.tokenizer.pad_id,
                                        self.device, seq_multiple=self.seq_multiple, logprobs=logprobs,
-                                       with_logprobs=with_logprobs)
+                                       with_logprobs=with_logprobs, loss_mask=loss_mask, with_loss_mask=multi_turn)
 
     def _sample_partial(self, engine, rows: List[List[int]], partial_tokens, partial_logprobs,
                         sample_ids: List[int], stop):

@@ -61,6 +61,7 @@ class MicroBatch:
     rows: Optional[torch.Tensor] = None
     gen_logprobs: Optional[torch.Tensor] = None
     group_index: Optional[torch.Tensor] = None
+    loss_mask: Optional[torch.Tensor] = None  # multi-turn: already in response_mask (batch.py)
     scores: Optional[torch.Tensor] = None
     baseline_scores: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None

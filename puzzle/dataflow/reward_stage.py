@@ -22,7 +22,9 @@ import torch
 from puzzle.algorithms.advantage_estimators import group_mean_std
 from puzzle.algorithms.dapo import overlong_penalty
 from puzzle.algorithms.token_rewards import fold_moments, normalize_scores, running_std
+from puzzle.dataflow.env_turns import EpisodeTurns
 from puzzle.reward_functions.distributed import BadRewardPolicy, RolloutRewarder
+from puzzle.reward_functions.environments import EnvSpec, turn_stops
 from puzzle.reward_functions.runner import Sample
 
 
@@ -101,11 +103,16 @@ class Rewards:
         ppo = cfg.ppo
         self.tokenizer, self.n_samples = tokenizer, ppo.n_samples_per_prompt
         self.function: Optional[RolloutRewarder] = None
-        if cfg.reward_fn:
+        if cfg.reward_fn or cfg.env:
             self.function = RolloutRewarder(cfg.reward_fn, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
-                                            on_bad_reward=cfg.on_bad_reward, bad_reward_value=cfg.bad_reward_value)
+                                            on_bad_reward=cfg.on_bad_reward, bad_reward_value=cfg.bad_reward_value,
+                                            env=cfg.env)
         self.policy = self.function.policy if self.function else BadRewardPolicy(cfg.on_bad_reward,
                                                                                 cfg.bad_reward_value)
+        self.env, self.max_turns, self.max_observation_tokens = cfg.env, cfg.max_turns, cfg.max_observation_tokens
+        self.multi_turn = bool(cfg.env) and cfg.max_turns > 1  # episodes run in the decode loop
+        self.turn_stops = [tokenizer.encode(s) for s in turn_stops(EnvSpec.of(cfg.env, cfg.reward_fn))] \
+            if self.multi_turn else []
         self.model_name = cfg.reward_model
         self.max_new_tokens = ppo.max_new_tokens
         self.overlong = (ppo.overlong_buffer_len, ppo.overlong_penalty_factor)
@@ -158,6 +165,23 @@ class Rewards:
         """The reward model's scores with non-finite ones replaced or refused (``--on-bad-reward``),
         and how many were bad; ``what`` is added to the model's name in the message."""
         return self.policy.check_scores(scores, f"reward model {self.model_name}{what}", iteration)
+
+    # ---- multi-turn episodes (--max-turns > 1) ---------------------------------------------
+    def episodes(self, prompts: List[List[int]], records: List[dict]) -> EpisodeTurns:
+        """The episodes of one generation's rows: the decode loop's turn handler."""
+        return EpisodeTurns(self.function.env_runner, self.tokenizer, prompts, records, self.max_turns,
+                            self.max_observation_tokens, self.turn_stops)
+
+    def episode_scores(self, results, iteration: int) -> Tuple[torch.Tensor, int]:
+        """The episodes' scores (``env_turns.EpisodeResults``, on every rank) with the bad ones
+        replaced or refused (``--on-bad-reward``), and how many were bad."""
+        n_bad = int(results.bad.sum())
+        if not n_bad:
+            return results.scores, 0
+        b = int(torch.nonzero(results.bad)[0])
+        message = (f"--env {self.env}: the episode of sample {b} of iteration {iteration} ended in a failed step "
+                   f"without a reward ({n_bad} bad of {results.bad.numel()})")
+        return self.policy.apply(results.scores, results.bad.to(results.scores.device), message), n_bad
 
     # ---- shaping -----------------------------------------------------------------------------
     def _overlong(self, scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

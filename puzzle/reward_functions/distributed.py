@@ -11,12 +11,14 @@ every rank, so no rank is left waiting for a peer that died.
 from __future__ import annotations
 
 import sys
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from puzzle.parallel.device import runtime
+from puzzle.reward_functions.env_runner import EnvRunner, SingleTurnEpisodes
+from puzzle.reward_functions.environments import EnvSpec
 from puzzle.reward_functions.loader import load_reward_fn
 from puzzle.reward_functions.runner import BadRewardError, RewardScorer, Sample
 
@@ -58,11 +60,21 @@ class BadRewardPolicy:
 
 
 class RolloutRewarder:
+    """``env``: score every sample as a one-turn episode of that environment (``--env``; the
+    single-turn wrapper over ``spec`` gives the reward function's scores bitwise), in the same
+    worker pool with the same timeout."""
+
     def __init__(self, spec: str, *, workers: int = 0, timeout=None, on_bad_reward: str = "default",
-                 bad_reward_value: float = 0.0):
+                 bad_reward_value: float = 0.0, env: Optional[str] = None):
         self.policy = BadRewardPolicy(on_bad_reward, bad_reward_value)
-        self.reward = load_reward_fn(spec)
-        self.scorer = RewardScorer(self.reward, workers, timeout)
+        self.env_runner = None
+        if env:
+            self.source = f"--env {env}"
+            self.env_runner = EnvRunner(EnvSpec.of(env, spec), workers, timeout)  # also runs multi-turn episodes
+            self.scorer = SingleTurnEpisodes(self.env_runner)
+        else:
+            self.source = f"--reward-fn {spec}"
+            self.scorer = RewardScorer(load_reward_fn(spec), workers, timeout)
 
     @staticmethod
     def share(size: int) -> Tuple[int, int]:
@@ -103,7 +115,7 @@ class RolloutRewarder:
             else:
                 found = [first_bad]
             b, why = min(f for f in found if f is not None)
-            message = (f"--reward-fn {self.reward.spec}: {what} {b} of iteration {iteration} {why} "
+            message = (f"{self.source}: {what} {b} of iteration {iteration} {why} "
                        f"({n_bad} bad of {size})")
             buf[0] = self.policy.apply(buf[0], bad, message)
         return buf[0].float().to(rt.device), n_bad

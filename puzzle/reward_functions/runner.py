@@ -26,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from puzzle.reward_functions.loader import RewardFunction, load_reward_fn
 
@@ -87,12 +87,14 @@ def call_chunk(reward: RewardFunction, samples: Sequence[Sample]) -> List[Result
 
 
 # ---- worker processes -----------------------------------------------------------------------------
-def _worker_main(conn, spec: str) -> None:
-    """A worker process: load the function, then answer (samples, one_per_call) messages until
-    EOF: one ("sample", i, result) message per sample as each call ends (one_per_call), else one
-    ("call", None, results) for the whole batched call."""
+def _worker_main(conn, spec: str, load: Callable = load_reward_fn, call: Callable = None) -> None:
+    """A worker process: ``load(spec)`` the function, then answer (samples, one_per_call) messages
+    until EOF: one ("sample", i, result) message per sample as each call ends (one_per_call), else
+    one ("call", None, results) for the whole batched call. ``call(loaded, items) -> results``
+    (default :func:`call_chunk`) makes the calls: the environments' steps use the same pool."""
+    call = call or call_chunk
     try:
-        reward = load_reward_fn(spec)
+        reward = load(spec)
     except Exception as e:
         conn.send(("failed", None, _raised(e)))
         return
@@ -107,9 +109,9 @@ def _worker_main(conn, spec: str) -> None:
         samples, one_per_call = msg
         if one_per_call:
             for i, sample in enumerate(samples):
-                conn.send(("sample", i, call_chunk(reward, [sample])[0]))
+                conn.send(("sample", i, call(reward, [sample])[0]))
         else:
-            conn.send(("call", None, call_chunk(reward, samples)))
+            conn.send(("call", None, call(reward, samples)))
 
 
 class _Worker:
@@ -117,9 +119,9 @@ class _Worker:
     ``task``: the sample indices of the work it holds, ``done``: how many of them have come back,
     ``deadline``: when the call in progress (the sample ``task[done]``, or the batched call) ends."""
 
-    def __init__(self, ctx, spec: str):
+    def __init__(self, ctx, spec: str, load: Callable = load_reward_fn, call: Optional[Callable] = None):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, spec), daemon=True, name="reward-fn")
+        self.proc = ctx.Process(target=_worker_main, args=(child, spec, load, call), daemon=True, name="reward-fn")
         self.proc.start()
         child.close()
         self.ready = False
@@ -136,14 +138,20 @@ class _Worker:
 
 class RewardScorer:
     """Scores samples with one reward function, in process or in worker processes (see the module
-    docstring); the workers are started on first use and kept until ``close()``."""
+    docstring); the workers are started on first use and kept until ``close()``.
 
-    def __init__(self, reward: RewardFunction, workers: int = 0, timeout: Optional[float] = None):
+    ``load``/``call`` (module-level functions, so that spawn can pickle them): what a worker loads
+    from ``reward.spec`` and how it calls it (the environments' steps run through this same pool,
+    ``environments.py``); ``reward`` then needs only ``spec`` and ``one_sample_per_call``."""
+
+    def __init__(self, reward: RewardFunction, workers: int = 0, timeout: Optional[float] = None,
+                 load: Callable = load_reward_fn, call: Callable = call_chunk):
         if workers < 0:
             raise ValueError(f"workers must be >= 0, got {workers}")
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 or None, got {timeout}")
         self.reward, self.workers, self.timeout = reward, workers, timeout
+        self.load, self.call = load, call
         self.processes = max(1, workers) if (workers or timeout is not None) else 0
         self._pool: List[_Worker] = []
         self._ctx = multiprocessing.get_context("spawn")
@@ -152,7 +160,7 @@ class RewardScorer:
         if not samples:
             return []
         if not self.processes:
-            return call_chunk(self.reward, samples)
+            return self.call(self.reward, samples)
         k = max(1, min(self.processes, len(samples)))  # one share per worker
         size = -(-len(samples) // k)
         todo = deque(list(range(i, min(i + size, len(samples)))) for i in range(0, len(samples), size))
@@ -194,7 +202,7 @@ class _Run:
                     w.kill()
             pool[:] = [w for w in pool if w.proc.is_alive() or w.task is not None]
             while len(pool) < self.scorer.processes:
-                pool.append(_Worker(self.scorer._ctx, self.scorer.reward.spec))
+                pool.append(_Worker(self.scorer._ctx, self.scorer.reward.spec, self.scorer.load, self.scorer.call))
             for w in pool:
                 if self.todo and w.ready and w.task is None:
                     self._hand_out(w)

@@ -57,6 +57,7 @@ import torch
 from puzzle.models.batch_invariant import batch_invariant_mode
 from puzzle.rollout.partial import GroupQuota, check_resume, check_sample_ids
 from puzzle.rollout.sampling import SamplingParams
+from puzzle.rollout.turns import TurnHandler, TurnTracker
 
 
 @dataclass
@@ -73,6 +74,10 @@ class GenerationOutput:
     # [b] bool: the row ended (a stop id or max_new_tokens); False only for rows left running
     # when ``stop`` ended the generation (their tokens so far are in the first columns)
     finished: Optional[torch.Tensor] = None
+    # multi-turn (``turns``): [b, max_new] bool, True at the observation tokens an environment
+    # inserted (on the host), and the counts of turns, observation tokens and cut samples
+    observation_mask: Optional[torch.Tensor] = None
+    turn_counts: Optional[dict] = None
 
     def responses(self) -> List[List[int]]:
         """The generated tokens of every row (up to and including EOS)."""
@@ -131,6 +136,7 @@ class SlotBatch:
         self.call: Optional[Call] = None
         self.call_slots: List[int] = []        # host copy of call.slots
         self.done = False
+        self.turns: Optional[TurnTracker] = None  # multi-turn rows (puzzle/rollout/turns.py)
 
     # -- the next model call -----------------------------------------------------------------
     def next_call(self) -> Call:
@@ -199,6 +205,9 @@ class SlotBatch:
             self.lens[sl] += 1
             for s in slots:
                 self.host_lens[s] += 1
+        if self.turns is not None:  # observation tokens in place of the sampled ones
+            tok, logprob = self.turns.insert([self.host_row[s] for s in slots], [self.host_count[s] for s in slots],
+                                             tok, logprob)
         rows, step = self.row[sl], self.count[sl]
         self.results.out[rows, step] = tok
         self.results.logprobs[rows, step] = logprob
@@ -210,6 +219,8 @@ class SlotBatch:
         fin = [self.host_count[s] >= self.max_new for s in slots]
         if self.stop_ids.numel():
             fin = [f or e for f, e in zip(fin, torch.isin(tok, self.stop_ids).tolist())]
+        if self.turns is not None:
+            fin = self.turns.end_turns([self.host_row[s] for s in slots], fin)
         gone = [s for s, f in zip(slots, fin) if f]
         self.finished_rows = [self.host_row[s] for s in gone]
         if gone:
@@ -383,7 +394,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
              cuda_graphs: bool = False, compile_graphs: bool = False, batch_invariant: bool = False,
              progress: Optional[Callable[[int, int], None]] = None, stop: Optional[GroupQuota] = None,
              partial_tokens: Optional[List[List[int]]] = None, partial_logprobs=None,
-             sample_ids: Optional[List[int]] = None) -> GenerationOutput:
+             sample_ids: Optional[List[int]] = None, turns: Optional[TurnHandler] = None) -> GenerationOutput:
     """Generate continuations of this DP rank's ``prompts`` with the actor ``engine``.
 
     Call on every rank of the engine's layout, with the same prompts on all TP/PP ranks of one
@@ -408,6 +419,10 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     log-probs first). ``sample_ids``: each row's global sample index (default
     ``sample_offset + row``; a resumed row keeps its own, so its noise stream continues).
     Without these arguments the output is the same as before they existed, bit for bit.
+
+    Multi-turn samples (puzzle/rollout/turns.py): ``turns`` answers each row's ended turns with
+    observation tokens, inserted into the row's response and KV cache (P=1, T=1; not with
+    ``stop``, partial rows or CUDA graphs); the output's ``observation_mask`` marks them.
     """
     from puzzle.rollout.pipelined_generation import run_schedule
 
@@ -417,6 +432,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     resumed = check_resume(b, params, engine.arch.valid_vocab_size, partial_tokens, partial_logprobs)
     rows_sample_ids = check_sample_ids(b, sample_offset, sample_ids)
     _check_stop(stop, b, P)
+    _check_turns(turns, engine.layout.plan, stop, partial_tokens, cuda_graphs)
     mbs = micro_batch_size if micro_batch_size is not None else math.ceil(b / P)
     if not isinstance(mbs, int) or mbs < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
@@ -437,6 +453,9 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         _write_partial(results, *resumed)
     batches = _slot_batches(prompts, prefills, rtok, params, mbs, P, results, device,
                             graphs.cache(min(mbs, b), width) if graphs is not None and P == 1 else None)
+    tracker = None
+    if turns is not None:
+        tracker = batches[0].turns = TurnTracker(turns, b, params.max_new_tokens)
     try:
         with _inference_model(model), torch.no_grad(), batch_invariant_mode(batch_invariant), \
                 _Hooks(model, width if graphs is None else graphs.width) as hooks, \
@@ -452,7 +471,22 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         if graphs is None:
             for sb in batches:
                 sb.cache = None  # drop every KV cache, also on error
-    return _assemble(prompts, results, params, stepper.forward_passes)
+    out = _assemble(prompts, results, params, stepper.forward_passes)
+    if tracker is not None:
+        out.observation_mask, out.turn_counts = tracker.observation_mask, dict(tracker.counts)
+        out.finished = torch.ones_like(out.finished)  # an episode's end is its row's end
+    return out
+
+
+def _check_turns(turns, plan, stop, partial_tokens, cuda_graphs) -> None:
+    if turns is None:
+        return
+    if (plan.P, plan.T) != (1, 1) or plan.has_experts_split:
+        raise ValueError(f"multi-turn generation (--env) runs at P=1, T=1 for now; the actor generates at {plan}")
+    for given, what in ((stop is not None, "a finished-groups quota (partial rollouts)"),
+                        (partial_tokens is not None, "partial rows to resume"), (cuda_graphs, "CUDA graphs")):
+        if given:
+            raise ValueError(f"multi-turn generation (--env) does not run with {what} yet")
 
 
 @contextlib.contextmanager

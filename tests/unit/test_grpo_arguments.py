@@ -102,3 +102,19 @@ def test_cli_refuses_before_any_process_group(capsys):
     assert run(base + ["--reward-fn", "puzzle.reward_functions.builtin:exact_match"]) == 2
     assert "error: --n-samples-per-prompt: --advantage-estimator grpo" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+def test_multi_turn_flags_are_checked_at_start():
+    c = cfg(*GRPO, "--env", "calculator", "--max-turns", "3", world=1)
+    assert (c.env, c.max_turns, c.max_observation_tokens) == ("calculator", 3, 64)
+    assert cfg("--env", "single_turn", world=1).max_turns == 1
+    for extra, flag, why in [(["--max-turns", "2"], "--max-turns", "needs --env"),
+                             (["--env", "calculator", "--max-turns", "0"], "--max-turns", ">= 1"),
+                             (["--env", "calculator", "--max-turns", "2", "--advantage-estimator", "remax",
+                               "--n-samples-per-prompt", "2"], "--max-turns", "not yet scored for --advantage-estimator remax"),
+                             (["--env", "calculator", "--reward-model", "random", "--reward-fn", ""], "--env",
+                              "one reward source")]:
+        with pytest.raises(ArgumentError, match=f"{flag}.*{why}"):
+            cfg(*extra, world=1)
+    with pytest.raises(ArgumentError, match=r"--max-turns.*P=1, T=1 for now; the actor generates at \(P=1, D=1, T=2\)"):
+        cfg(*GRPO, "--env", "calculator", "--max-turns", "2", "--tensor-model-parallel-size", "2", world=2)

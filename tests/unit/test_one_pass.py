@@ -27,7 +27,8 @@ def _cfg(reward_fn="puzzle.reward_functions.builtin:lowercase_fraction", normali
     ppo = SimpleNamespace(n_samples_per_prompt=n, max_new_tokens=4, overlong_buffer_len=buffer_len,
                           overlong_penalty_factor=0.5, reward_normalization=normalization)
     return SimpleNamespace(ppo=ppo, reward_fn=reward_fn, reward_workers=0, reward_timeout=None,
-                           on_bad_reward=on_bad, bad_reward_value=-1.0, reward_model="rm" if not reward_fn else None)
+                           on_bad_reward=on_bad, bad_reward_value=-1.0, reward_model="rm" if not reward_fn else None,
+                           env=None, max_turns=1, max_observation_tokens=64)
 
 
 def test_generation_output_is_in_response_coordinates():

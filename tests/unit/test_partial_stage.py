@@ -149,6 +149,7 @@ def cfg(*extra, world=1):
     (["--rl-partial-rollouts"], "--rl-partial-rollouts", "--rl-inference-logprobs-is-correction"),
     (PARTIAL + ["--advantage-estimator", "remax"], "--rl-partial-rollouts", "remax"),
     (PARTIAL + ["--filter-groups"], "--rl-partial-rollouts", "--filter-groups"),
+    (PARTIAL + ["--env", "calculator", "--max-turns", "2"], "--rl-partial-rollouts", "--max-turns"),
 ])
 def test_bad_partial_flags_refused_at_start(extra, flag, text):
     with pytest.raises(ArgumentError) as e:

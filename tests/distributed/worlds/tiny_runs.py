@@ -207,6 +207,48 @@ def check_partial_rollouts():
             "straight": straight["rows"], "resumed": resumed["rows"]}
 
 
+class _EchoTurns:
+    """Multi-turn rows for check_env_rollouts: a turn ends at a token divisible by 4; each answer
+    is 3 observation tokens (row 3's: 9, to run out of budget); 3 turns at most."""
+    stops, max_turns = [[t] for t in range(0, 64, 4)], 3
+
+    def __init__(self):
+        self.calls = []
+
+    def step(self, rows, turns, histories, final):
+        self.calls += [(r, h, t, f) for r, h, t, f in zip(rows, histories, turns, final)]
+        return [[40 + len(h) % 20] * (9 if r == 3 else 3) for r, h in zip(rows, histories)]
+
+
+def check_env_rollouts():
+    """1 rank: multi-turn generation with observations inserted into the rows' KV caches; each
+    sampled token's log-prob against a full forward of the final sequences (prompt, response)."""
+    if dist.get_world_size() != 1:
+        return {}
+    from puzzle.config import ModelArch
+    from puzzle.engine.model_engine import ModelEngine
+    from puzzle.parallel.groups import layout_for
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.rollout import SamplingParams, generate
+
+    arch = ModelArch.llama(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
+                           make_vocab_size_divisible_by=64, seq_length=48)
+    engine = ModelEngine("actor", arch, layout_for(ParallelPlan(1, 1, 1)), trainable=False, seed=5)
+    prompts, handler = [[1, 2, 3, 5], [7, 11], [13, 17, 19, 23, 29], [31, 37, 41]], _EchoTurns()
+    out = generate(engine, prompts, SamplingParams(20), seed=3, micro_batch_size=2, turns=handler)
+    full = []
+    with torch.no_grad():
+        for p, r, n in zip(prompts, out.response_tokens.tolist(), out.response_lengths.tolist()):
+            ids = torch.tensor([p + r[:n]])
+            logits = engine.module(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[0].float()
+            lp = torch.log_softmax(logits[len(p) - 1:-1], dim=-1)
+            full.append(lp.gather(1, ids[0, len(p):].unsqueeze(1))[:, 0].tolist())
+    return {"tokens": out.response_tokens.tolist(), "lengths": out.response_lengths.tolist(),
+            "logprobs": out.logprobs.tolist(), "full": full, "mask": out.observation_mask.tolist(),
+            "counts": out.turn_counts, "calls": handler.calls}
+
+
 if __name__ == "__main__":
     world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume),
-                ("batch_invariant", check_batch_invariant), ("partial_rollouts", check_partial_rollouts)])
+                ("batch_invariant", check_batch_invariant), ("env_rollouts", check_env_rollouts),
+                ("partial_rollouts", check_partial_rollouts)])

@@ -1,0 +1,110 @@
+"""Multi-turn episodes of ``--env`` (``--max-turns`` > 1): the decode loop's turn handler
+(puzzle/rollout/turns.py ``TurnHandler``) over the environment's worker pool.
+
+One episode per generated row: each ended turn is decoded once to text (the environment reads
+text; the sequence keeps the token ids as sampled), stepped in the pool under its timeout, and
+the observation encoded, capped at ``--max-observation-tokens`` with the truncation marker, and
+handed back to be inserted. A step that failed shows the model an error observation (the
+episode keeps its instance as it was before that step) and is counted by the runner.
+
+A row's score is the sum of the rewards its episode gave (0.0 when it gave none); an episode
+whose last step failed and that gave no reward is a bad reward (``--on-bad-reward``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from puzzle.reward_functions.env_runner import EnvRunner, error_observation
+from puzzle.reward_functions.environments import TRUNCATION_MARKER, EnvCall, Turn, cap_observation
+from puzzle.reward_functions.runner import Result
+
+
+class EpisodeTurns:
+    """The episodes of one ``generate`` call's rows (``prompts[r]``, ``records[r]``)."""
+
+    def __init__(self, runner: EnvRunner, tokenizer, prompts: List[List[int]], records: List[dict],
+                 max_turns: int, max_observation_tokens: int, stops: List[List[int]]):
+        self.runner, self.tokenizer = runner, tokenizer
+        self.prompts, self.records = prompts, records
+        self.max_turns, self.max_observation_tokens, self.stops = max_turns, max_observation_tokens, stops
+        self.marker = tokenizer.encode(TRUNCATION_MARKER)
+        self.stop_ids = set(tokenizer.eos_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
+        n = len(prompts)
+        self.envs: List[object] = [None] * n
+        self.rewards: List[Optional[float]] = [None] * n
+        self.last_error: List[Optional[str]] = [None] * n
+        self.turn_index = [0] * n
+        self.counts: Dict[str, int] = {"tool_calls": 0, "observations_truncated": 0}
+        self.stats_before = dict(runner.stats)  # the runner counts over the run: this generation's are the rise
+
+    def step(self, rows: List[int], turns: List[List[int]], histories: List[List[int]],
+             final: List[bool]) -> List[Optional[List[int]]]:
+        calls = []
+        for r, turn, history in zip(rows, turns, histories):
+            text_ids = [t for t in turn if t not in self.stop_ids]
+            context = list(self.prompts[r]) + list(history)
+            calls.append(EnvCall(r, self.records[r], Turn(self.tokenizer.decode(text_ids), list(turn), self.turn_index[r],
+                                                          self.tokenizer.decode(context), context), env=self.envs[r]))
+            self.turn_index[r] += 1
+        out: List[Optional[List[int]]] = []
+        for r, is_final, (outcome, why) in zip(rows, final, self.runner.step(calls)):
+            self.last_error[r] = why
+            if why is not None:
+                observation, done = error_observation(why), False
+            else:
+                self.envs[r] = outcome.env
+                if outcome.step.reward is not None:
+                    self.rewards[r] = (self.rewards[r] or 0.0) + outcome.step.reward
+                observation, done = outcome.step.observation, outcome.step.done
+            if done:
+                out.append(None)
+                continue
+            self.counts["tool_calls"] += not is_final
+            ids, cut = cap_observation(self.tokenizer.encode(observation), self.max_observation_tokens, self.marker)
+            self.counts["observations_truncated"] += cut
+            out.append(ids)
+        return out
+
+    def scores(self) -> List[Result]:
+        """Each row's episode score, or ``(None, why)`` for a bad one."""
+        return [(0.0 if why is None else None, why) if reward is None else (reward, None)
+                for reward, why in zip(self.rewards, self.last_error)]
+
+
+def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, device) -> "EpisodeResults":
+    """Every row's episode score and bad flag, and the episodes' counts summed, on every rank, from
+    the ranks that generated (``out``/``turns`` of this rank's share, None off the layout)."""
+    import torch
+    import torch.distributed as dist
+
+    from puzzle.dataflow.batch import world_rows
+
+    local = counts = None
+    keys = ("turns", "observation_tokens", "turn_limit_cuts", "token_limit_cuts", "tool_calls",
+            "observations_truncated", "env_step_errors", "env_step_timeouts")
+    if turns is not None:
+        local = torch.tensor([[v if v is not None else 0.0, float(why is not None)] for v, why in turns.scores()],
+                             dtype=torch.float64)
+        found = {**out.turn_counts, **turns.counts, **turns.runner.stats}
+        counts = [found.get(k, 0) - turns.stats_before.get(k, 0) for k in keys]
+    both = world_rows(local, layout.plan.generation_owners(), rows, (2,), torch.float64, device)
+    total = torch.tensor(counts or [0] * len(keys), dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return EpisodeResults(both[:, 0].float(), both[:, 1] > 0, dict(zip(keys, total.tolist())))
+
+
+class EpisodeResults:
+    """The episodes of one generation: ``scores`` [B], ``bad`` [B] and the counts (summed)."""
+
+    def __init__(self, scores, bad, counts: Dict[str, float]):
+        self.scores, self.bad, self.counts = scores, bad, counts
+
+    def metrics(self, rows: int) -> Dict[str, float]:
+        c = self.counts
+        return {"env_turns_per_sample": c["turns"] / rows, "env_tool_calls_per_sample": c["tool_calls"] / rows,
+                "env_observation_tokens_per_sample": c["observation_tokens"] / rows,
+                "env_step_errors": int(c["env_step_errors"]), "env_step_timeouts": int(c["env_step_timeouts"]),
+                "env_turn_limit_cuts": int(c["turn_limit_cuts"]), "env_token_limit_cuts": int(c["token_limit_cuts"]),
+                "env_observations_truncated": int(c["observations_truncated"])}

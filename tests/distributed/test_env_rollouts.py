@@ -1,0 +1,50 @@
+"""Multi-turn generation (puzzle/rollout/turns.py) in the shared 1-rank world
+(tests/distributed/worlds/tiny_runs.py ``check_env_rollouts``): observation tokens inserted into the
+rows' kept KV caches, token in, token out; the turn and token limits counted."""
+
+import pytest
+
+from tests.harness import run_world
+
+
+@pytest.fixture(scope="module")
+def res():
+    return run_world("distributed/worlds/tiny_runs.py", 1)[0]["env_rollouts"]
+
+
+def test_the_sequence_is_the_sampled_tokens_plus_the_observations_as_inserted(res):
+    calls_of = {}
+    for r, history, turn, final in res["calls"]:
+        calls_of.setdefault(r, []).append((history, turn, final))
+    for r, calls in calls_of.items():
+        n = res["lengths"][r]
+        tokens, mask = res["tokens"][r][:n], [bool(m) for m in res["mask"][r][:n]]
+        expect, expect_mask = [], []
+        for history, turn, final in calls:
+            assert history == expect, r  # the handler saw the response as it is in the sequence
+            expect += turn
+            expect_mask += [False] * len(turn)
+            if not final:
+                assert turn[-1] % 4 == 0  # a turn ends at a stop
+                obs = [40 + len(history) % 20] * (9 if r == 3 else 3)
+                expect += obs
+                expect_mask += [True] * len(obs)
+        assert tokens == expect[:n] and mask == expect_mask[:n], r
+
+
+def test_sampled_tokens_match_a_full_forward_and_observations_have_no_log_prob(res):
+    for r, n in enumerate(res["lengths"]):
+        for k in range(n):
+            if res["mask"][r][k]:
+                assert res["logprobs"][r][k] == 0.0
+            else:  # the KV cache holds the observations exactly as a fresh forward computes them
+                assert abs(res["logprobs"][r][k] - res["full"][r][k]) < 1e-5, (r, k)
+
+
+def test_the_limits_are_counted(res):
+    c = res["counts"]
+    assert c["turns"] == len(res["calls"]) and c["observation_tokens"] == sum(map(sum, res["mask"]))
+    assert c["turn_limit_cuts"] >= 1  # an episode that wanted a 4th turn
+    assert c["token_limit_cuts"] == 1 and res["lengths"][3] == 20  # row 3's 9-token observations
+    # rows 0-2 end with a final step; row 3's budget ran out inside an observation: no turn left to step
+    assert sorted(r for r, _, _, final in res["calls"] if final) == [0, 1, 2]

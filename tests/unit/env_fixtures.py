@@ -1,0 +1,64 @@
+"""Environments for the environment tests (imported by name in the reward worker processes)."""
+
+import time
+
+
+class Faulty:
+    """One turn: the turn's text picks the fault."""
+
+    def reset(self, record):
+        self.record = record
+
+    def step(self, turn):
+        if turn.text == "hang":
+            time.sleep(600)
+        if turn.text == "raise":
+            raise RuntimeError("tool broke")
+        if turn.text == "huge":
+            return "x" * 100_000, None, False
+        if turn.text == "garbage":
+            return {"not": "a step"}
+        if turn.text == "nan":
+            return "", float("nan"), True
+        return "ok " + turn.text, 1.0, True
+
+
+class Counter:
+    """Counts its own steps: the instance travels with the episode from step to step."""
+
+    def reset(self, record):
+        self.n = 0
+
+    def step(self, turn):
+        self.n += 1
+        return f"step {self.n}", None, self.n >= 2
+
+
+class NotAnEnvironment:  # no step()
+    pass
+
+
+class Vowels:
+    """Multi-turn: a turn ends at a vowel, answered with "ok"; reward 0.5 per turn."""
+    turn_stops = tuple("aeiou")
+
+    def reset(self, record):
+        pass
+
+    def step(self, turn):
+        return "ok", 0.5, False
+
+
+class Shouty:
+    """Multi-turn: "boom" raises, "long" answers 100 characters, "end" is done with reward 1."""
+    turn_stops = (";",)
+
+    def reset(self, record):
+        pass
+
+    def step(self, turn):
+        if turn.text.startswith("boom"):
+            raise RuntimeError("boom")
+        if turn.text.startswith("long"):
+            return "y" * 100, 0.25, False
+        return ("", 1.0, True) if turn.text.startswith("end") else ("fine", None, False)
