@@ -36,13 +36,13 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--tokenizer-type", "ByteLevelTokenizer",
          "--init-random", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+ROLLOUT_BATCH = 16
 RUN = ["--advantage-estimator", "grpo", "--rollout-batch-size", str(ROLLOUT_BATCH),
        "--micro-batch-size", "32", "--lr", "3e-3", "--seed", "1234", "--temperature", "1.0", "--kl-coef", "0",
        "--prompt-data", "puzzle/data/bundled/tiny_arithmetic.jsonl",
        "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction", "--reward-timeout", "0",
        "--rl-inference-logprobs-is-correction", "--log-interval", "1000"]
 MODES = {"sync": [], "partial": ["--rl-partial-rollouts"]}
-ROLLOUT_BATCH = 16
 TABLE = 4096  # planted lengths drawn per (seed, sample index) mod this
 
 
