@@ -76,7 +76,8 @@ class PartialRollouts:
         order, samples = self.serve(prompt_ids, records, refill, version)
         position = {p: k for k, p in enumerate(order)}
         todo = [i for i, s in enumerate(samples) if not s.finished]
-        done_before = sum(1 for p in order if all(s.finished for s in samples if s.prompt_index == p))
+        open_groups = {s.prompt_index for s in samples if not s.finished}
+        done_before = sum(1 for p in order if p not in open_groups)  # every sample finished earlier
         if todo and G > done_before:
             rows = [samples[i] for i in todo]
             quota = GroupQuota(tuple(position[s.prompt_index] for s in rows), G - done_before)

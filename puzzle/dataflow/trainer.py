@@ -92,6 +92,10 @@ class TrainState:
         self._training.nonfinite.skipped = int(state.get("nonfinite_skipped", 0))
         self._advantages.kl_ctl.load_state_dict(state["kl_ctl"])
         self._rewards.load_state_dict(state.get("reward_norm", self._rewards.state_dict()))
+        carried = state.get("partial_rollouts", {}).get("buffer", {}).get("lengths", [])
+        if self._partial is None and carried:
+            raise ValueError(f"the checkpoint carries {len(carried)} samples of --rl-partial-rollouts: resume "
+                             "with the flag (without it they would be lost)")
         if self._partial is not None:
             if "partial_rollouts" not in state:
                 raise ValueError("the checkpoint has no partial rollouts state (saved without --rl-partial-rollouts)")

@@ -164,3 +164,30 @@ def test_partial_generation_layouts():
     with pytest.raises(ArgumentError, match="--rl-partial-rollouts: needs an actor generation layout with P=1"):
         cfg(*PARTIAL, "--pipeline-model-parallel-size", "2", world=2)
     assert cfg(*PARTIAL, "--actor-gen-tensor-model-parallel-size", "2", world=2).ppo.rl_partial_rollouts
+
+
+def test_train_state_keeps_the_buffer_and_refuses_to_drop_it():
+    from puzzle.dataflow.trainer import TrainState
+
+    class Stub:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    def train_state(partial):
+        return TrainState({}, SimpleNamespace(kl_ctl=Stub()), Stub(),
+                          SimpleNamespace(nonfinite=SimpleNamespace(skipped=0)), None, partial)
+
+    st = stage()
+    run(st, FakeGenerator(), prompts_from(0), 2)
+    state = json.loads(json.dumps(train_state(st).state_dict()))
+    assert state["partial_rollouts"]["buffer"]["lengths"]  # samples carried
+    again = stage()
+    train_state(again).load_state_dict(state)
+    assert again.state_dict() == st.state_dict()
+    with pytest.raises(ValueError, match="carries .* samples of --rl-partial-rollouts"):
+        train_state(None).load_state_dict(state)
+    with pytest.raises(ValueError, match="no partial rollouts state"):
+        train_state(stage()).load_state_dict({k: v for k, v in state.items() if k != "partial_rollouts"})
