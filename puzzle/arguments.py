@@ -358,6 +358,8 @@ _NEEDS = (
     (PPOParams, "kl_loss_coef", lambda a, roles: a.use_kl_loss, "needs --use-kl-loss"),
     (PPOParams, "kl_loss_type", lambda a, roles: a.use_kl_loss, "needs --use-kl-loss"),
     (PPOParams, "max_num_gen_batches", lambda a, roles: a.filter_groups, "needs --filter-groups"),
+    (PPOParams, "rl_partial_rollouts_oversample", lambda a, roles: a.rl_partial_rollouts,
+     "needs --rl-partial-rollouts"),
     (PPOParams, "rl_importance_sampling_truncation_coef", lambda a, roles: a.rl_inference_logprobs_is_correction,
      "needs --rl-inference-logprobs-is-correction"),
     (PPOParams, "overlong_penalty_factor", lambda a, roles: a.overlong_buffer_len > 0,
@@ -440,6 +442,8 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     if args.cuda_graph_generation and roles["actor"].gen_plan.P > 1:
         _fail("--cuda-graph-generation", f"needs an actor generation layout with P=1 "
                                          f"(got P={roles['actor'].gen_plan.P})")
+    if args.rl_partial_rollouts:
+        flag_checks.check_partial_generation(roles["actor"].gen_plan)
 
     args.score_placement = layouts.placements.get("scoring", args.score_placement)
     args.train_placement = layouts.placements.get("training", args.train_placement)

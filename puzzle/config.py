@@ -431,6 +431,18 @@ class PPOParams:
     rl_importance_sampling_truncation_coef: Optional[float] = flag(
         None, _ALGO, "Truncate the importance weights of --rl-inference-logprobs-is-correction at this value "
         "(TIS; peers use 2 to 10).", type=float)
+    # Megatron-LM RL's --rl-partial-rollouts; puzzle/rollout/partial.py, docs/ppo.md
+    rl_partial_rollouts: bool = flag(
+        False, _ALGO, "Partial rollouts: generation serves more prompts than the batch needs "
+        "(--rl-partial-rollouts-oversample), stops once the batch's quota of whole finished groups is met and "
+        "carries the unfinished samples to the next iteration, which resumes them under its weights. Unlike "
+        "Megatron-LM RL, generation stays synchronous (no lag, no overlap with training): only the tail is cut. "
+        "Needs --rl-inference-logprobs-is-correction (carried tokens are trained with the log-probs they were "
+        "sampled under) and an actor generating in one share at P=1.", kind="boolean_optional")
+    rl_partial_rollouts_oversample: float = flag(
+        2.0, _ALGO, "--rl-partial-rollouts: the groups served per iteration, as a multiple (>= 1) of "
+        "--rollout-batch-size; carried groups first, then fresh prompts. Megatron-LM RL sizes this by "
+        "--rl-max-inflight-requests (its lag) instead.")
     reward_normalization: str = flag(
         "none", "reward functions (--reward-fn; docs/grpo.md)",
         "running: scores normalised by their running mean/std (checkpointed).", choices=("none", "running"))

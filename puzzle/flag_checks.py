@@ -109,3 +109,41 @@ def check_algorithm_args(args) -> None:
     if spec.needs_greedy_baseline and not args.reward_fn:
         fail("--advantage-estimator", "remax scores its greedy baseline in the generation stage: it needs "
                                        "--reward-fn, not a reward model")
+    check_partial_rollouts(args, spec)
+
+
+def check_partial_rollouts(args, spec) -> None:
+    """--rl-partial-rollouts and its over-sampling factor (the layout's part: arguments.py)."""
+    if args.rl_partial_rollouts_oversample < 1:
+        fail("--rl-partial-rollouts-oversample", f"must be >= 1 (the groups served per iteration over the "
+                                                 f"batch's; got {args.rl_partial_rollouts_oversample})")
+    if not args.rl_partial_rollouts:
+        return
+    if spec.needs_greedy_baseline:
+        # the baseline is the greedy response of the policy that trains: a sample carried from an
+        # older policy would be compared with a baseline of another policy
+        fail("--rl-partial-rollouts", "not with --advantage-estimator remax: its baseline is a greedy response "
+                                      "of the current policy, which a carried (stale) sample does not share")
+    if args.filter_groups:
+        fail("--rl-partial-rollouts", "not with --filter-groups (dynamic sampling over-generates in rounds "
+                                      "of whole groups; the two would serve the same prompts twice)")
+    if getattr(args, "max_turns", 1) > 1:
+        fail("--rl-partial-rollouts", "not with --max-turns > 1 (an episode's environment state cannot be "
+                                      "carried to the next iteration yet)")
+    if not args.rl_inference_logprobs_is_correction:
+        fail("--rl-partial-rollouts", "needs --rl-inference-logprobs-is-correction: carried tokens were sampled "
+                                      "under an older policy and the loss must weight them by the log-probs "
+                                      "they were sampled with (decoupled PPO)")
+
+
+def check_partial_generation(gen) -> None:
+    """--rl-partial-rollouts: the stop rule runs in continuous batching (P=1) and counts one
+    share's groups (the carried samples are the same on every rank)."""
+    if gen.P > 1:
+        fail("--rl-partial-rollouts", f"needs an actor generation layout with P=1 (the quota stops continuous "
+                                       f"batching; got P={gen.P})")
+    shares = gen.generation_share(0)[1]
+    if shares > 1:
+        fail("--rl-partial-rollouts", f"the actor generates in {shares} data-parallel shares; partial rollouts "
+                                       f"need one (give --actor-gen-tensor-model-parallel-size so that the "
+                                       f"generation layout has D=1)")

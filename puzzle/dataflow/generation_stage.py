@@ -30,6 +30,10 @@ class Rollout:
     greedy: Optional[RolloutBatch] = None
     stats: dict = field(default_factory=dict)
     scores: Optional[torch.Tensor] = None  # DAPO: the reward function's scores of the kept rows
+    # --rl-partial-rollouts: the policy version each response token was sampled under ([B, R], -1
+    # after the response) and each row's global sample index
+    versions: Optional[torch.Tensor] = None
+    sample_ids: Optional[List[int]] = None
 
 
 class GenerationStage:
@@ -39,6 +43,11 @@ class GenerationStage:
         self.device, self.seq_multiple = device, seq_multiple
         self.progress = None  # progress(finished, rows) of each generation (a terminal display)
         self.episodes = None  # multi-turn (--max-turns > 1): the last sample()'s EpisodeResults
+        self.partial = None  # --rl-partial-rollouts: the carried samples (puzzle/dataflow/partial_stage.py)
+        if self.ppo.rl_partial_rollouts:
+            from puzzle.dataflow.partial_stage import PartialRollouts
+
+            self.partial = PartialRollouts(cfg, tokenizer, device, seq_multiple)
 
     def engine(self):
         """The actor in its generation layout (the switch's shadow model when layouts differ)."""
@@ -49,7 +58,11 @@ class GenerationStage:
         """Each prompt N times (--n-samples-per-prompt); ``refill()`` gives DAPO's next prompts."""
         records = records if records is not None else [{} for _ in prompt_ids]
         engine = self.engine()
-        if self.ppo.filter_groups:
+        if self.partial is not None:
+            batch, recs, versions, ids, stats = self.partial.run(engine, self._sample_partial, prompt_ids, records,
+                                                                 refill, iteration)
+            out = Rollout(batch, recs, stats=stats, versions=versions, sample_ids=ids)
+        elif self.ppo.filter_groups:
             out = self._dynamic_sampling(engine, prompt_ids, records, refill, iteration)
         else:
             out = Rollout(self.rollout(engine, prompt_ids, iteration, records=records), records)
@@ -81,7 +94,7 @@ class GenerationStage:
         """One response to each of ``rows`` (prompt token ids, one per row) from ``engine`` at the
         run's sampling settings (``greedy``: argmax), assembled into the world's batch; the noise of
         row b is keyed by (``seed``, ``first_sample`` + b). Evaluation samples through here too."""
-        from puzzle.rollout.generation import SamplingParams, generate
+        from puzzle.rollout.generation import generate
 
         ppo = self.ppo
         B, layout, R = len(rows), engine.layout, ppo.max_new_tokens
@@ -90,14 +103,10 @@ class GenerationStage:
         if engine.member:
             part, parts, _ = layout.generation_share()  # E > 1: an expert-parallel group generates together
             share = B // parts
-            params = SamplingParams(max_new_tokens=R, temperature=ppo.temperature, top_k=ppo.top_k,
-                                    top_p=ppo.top_p, greedy=greedy,
-                                    eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
-                                    eos_ids=tuple(self.tokenizer.eos_ids))
             if multi_turn:
                 turns = self.rewards.episodes(rows[part * share:(part + 1) * share],
                                               records[part * share:(part + 1) * share])
-            out = generate(engine, rows[part * share:(part + 1) * share], params, seed=seed,
+            out = generate(engine, rows[part * share:(part + 1) * share], self._sampling_params(greedy), seed=seed,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
                            batch_invariant=ppo.batch_invariant_mode, sample_offset=first_sample + part * share,
@@ -109,6 +118,30 @@ class GenerationStage:
         return rollout_from_generation(rows, responses, lengths, layout, R, self.tokenizer.pad_id,
                                        self.device, seq_multiple=self.seq_multiple, logprobs=logprobs,
                                        with_logprobs=with_logprobs, loss_mask=loss_mask, with_loss_mask=multi_turn)
+
+    def _sample_partial(self, engine, rows: List[List[int]], partial_tokens, partial_logprobs,
+                        sample_ids: List[int], stop):
+        """--rl-partial-rollouts: one response to each row, continuing ``partial_tokens``, stopped by
+        the quota ``stop`` (one generating share, P=1: the flags' check); every rank's copy of
+        (responses, lengths, log-probs, finished)."""
+        from puzzle.dataflow.partial_stage import gather_generation, seed_of_run
+        from puzzle.rollout.generation import generate
+
+        ppo, out = self.ppo, None
+        if engine.member:
+            out = generate(engine, rows, self._sampling_params(ppo.greedy), seed=seed_of_run(self.cfg),
+                           micro_batch_size=ppo.generation_micro_batch_size,
+                           batch_invariant=ppo.batch_invariant_mode, progress=self.progress, stop=stop,
+                           partial_tokens=partial_tokens, partial_logprobs=partial_logprobs, sample_ids=sample_ids)
+        return gather_generation(out, engine.layout, len(rows), ppo.max_new_tokens, self.device)
+
+    def _sampling_params(self, greedy: bool):
+        from puzzle.rollout.generation import SamplingParams
+
+        ppo = self.ppo
+        return SamplingParams(max_new_tokens=ppo.max_new_tokens, temperature=ppo.temperature, top_k=ppo.top_k,
+                              top_p=ppo.top_p, greedy=greedy, eos_id=self.tokenizer.eos_id,
+                              pad_id=self.tokenizer.pad_id, eos_ids=tuple(self.tokenizer.eos_ids))
 
     def _dynamic_sampling(self, engine, prompt_ids: List[List[int]], records: List[dict],
                           refill: Optional[Callable], iteration: int) -> Rollout:

@@ -70,10 +70,11 @@ class TrainState:
     roles' LR schedulers and the count of skipped non-finite steps. A Stateful: the checkpointer
     is handed this object, never the trainer."""
 
-    def __init__(self, engines: Dict[str, ModelEngine], advantages, rewards, training, switch):
+    def __init__(self, engines: Dict[str, ModelEngine], advantages, rewards, training, switch, partial=None):
         self.iteration = 0
         self._engines, self._advantages, self._rewards = engines, advantages, rewards
         self._training, self._switch = training, switch
+        self._partial = partial  # --rl-partial-rollouts: the carried samples (PartialRollouts)
 
     def state_dict(self) -> dict:
         """JSON-serialisable (weights and optimizer states are the role models' sharded state
@@ -81,7 +82,8 @@ class TrainState:
         return {"iteration": self.iteration, "kl_ctl": self._advantages.kl_ctl.state_dict(),
                 "reward_norm": self._rewards.state_dict(),
                 "schedulers": {r: e.scheduler.state_dict() for r, e in self._engines.items() if e.trainable},
-                "nonfinite_skipped": int(self._training.nonfinite.skipped)}
+                "nonfinite_skipped": int(self._training.nonfinite.skipped),
+                **({"partial_rollouts": self._partial.state_dict()} if self._partial is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s output (after the role models' weights are loaded). Raises
@@ -90,6 +92,14 @@ class TrainState:
         self._training.nonfinite.skipped = int(state.get("nonfinite_skipped", 0))
         self._advantages.kl_ctl.load_state_dict(state["kl_ctl"])
         self._rewards.load_state_dict(state.get("reward_norm", self._rewards.state_dict()))
+        carried = state.get("partial_rollouts", {}).get("buffer", {}).get("lengths", [])
+        if self._partial is None and carried:
+            raise ValueError(f"the checkpoint carries {len(carried)} samples of --rl-partial-rollouts: resume "
+                             "with the flag (without it they would be lost)")
+        if self._partial is not None:
+            if "partial_rollouts" not in state:
+                raise ValueError("the checkpoint has no partial rollouts state (saved without --rl-partial-rollouts)")
+            self._partial.load_state_dict(state["partial_rollouts"])
         for role, sched_state in state["schedulers"].items():
             eng = self._engines[role]
             if eng.scheduler is not None:
@@ -141,7 +151,8 @@ class PPOTrainer:
         self.scoring = ScoringStage(cfg, self.engines, self.micro, self.rewards, self.vocab)
         self.advantages = AdvantageStage(cfg.ppo, self.rewards, with_reference="ref" in self.engines)
         self.training = TrainingStage(cfg, self.engines, self.micro, self.switch, self.vocab, self.rank)
-        self.state = TrainState(self.engines, self.advantages, self.rewards, self.training, self.switch)
+        self.state = TrainState(self.engines, self.advantages, self.rewards, self.training, self.switch,
+                                self.generation.partial)
         self.progress = progress or (lambda iteration, phase: None)  # run_control.Progress: where this rank is
         self.phase = phase or PhaseLog(self.rank)  # rank 0's timed phase lines
         self.exit_control, self.resume_step = exit_control, resume_step

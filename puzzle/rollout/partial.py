@@ -25,12 +25,11 @@ What exists (the mechanics, tested):
   of groups not yet complete), in a deterministic order, with a plain-tensor state dict for
   checkpoints, and ``staleness`` metrics of the samples a batch trains on.
 
-Not wired yet: no flag, the generation stage and the trainer do not use any of this. The wiring
-has to (1) serve buffered groups first, oldest first, then fresh prompts, (2) resume under the
-seed and global sample index the sample started with (make the seed run-wide and the sample
-indices unique across iterations, or generate resumed rows per seed), (3) record the policy
-version of every token and train on the behaviour log-probs (off-policy correction for the lag),
-(4) save the buffer in checkpoints.
+Wired (``--rl-partial-rollouts``, puzzle/dataflow/partial_stage.py): the generation stage serves
+buffered groups first, oldest first, then fresh prompts; generates under a run-wide seed with each
+sample's global index (prompt index x N + sample index) as its noise key; records the policy version
+of every token and hands the behaviour log-probs to the loss (``gen_logprobs``); the trainer's
+state (trainer_state.json) keeps the buffer.
 """
 
 from __future__ import annotations

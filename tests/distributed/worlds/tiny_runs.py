@@ -5,7 +5,8 @@ On 4 ranks, the PPO run (2 greedy iterations) at every layout the end-to-end tes
 script's own layouts (the reference), the actor generating through the switch, time-shared
 scoring and training, disjoint placement, --plan auto, and a reward model at two layouts.
 On 1 rank: the PPO run with every model at (1,1,1), and a GRPO run saved at iteration 2 and
-resumed from there in a new trainer.
+resumed from there in a new trainer, and a GRPO run with --rl-partial-rollouts on a planted long
+tail (saved at iteration 2 and resumed).
 
 --batch-invariant-mode: small PPO and GRPO runs (2 iterations) at (1,1,1) on 1 rank, and on 4 ranks
 with every model at (2,1,2), time-shared, the actor generating at (1,2,2) through the switch; on 1
@@ -117,6 +118,95 @@ def check_grpo_resume():
     return {"straight": straight["rows"], "resumed": resumed["rows"]}
 
 
+#: --rl-partial-rollouts on a planted long tail (``long_tail``): 4 iterations of 4 groups of 4, 12 served
+PARTIAL = ["--rl-partial-rollouts", "--rl-inference-logprobs-is-correction", "--rl-partial-rollouts-oversample", "3",
+           "--n-samples-per-prompt", "4", "--rollout-batch-size", "4", "--global-batch-size", "16",
+           "--micro-batch-size", "16", "--max-new-tokens", "6", "--eval-iters", "0", "--reward-timeout", "0",
+           "--train-iters", "4", "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]  # graded: weights move
+
+
+@contextlib.contextmanager
+def long_tail(log):
+    """Samples whose global index is not 3 mod 9 end after two tokens (EOS made the argmax; its
+    log-prob is the model's), the others run to --max-new-tokens. ``log`` records each iteration's
+    generated tokens' log-probs by (sample, position), the trained batch with its per-token policy
+    versions, the behaviour log-probs the loss's importance weights read, and the stage's buffer."""
+    from puzzle.dataflow import generation_stage, steps
+    from puzzle.rollout import generation, pipelined_generation
+
+    originals = (pipelined_generation.sample_tokens, generation.generate, generation_stage.GenerationStage.run,
+                 steps.truncated_is_weights)
+
+    def sample_tokens(logits, params, *, sample_ids=None, step=0, **kw):
+        if sample_ids is not None and params.eos_id is not None:
+            short = (sample_ids % 9 != 3) & (torch.as_tensor(step, device=logits.device) >= 1)
+            logits = logits.clone()
+            logits[short, params.eos_id] += 1e4
+        return originals[0](logits, params, sample_ids=sample_ids, step=step, **kw)
+
+    def generate(engine, prompts, params, seed, *args, **kw):
+        out = originals[1](engine, prompts, params, seed, *args, **kw)
+        for r, sid in enumerate(kw["sample_ids"]):
+            for pos in range(len(kw["partial_tokens"][r]), int(out.response_lengths[r])):
+                key = f"{sid}:{pos}"
+                assert key not in log["sampled"], f"token {key} sampled twice"
+                log["sampled"][key] = (log["it"], float(out.logprobs[r, pos]))
+        return out
+
+    def run(self, prompt_ids, records, refill, iteration):
+        log["it"], log["partial"] = iteration, self.partial
+        out = originals[2](self, prompt_ids, records, refill, iteration)
+        log["trained"][iteration] = (out.sample_ids, out.versions, out.batch.gen_logprobs.cpu(),
+                                     out.batch.response_lengths.cpu())
+        return out
+
+    def truncated_is_weights(old, gen, mask, coef):
+        log["loss_reads"].setdefault(log["it"], []).extend(gen[mask != 0].tolist())
+        return originals[3](old, gen, mask, coef)
+
+    log.update(sampled={}, trained={}, loss_reads={})
+    pipelined_generation.sample_tokens, generation.generate = sample_tokens, generate
+    generation_stage.GenerationStage.run, steps.truncated_is_weights = run, truncated_is_weights
+    try:
+        yield
+    finally:
+        (pipelined_generation.sample_tokens, generation.generate, generation_stage.GenerationStage.run,
+         steps.truncated_is_weights) = originals
+
+
+def check_partial_rollouts():
+    """Per trained token: its policy version, and that the batch and the loss's importance weights
+    use the log-prob it was sampled with in that version's generation; samples carried over, none
+    trained twice or lost; 4 iterations saved at 2 and resumed equal the straight run."""
+    if dist.get_world_size() != 1:
+        return {}
+    log = {}
+    with tempfile.TemporaryDirectory(prefix="puzzle-partial-") as d, long_tail(log):
+        base = tiny_flags(TINY_GRPO) + PARTIAL
+        straight = train_in_world(base + ["--save", os.path.join(d, "ck"), "--save-interval", "2"])
+        trained, sampled, reads, partial = log["trained"], log["sampled"], log["loss_reads"], log["partial"]
+        log.update(sampled={}, trained={}, loss_reads={})
+        resumed = train_in_world(base + ["--load", os.path.join(d, "ck"), "--ckpt-step", "2"])
+    wrong = tokens = stale = 0
+    ids_trained = []
+    for it, (ids, versions, gen_lp, lengths) in trained.items():
+        ids_trained += ids
+        for b, sid in enumerate(ids):
+            for pos in range(int(lengths[b])):
+                v = int(versions[b, pos])
+                at, lp = sampled[f"{sid}:{pos}"]
+                tokens += 1
+                stale += v < it - 1
+                wrong += at != v + 1 or lp != float(gen_lp[b, pos])
+        mask = torch.arange(gen_lp.shape[1]) < lengths.unsqueeze(1)
+        wrong += sorted(reads[it]) != sorted(gen_lp[mask].tolist())
+    held = {s.sample_id for s in partial.buffer.take()} | {p * 4 + j for p in partial.pending for j in range(4)}
+    return {"tokens": tokens, "stale_tokens": stale, "wrong": wrong,
+            "trained_twice": len(ids_trained) - len(set(ids_trained)), "held_and_trained": len(held & set(ids_trained)),
+            "lost": len(set(range(partial.drawn * 4)) - held - set(ids_trained)),
+            "straight": straight["rows"], "resumed": resumed["rows"]}
+
+
 class _EchoTurns:
     """Multi-turn rows for check_env_rollouts: a turn ends at a token divisible by 4; each answer
     is 3 observation tokens (row 3's: 9, to run out of budget); 3 turns at most."""
@@ -160,4 +250,5 @@ def check_env_rollouts():
 
 if __name__ == "__main__":
     world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume),
-                ("batch_invariant", check_batch_invariant), ("env_rollouts", check_env_rollouts)])
+                ("batch_invariant", check_batch_invariant), ("env_rollouts", check_env_rollouts),
+                ("partial_rollouts", check_partial_rollouts)])

@@ -1,0 +1,191 @@
+"""Benchmark: trained samples/s of a tiny GRPO run, synchronous against --rl-partial-rollouts.
+
+    python -m puzzle.bench.long_tail [--iterations 6] [--repeats 2] [--max-new-tokens 192] [--n-samples 4] [--oversample 2] [--out rows.json]
+
+In ONE run (one 1-rank torchrun world), the tiny GRPO model of examples/run_grpo_tiny.sh (random
+weights) trains with whole iterations (generation, rewards, scoring, training) on two
+response-length distributions: ``long_tailed`` (``puzzle.bench.packing.response_lengths``'
+exponential, mean/max ~0.16 of --max-new-tokens, the same draw, without its row forced to the
+cap) and ``all_equal`` (every response at the cap). A random model has no length distribution of
+its own, so the lengths are planted: each sample's end-of-sequence token is made the argmax
+once its response reaches the length drawn for its (seed, sample index), and is never sampled
+before; the log-probs recorded are the model's. Each run (``PPOTrainer.train``) has one
+warm-up iteration and ``--iterations`` timed ones; ``--repeats`` runs of each mode, the first
+mode alternating between repeats (load from other processes falls on both). samples/s = trained
+samples / the summed iteration wall times (the metrics' ``samples_per_sec``) of a mode's timed
+iterations; ``ratio_partial_over_sync`` the median of the repeats' own ratios. The JSON rows
+also carry generation seconds per iteration and the trained responses' mean length.
+
+Read with the lengths: in a short run the partial mode trains shorter responses on average than
+were drawn (the long ones are still carried), which makes its scoring and training cheaper; and
+with equal lengths every served group finishes at once, so the groups beyond the quota are
+carried finished and the next iteration generates nothing (two batches per generation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+         "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--tokenizer-type", "ByteLevelTokenizer",
+         "--init-random", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+ROLLOUT_BATCH = 16
+RUN = ["--advantage-estimator", "grpo", "--rollout-batch-size", str(ROLLOUT_BATCH),
+       "--micro-batch-size", "32", "--lr", "3e-3", "--seed", "1234", "--temperature", "1.0", "--kl-coef", "0",
+       "--prompt-data", "puzzle/data/bundled/tiny_arithmetic.jsonl",
+       "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction", "--reward-timeout", "0",
+       "--rl-inference-logprobs-is-correction", "--log-interval", "1000"]
+MODES = {"sync": [], "partial": ["--rl-partial-rollouts"]}
+TABLE = 4096  # planted lengths drawn per (seed, sample index) mod this
+
+
+@contextlib.contextmanager
+def planted_lengths(lengths):
+    """EOS the argmax of a row from the step its planted length ends at and never before
+(``lengths``: [TABLE])."""
+    import torch
+
+    from puzzle.rollout import pipelined_generation
+
+    original = pipelined_generation.sample_tokens
+
+    def sample_tokens(logits, params, *, seed=0, sample_ids=None, step=0, **kw):
+        if sample_ids is not None and params.eos_id is not None:
+            s = int(seed) if not isinstance(seed, torch.Tensor) else int(seed.reshape(-1)[0])
+            want = lengths[(sample_ids.cpu() * 2654435761 + s * 97) % TABLE].to(logits.device)
+            stop = torch.as_tensor(step, device=logits.device) >= want - 1
+            logits = logits.clone()
+            logits[:, params.eos_id] += torch.where(stop, 1e4, -1e4).to(logits.dtype)  # no other ends
+        return original(logits, params, seed=seed, sample_ids=sample_ids, step=step, **kw)
+
+    pipelined_generation.sample_tokens = sample_tokens
+    try:
+        yield
+    finally:
+        pipelined_generation.sample_tokens = original
+
+
+def _lengths(kind: str, cap: int):
+    import torch
+
+    if kind == "all_equal":
+        return torch.full((TABLE,), cap, dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    x = torch.empty(TABLE).exponential_(1.0 / 0.16, generator=g).clamp(max=1.0)
+    return (x * cap).long().clamp(min=1)
+
+
+def _train(argv) -> list:
+    """One run of ``argv`` (PPOTrainer.train, the prompt loader its own) in this world; its
+    metric rows after the first (warm-up) iteration."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from puzzle.arguments import parse_args, validate_args
+    from puzzle.data.prompts import load_prompt_dataset
+    from puzzle.data.tokenizers import build_tokenizer, fit_to_rows
+    from puzzle.dataflow.trainer import PPOTrainer
+
+    with tempfile.TemporaryDirectory(prefix="puzzle-long-tail-") as d:
+        args = parse_args(argv + ["--log-dir", d])
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        cfg = validate_args(args, dist.get_world_size(), tokenizer.vocab_size)
+        data = load_prompt_dataset(cfg.prompt_data, tokenizer, cfg.prompt_key,
+                                   max_prompt_len=cfg.ppo.max_prompt_length)
+        fit_to_rows(tokenizer, cfg.roles["actor"].arch.vocab_size, data.prompts)
+        run = PPOTrainer(cfg, tokenizer, data)
+        try:
+            run.train()
+        finally:
+            run.close()
+        rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    return [r for r in rows if r.get("iteration", 0) > 1]
+
+
+def _run(args, kind: str) -> list:
+    """``--repeats`` runs of each mode, the first mode alternating between repeats (load from
+    other processes that comes and goes falls on both); per mode the timed iterations of all
+    repeats summed, and the ratio of the modes the median of the repeats' own ratios."""
+    R = args.max_new_tokens
+    acc = {mode: {"seconds": 0.0, "samples": 0, "gen": [], "lengths": []} for mode in MODES}
+    ratios = []
+    for rep in range(args.repeats):
+        per = {}
+        for mode in (list(MODES) if rep % 2 == 0 else list(MODES)[::-1]):
+            extra = ["--rl-partial-rollouts-oversample", str(args.oversample)] if mode == "partial" else []
+            argv = MODEL + RUN + MODES[mode] + extra + [
+                "--n-samples-per-prompt", str(args.n_samples), "--seq-length", str(R + 16),
+                "--max-position-embeddings", str(R + 16), "--max-new-tokens", str(R),
+                "--train-iters", str(args.iterations + 1)]
+            with planted_lengths(_lengths(kind, R)):
+                rows = _train(argv)
+            samples = args.n_samples * ROLLOUT_BATCH * len(rows)
+            seconds = sum(args.n_samples * ROLLOUT_BATCH / r["samples_per_sec"] for r in rows)
+            per[mode] = samples / seconds
+            a = acc[mode]
+            a["seconds"] += seconds
+            a["samples"] += samples
+            a["gen"] += [r["time_generate"] for r in rows]
+            a["lengths"] += [r["response_length_mean"] for r in rows]
+        ratios.append(per["partial"] / per["sync"])
+    out = []
+    for mode, a in acc.items():
+        out.append({"distribution": kind, "mode": mode, "samples_per_s": a["samples"] / a["seconds"],
+                    "seconds": a["seconds"], "generation_s_per_iteration": sum(a["gen"]) / len(a["gen"]),
+                    "response_length_mean": sum(a["lengths"]) / len(a["lengths"]),
+                    "iterations": args.iterations, "repeats": args.repeats, "max_new_tokens": R,
+                    "n_samples_per_prompt": args.n_samples,
+                    **({"oversample": args.oversample} if mode == "partial" else {})})
+    out.append({"distribution": kind, "ratio_partial_over_sync": statistics.median(ratios),
+                "ratios_of_repeats": ratios})
+    return out
+
+
+def _worker(args) -> int:
+    import megatron_patches
+
+    megatron_patches.apply()
+    from puzzle.parallel.groups import init_distributed
+
+    init_distributed()
+    for kind in args.distributions.split(","):
+        for row in _run(args, kind):
+            print("ROW " + json.dumps(row), flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, default=6, help="timed iterations per run (after one warm-up)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each mode")
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--n-samples", type=int, default=4, help="--n-samples-per-prompt (the group size)")
+    ap.add_argument("--oversample", type=float, default=2.0, help="--rl-partial-rollouts-oversample")
+    ap.add_argument("--distributions", default="long_tailed,all_equal")
+    ap.add_argument("--out", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    from puzzle.bench.worker_ranks import torchrun_rows
+
+    rows = []
+    rc = torchrun_rows("puzzle.bench.long_tail", 1, [
+        "--iterations", str(args.iterations), "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
+        "--n-samples", str(args.n_samples), "--oversample", str(args.oversample),
+        "--distributions", args.distributions], rows)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
