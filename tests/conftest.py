@@ -6,6 +6,8 @@ collected, and the test files that read them run last, so that the worlds' ranks
 much of their time waiting on each other's collectives, share the two cores with the rest; the
 learning-curve runs (marked ``launch_ahead``) start then too."""
 
+import functools
+import re
 from collections import namedtuple
 from pathlib import Path
 
@@ -34,11 +36,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=_reads_worlds)  # stable: each file's tests keep their order
 
 
+#: how the test files ask for a world: run_world("distributed/worlds/<script>.py", <ranks>, ...)
+_WORLD_CALL = re.compile(r'run_world\(\s*"([^"]+)",\s*(\d+)')
+
+
+@functools.lru_cache(maxsize=None)
+def _worlds_in(path: str) -> frozenset:
+    """The (script, ranks) worlds a test file reads (a world asked for otherwise starts on demand)."""
+    return frozenset((script, int(n)) for script, n in _WORLD_CALL.findall(Path(path).read_text()))
+
+
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    if any(_reads_worlds(i) for i in session.items):
-        harness.start_shared_worlds()
+    modules = {i.module.__file__ for i in session.items if _reads_worlds(i)}
+    harness.start_shared_worlds(set().union(*map(_worlds_in, modules)))
     for item in session.items:
         marker = item.get_closest_marker("launch_ahead")
         if marker is not None:

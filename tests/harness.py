@@ -75,11 +75,14 @@ def run_world(script: str, nproc: int, *args: str, timeout: int = 600) -> list:
 _started_groups: dict = {}
 
 
-def start_shared_worlds() -> None:
-    """Start every SHARED_WORLDS group now, in the background: tests/conftest.py calls this when the
-    session has tests that need them and runs those tests last, so the worlds' ranks (mostly
-    waiting on each other's collectives) share the cores with the tests run meanwhile."""
+def start_shared_worlds(wanted) -> None:
+    """Start now, in the background, every SHARED_WORLDS group holding one of the ``wanted``
+    (script, ranks) worlds: tests/conftest.py calls this with the worlds the session's tests read
+    and runs those tests last, so the worlds' ranks (mostly waiting on each other's collectives)
+    share the cores with the tests run meanwhile."""
     for group in SHARED_WORLDS:
+        if not any((script, group[0]) in wanted for script in group[1]):
+            continue
         if group not in _shared_results and group not in _started_groups:
             _started_groups[group] = _World("distributed/worlds/shared.py", group[0], *group[1], background=True)
 
