@@ -76,9 +76,11 @@ def target_shapes(arch) -> dict:
             "linear_fc1": ((2 if arch.swiglu else 1) * ffn, h), "linear_fc2": (h, ffn)}
 
 
-def check_lora(lora: LoRAConfig, arch, sequence_parallel: bool = False) -> None:
+def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local") -> None:
     """Refuse LoRA the actor cannot have, naming the flag: a rank larger than a target linear's smaller
-    side, MoE experts (not yet), sequence parallelism (not yet)."""
+    side, MoE experts (not yet), transformer_engine layers (not yet: TE fuses the layernorm into
+    linear_qkv and linear_fc1, whose input is then not the adapter's; sequence parallelism, which
+    needs TE, is not handled by the adapters either)."""
     if not lora.enabled:
         for name, value, default in (("--lora-alpha", lora.alpha, 32.0), ("--lora-dropout", lora.dropout, 0.0)):
             if value != default:
@@ -93,5 +95,6 @@ def check_lora(lora: LoRAConfig, arch, sequence_parallel: bool = False) -> None:
     if arch.is_moe and mlp:
         fail("--lora-target-modules", f"{','.join(mlp)} on a MoE model: LoRA on MoE experts is not supported yet "
                                       "(adapt linear_qkv,linear_proj only)")
-    if sequence_parallel:
-        fail("--lora-dim", "with --sequence-parallel is not supported yet")
+    if transformer_impl != "local":
+        fail("--lora-dim", f"needs --transformer-impl local for now (got {transformer_impl}): LoRA on transformer_engine "
+                           "layers is not supported yet")
