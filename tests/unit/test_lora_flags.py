@@ -41,6 +41,13 @@ def test_bad_lora_input_names_the_flag(extra, flag, words):
     assert str(e.value).startswith(flag + ":") and words in str(e.value), str(e.value)
 
 
+def test_what_lora_cannot_do_yet_is_refused(tmp_path):
+    with pytest.raises(ArgumentError, match="^--lora-dim: the actor's generation layout .* the switch does not move"):
+        cfg("--lora-dim", "4", "--actor-gen-tensor-model-parallel-size", "2")
+    with pytest.raises(ArgumentError, match="^--lora-dim: with --save: LoRA adapters are not checkpointed yet"):
+        cfg("--lora-dim", "4", "--save", str(tmp_path / "ckpt"))
+
+
 def test_rank_limit_is_the_target_layers_smaller_side():
     # hidden 64, 4 heads, ffn 4*64 with SwiGLU: qkv 192x64, proj 64x64, fc1 512x64, fc2 64x256
     assert cfg("--lora-dim", "64").lora.dim == 64
