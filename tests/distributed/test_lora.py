@@ -18,6 +18,12 @@ def test_zero_b_leaves_logprobs_bitwise_equal(lora, plan):
 
 
 @pytest.mark.parametrize("plan", PLANS)
+def test_adapted_layers_skip_the_lean_decode_step(lora, plan):
+    for plain, adapted in lora[plan]["lean_decode_plain_lora"]:
+        assert plain and all(plain) and not any(adapted), (plain, adapted)
+
+
+@pytest.mark.parametrize("plan", PLANS)
 def test_adapter_grads_equal_plain_pytorch_lora(lora, plan):
     res = lora[plan]
     assert res["names"], "the adapters' global names differ from the reference's"

@@ -9,6 +9,7 @@ from puzzle.parallel.plan import ParallelPlan
 from puzzle.engine.model_engine import ModelEngine, OptimConfig
 from puzzle.dataflow.steps import lm_nll_step
 from puzzle.lora_config import LoRAConfig
+from puzzle.models.decode_layer import lean_step_covers
 from puzzle.models.init import local_shard
 from puzzle.models.lora import adapter_init_value, target_linears
 from puzzle.models.param_layout import shard_slices
@@ -126,6 +127,8 @@ def _lora_logprobs_and_grads(plan: ParallelPlan):
     # megatron's default loss convention: each micro-batch's token mean / micro-batches = the token mean
     eng.forward_backward(lm_nll_step(LORA_ARCH.vocab_size), iter(tokens.split(1)), LB, LS, 1, forward_only=False)
     return {"equal_bitwise": lps[0] is None or torch.equal(lps[0], lps[1]),
+            # generation's lean decode step bypasses module calls: adapted layers must not take it
+            "lean_decode": [[lean_step_covers(layer) for layer in e.module.decoder.layers] for e in (plain, eng)],
             "grads": [(spec, plan.T, layout.t, params[n].grad.clone()) for n, spec in eng.adapter_specs.items()]}
 
 
@@ -177,6 +180,7 @@ def check_lora():
             ref = _reference_lora_grads({spec.name: spec for r in ranks for spec, *_ in r["grads"]})
         worst = max((full[n] - ref[n]).abs().max().item() / ref[n].abs().max().item() for n in ref)
         out[str(plan)] = {"equal_bitwise": all(r["equal_bitwise"] for r in ranks),
+                          "lean_decode_plain_lora": [r["lean_decode"] for r in ranks],
                           "replicas_agree": replicas_agree, "names": sorted(full) == sorted(ref),
                           "worst_relative_grad_error": worst,
                           "min_grad_max": min(ref[n].abs().max().item() for n in ref)}
