@@ -28,6 +28,7 @@ from puzzle.config_flags import (add_dataclass_args, field_value, flag, flag_nam
                                  from_args, role_flags_given)
 from puzzle.flag_checks import ArgumentError  # noqa: F401  (the error type of every flag check)
 from puzzle.flag_checks import fail as _fail
+from puzzle.lora_config import LoRAConfig, check_lora
 from puzzle.models.megatron_checkpoint import find_megatron_checkpoint
 from puzzle.plan_layouts import GENERATION, LayoutFlags, PlanLayouts, layouts_as_flags, read_plan_document
 
@@ -55,7 +56,7 @@ class CommandOptions:
 
 #: the configs whose fields declare the flags, in the order of their groups in --help
 FLAG_CONFIGS = (ModelArch, LayoutFlags, OptimConfig, PPOParams, RoleSpec, RunConfig, Operations, CommandOptions,
-                EvalConfig, MemoryLevers)
+                EvalConfig, MemoryLevers, LoRAConfig)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -417,6 +418,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     optim = from_args(OptimConfig, args)  # the configs that check themselves
     ops = from_args(Operations, args)
     levers = from_args(MemoryLevers, args)
+    lora = from_args(LoRAConfig, args)
     flag_checks.check_values(args)
     if args.vocab_size is not None and args.vocab_size < vocab_size:
         _fail("--vocab-size", f"{args.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})")
@@ -458,9 +460,12 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     _check_batch_invariant(ppo, roles)
     ppo = _check_token_budget(ppo)
     _check_recompute_layers(levers, roles)
+    given = {"--save": args.save, "--load": args.load, "--pretrained-checkpoint": args.pretrained_checkpoint}
+    check_lora(lora, roles["actor"].arch, impl, actor_plans=(roles["actor"].plan, roles["actor"].gen_plan),
+               checkpoint_flags=[f for f, value in given.items() if value])
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
-        RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers,
+        RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers, lora=lora,
         evaluation=from_args(EvalConfig, args), reward_timeout=args.reward_timeout or None, precision=precision,
         transformer_impl=impl, transformer_impl_note=impl_note)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from puzzle.config_flags import check, check_at_least, fail, flag
+from puzzle.lora_config import LoRAConfig
 from puzzle.model_shape import ModelShape
 
 
@@ -768,6 +769,7 @@ class RunConfig:
     ops: Operations = Operations()
     evaluation: EvalConfig = EvalConfig()
     levers: MemoryLevers = MemoryLevers()
+    lora: LoRAConfig = LoRAConfig()  # the actor's adapters (off by default)
     faults: FaultInjection = FaultInjection()
 
     def __post_init__(self):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import torch
 
 from puzzle.config import ModelArch, OptimConfig, Recompute  # noqa: F401  (OptimConfig: imported from here too)
+from puzzle.lora_config import LoRAConfig
 from puzzle.models.builders import build_role_model
 from puzzle.models.init import is_expert_param
 from puzzle.parallel.groups import Layout
@@ -26,10 +27,15 @@ class ModelEngine:
     def __init__(self, role: str, arch: ModelArch, layout: Layout, *, trainable: bool,
                  optim: Optional[OptimConfig] = None, seed: int = 1234, recompute: Optional[Recompute] = None,
                  bf16: bool = False, fp16: bool = False, transformer_impl: str = "local",
-                 sequence_parallel: bool = False, layout_independent_init: bool = True):
+                 sequence_parallel: bool = False, layout_independent_init: bool = True,
+                 lora: Optional[LoRAConfig] = None):
+        """``lora`` (enabled): the base weights are frozen and rank-dim adapters train
+        (puzzle/models/lora.py)."""
         self.role, self.arch, self.layout, self.trainable = role, arch, layout, trainable
+        self.lora = lora if lora is not None and lora.enabled else None
         self.optimizer = None
         self.scheduler = None
+        self.adapter_specs = {}  # LoRA: local adapter parameter name -> its global ParamSpec
         self.transformer_impl = transformer_impl
         self.module = build_role_model(role, arch, layout, bf16=bf16, fp16=fp16,
                                        recompute=recompute, head_seed=seed,
@@ -41,6 +47,10 @@ class ModelEngine:
             self.config = None
             return
         self.config = self.module.config
+        if self.lora is not None:
+            from puzzle.models.lora import apply_lora
+
+            self.adapter_specs = apply_lora(self.module, arch, role, self.lora, seed)
         self.p2p = layout.p2p_communicator(self.config)
         if trainable:
             self._wrap_for_training(optim or OptimConfig(), bf16=bf16, fp16=fp16)
@@ -153,7 +163,8 @@ def build_role_engines(cfg) -> dict:
         engines[role] = ModelEngine(role, spec.arch, layout_for(spec.plan), trainable=spec.trainable,
                                     optim=optim, seed=spec.init_seed(cfg.seed), recompute=cfg.recompute,
                                     bf16=cfg.bf16, fp16=cfg.fp16, transformer_impl=cfg.transformer_impl,
-                                    sequence_parallel=cfg.sequence_parallel)
+                                    sequence_parallel=cfg.sequence_parallel,
+                                    lora=cfg.lora if role == "actor" else None)
         if spec.hf_path and engines[role].member:
             from puzzle.models.hf_checkpoint import load_hf_into_model
 

@@ -29,7 +29,8 @@ forward, whose dispatchers compute only the routed rows.
 
 Layers whose modules or options the lean step does not cover (transformer-engine modules, MoE
 layers ``moe_step_problem`` names, attention output gates, fewer query groups than TP ranks,
-fused bias-activation kernels, fp8, sequence parallelism) always run megatron's forward. The
+fused bias-activation kernels, fp8, sequence parallelism, linears with forward hooks such as LoRA
+adapters) always run megatron's forward. The
 step is static in shape and free of host synchronisation, so CUDA graphs capture it like the
 full forward.
 """
@@ -175,6 +176,9 @@ def lean_step_covers(layer: TransformerLayer) -> bool:
     )
     if not modules_ok:
         return False
+    linears = [attn.linear_qkv, attn.linear_proj] + ([] if _is_moe(mlp) else [mlp.linear_fc1, mlp.linear_fc2])
+    if any(linear._forward_hooks or linear._forward_pre_hooks for linear in linears):
+        return False  # e.g. LoRA adapters (puzzle/models/lora.py): the hook's output is not matmul(x, weight)
     options_ok = (
         not getattr(cfg, "attention_output_gate", False)
         and cfg.num_query_groups >= attn.world_size

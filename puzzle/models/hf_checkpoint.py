@@ -26,6 +26,7 @@ from puzzle.config import ROLES, ModelArch
 from puzzle.models.hf_mapping import (HEAD_NAMES, UnsupportedHFModel, arch_from_hf_config,
                                       assemble, hf_config_from_arch, hf_entries, ours_to_hf)
 from puzzle.models.init import is_expert_param, layout_spec_name, param_specs, tp_split
+from puzzle.models.lora import is_adapter_param
 from puzzle.models.param_layout import resolve_layers_per_stage, shard_slices
 
 __all__ = ["HFCheckpoint", "arch_from_hf_dir", "arch_from_hf_config", "load_hf_into_model", "export_hf",
@@ -144,6 +145,8 @@ def load_hf_into_model(module: torch.nn.Module, arch: ModelArch, role: str, hf_d
     lps = resolve_layers_per_stage(arch.num_layers, plan.P)
     filled = 0
     for local, param in module.named_parameters():
+        if is_adapter_param(local):
+            continue  # LoRA adapters keep their initial values over the loaded base
         name = layout_spec_name(local, role, arch, layout, lps)
         if name not in specs:
             raise KeyError(f"{role}: parameter {local} (global {name}) has no layout description")

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "puzzle"
 
 LAYERS = [
-    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast", "model_shape", "checkpoint_errors"},
+    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast", "model_shape", "checkpoint_errors",
+     "lora_config"},
     {"models"},
     {"engine", "rollout", "pipeline", "switch", "algorithms", "data"},
     {"dataflow", "checkpointing", "rng_state", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},

@@ -8,6 +8,11 @@ from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.engine.model_engine import ModelEngine, OptimConfig
 from puzzle.dataflow.steps import lm_nll_step
+from puzzle.lora_config import LoRAConfig
+from puzzle.models.decode_layer import lean_step_covers
+from puzzle.models.init import local_shard
+from puzzle.models.lora import adapter_init_value, target_linears
+from puzzle.models.param_layout import shard_slices
 from tests.harness import world_main
 
 ARCH = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8,
@@ -87,5 +92,124 @@ def check_two_layouts_train():
     return res
 
 
+LORA = LoRAConfig(dim=4, alpha=8.0)
+LORA_ARCH = ModelArch.llama(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, num_query_groups=2,
+                            vocab_size=100, make_vocab_size_divisible_by=64, seq_length=16)
+LB, LS = 2, 8  # rows and tokens of the LoRA checks
+LORA_B_STD = 0.05  # B drawn non-zero for the gradient check, so that A gets a gradient too
+
+
+def _lora_tokens(seed):
+    return torch.randint(0, LORA_ARCH.vocab_size, (LB, LS), generator=torch.Generator().manual_seed(seed))
+
+
+def _lora_logprobs_and_grads(plan: ParallelPlan):
+    """At ``plan``: whether the LoRA actor's log-probs (B zero) equal the plain actor's bitwise, then
+    one backward with B non-zero: its adapters' gradient shards (global spec, T, t, grad)."""
+    layout = layout_for(plan)
+    plain = ModelEngine("actor", LORA_ARCH, layout, trainable=False, seed=7)
+    eng = ModelEngine("actor", LORA_ARCH, layout, trainable=False, seed=7, lora=LORA)
+    if not eng.member:
+        return None
+    tokens = _lora_tokens(2)
+    lps = []
+    for e in (plain, eng):
+        store = []
+        with torch.no_grad():
+            e.forward_backward(lm_nll_step(LORA_ARCH.vocab_size, store), iter(tokens.split(1)), LB, LS, 1, forward_only=True)
+        lps.append(torch.cat(store) if store else None)
+    params = dict(eng.module.named_parameters())
+    with torch.no_grad():
+        for local, spec in eng.adapter_specs.items():
+            params[local].requires_grad_(True)  # a frozen engine's adapters: trained here without DDP
+            if local.endswith("linear_out.weight"):
+                params[local].copy_(local_shard(spec, adapter_init_value(spec, 7, LORA_B_STD), plan.T, layout.t))
+    # megatron's default loss convention: each micro-batch's token mean / micro-batches = the token mean
+    eng.forward_backward(lm_nll_step(LORA_ARCH.vocab_size), iter(tokens.split(1)), LB, LS, 1, forward_only=False)
+    return {"equal_bitwise": lps[0] is None or torch.equal(lps[0], lps[1]),
+            # generation's lean decode step bypasses module calls: adapted layers must not take it
+            "lean_decode": [[lean_step_covers(layer) for layer in e.module.decoder.layers] for e in (plain, eng)],
+            "grads": [(spec, plan.T, layout.t, params[n].grad.clone()) for n, spec in eng.adapter_specs.items()]}
+
+
+def _lora_optimizer_step():
+    """The trainable LoRA actor at (2,1,2): the base is frozen, DDP and the optimizer hold the
+    adapters only, and one step moves them and no base weight."""
+    eng = ModelEngine("actor", LORA_ARCH, layout_for(ParallelPlan(2, 1, 2)), trainable=True, optim=OptimConfig(lr=1e-3),
+                      seed=7, lora=LORA)
+    params = dict(eng.module.named_parameters())
+    base = {n: p.detach().clone() for n, p in params.items() if n not in eng.adapter_specs}
+    adapters = {n: params[n].detach().clone() for n in eng.adapter_specs}
+    eng.train_step(lm_nll_step(LORA_ARCH.vocab_size), iter(_lora_tokens(3).split(1)), LB, LS, 1)
+    return {"frozen_base": all(not params[n].requires_grad for n in base),
+            "optimizer_numel": sum(p.numel() for g in eng.optimizer.param_groups for p in g["params"]),
+            "ddp_grad_numel": sum(b.grad_data.numel() for b in eng.model.buffers),
+            "adapter_numel": sum(p.numel() for p in adapters.values()),
+            "base_unchanged": all(torch.equal(v, params[n]) for n, v in base.items()),
+            "adapters_moved": sum(not torch.equal(v, params[n]) for n, v in adapters.items()),
+            "adapters": len(adapters)}
+
+
+def _reference_lora_grads(specs: dict) -> dict:
+    """Plain PyTorch LoRA on the whole weights (the T=1 model): W x + (alpha/dim) B A x on each target
+    linear, the token-mean NLL, its gradients in A and B."""
+    eng = ModelEngine("actor", LORA_ARCH, layout_for(ParallelPlan(1, 1, 1)), trainable=False, seed=7)
+    leaves = {name: adapter_init_value(spec, 7, LORA_B_STD).requires_grad_(True) for name, spec in specs.items()}
+    for local, _, linear in target_linears(eng.module, LORA):
+        a, b = leaves[f"{local}.adapter.linear_in.weight"], leaves[f"{local}.adapter.linear_out.weight"]
+        linear.register_forward_hook(lambda m, args, out, a=a, b=b: (out[0] + LORA.scale * args[0] @ a.T @ b.T, out[1]))
+    tokens = _lora_tokens(2)
+    logits = eng.module(tokens, torch.arange(LS).unsqueeze(0).expand_as(tokens), None)
+    lp = logits[:, :-1, :LORA_ARCH.vocab_size].float().log_softmax(-1).gather(-1, tokens[:, 1:, None])
+    (-lp.mean()).backward()
+    return {name: leaf.grad for name, leaf in leaves.items()}
+
+
+def check_lora():
+    """LoRA at (1,1,1), (1,1,2), (2,1,2): zero B changes no log-prob bit, the base is frozen (the
+    optimizer holds the adapters only), and the adapters' gradients equal plain PyTorch's."""
+    out = {}
+    for plan in [ParallelPlan(1, 1, 1), ParallelPlan(1, 1, 2), ParallelPlan(2, 1, 2)]:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, _lora_logprobs_and_grads(plan))
+        ranks = [g for g in gathered if g is not None]
+        if dist.get_rank() != 0:
+            continue
+        full, replicas_agree = _assemble(ranks)
+        if not out:  # the reference: specs are the same at every layout
+            ref = _reference_lora_grads({spec.name: spec for r in ranks for spec, *_ in r["grads"]})
+        worst = max((full[n] - ref[n]).abs().max().item() / ref[n].abs().max().item() for n in ref)
+        out[str(plan)] = {"equal_bitwise": all(r["equal_bitwise"] for r in ranks),
+                          "lean_decode_plain_lora": [r["lean_decode"] for r in ranks],
+                          "replicas_agree": replicas_agree, "names": sorted(full) == sorted(ref),
+                          "worst_relative_grad_error": worst,
+                          "min_grad_max": min(ref[n].abs().max().item() for n in ref)}
+    step = _lora_optimizer_step()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, step)
+    out["optimizer_step"] = gathered if dist.get_rank() == 0 else None
+    return out
+
+
+def _assemble(ranks):
+    """The whole gradient of every adapter from its TP shards; whether the TP replicas of the
+    unsplit ones are equal."""
+    full, agree = {}, True
+    for r in ranks:
+        for spec, T, t, g in r["grads"]:
+            if spec.name not in full:
+                full[spec.name] = torch.zeros(spec.global_shape)
+            boxes = shard_slices(spec, T, t)
+            pieces = g.split([b[spec.split_dim][1] - b[spec.split_dim][0] for b in boxes], dim=spec.split_dim) \
+                if spec.split_dim is not None and T > 1 else [g]
+            for box, piece in zip(boxes, pieces):
+                where = tuple(slice(a, b) for a, b in box)
+                if spec.kind == "replicated" and t > 0:
+                    agree &= torch.equal(full[spec.name][where], piece.float())
+                full[spec.name][where] = piece.float()
+    return full, agree
+
+
 if __name__ == "__main__":
-    world_main([("layouts_agree", check_layouts_agree), ("two_layouts_train", check_two_layouts_train)])
+    world_main([("layouts_agree", check_layouts_agree), ("two_layouts_train", check_two_layouts_train),
+                ("lora", check_lora)])

@@ -1,0 +1,107 @@
+"""LoRA of the actor: its flags and the checks that need the model's shape.
+
+The names and meanings are Megatron-Bridge's (``megatron.bridge.peft.lora.LoRA``): ``target_modules``
+(linear_qkv, linear_proj, linear_fc1, linear_fc2), ``dim`` (the rank r), ``alpha`` (the output of
+the adapter is scaled by alpha / dim), ``dropout`` (on the adapter's input, Bridge's default
+'pre' position); A starts Xavier-normal and B at zero (Bridge's defaults), so a fresh adapter
+leaves the model unchanged. Its parameters are named as Bridge names them:
+``<linear>.adapter.linear_in.weight`` (A, [dim, in]) and ``<linear>.adapter.linear_out.weight``
+(B, [out, dim]). puzzle/models/lora.py builds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from puzzle.config_flags import check, fail, flag
+
+_LORA = "LoRA of the actor (Megatron-Bridge's names: target_modules, dim, alpha, dropout)"
+#: the linears LoRA may adapt: megatron-core's names in its GPT layer (Bridge's target_modules)
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+#: the column-parallel targets (output split over T); the others are row-parallel (input split)
+COLUMN_TARGETS = ("linear_qkv", "linear_fc1")
+
+
+def _module_list(text) -> Tuple[str, ...]:
+    """--lora-target-modules: names separated by commas or spaces."""
+    if isinstance(text, (tuple, list)):
+        return tuple(text)
+    return tuple(name for name in text.replace(",", " ").split() if name)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The actor's LoRA adapters; ``dim`` None: no LoRA (full-parameter training)."""
+
+    dim: Optional[int] = flag(
+        None, _LORA, "LoRA rank (Bridge's dim): train rank-DIM adapters on the actor's --lora-target-modules "
+        "while its base weights stay frozen (no gradients, no optimizer state). Default: no LoRA.", type=int,
+        name="--lora-dim")
+    alpha: float = flag(32.0, _LORA, "LoRA alpha (Bridge's): the adapter's output is scaled by alpha / dim.",
+                        type=float, name="--lora-alpha")
+    dropout: float = flag(0.0, _LORA, "Dropout on the adapter's input (Bridge's dropout, position 'pre').",
+                          type=float, name="--lora-dropout")
+    target_modules: Tuple[str, ...] = flag(
+        LORA_TARGETS, _LORA, f"Linears that get adapters, comma-separated (Bridge's target_modules; default all: "
+        f"{','.join(LORA_TARGETS)}). Column-parallel ones (linear_qkv, linear_fc1) split B over T, row-parallel ones "
+        "(linear_proj, linear_fc2) split A.", type=_module_list, name="--lora-target-modules")
+
+    def __post_init__(self):
+        cls = LoRAConfig
+        object.__setattr__(self, "target_modules", _module_list(self.target_modules))
+        check(cls, self, "dim", self.dim is None or self.dim > 0, f"must be > 0 (got {self.dim})")
+        check(cls, self, "alpha", self.alpha > 0, f"must be > 0 (got {self.alpha})")
+        check(cls, self, "dropout", 0.0 <= self.dropout < 1.0, f"must be in [0, 1) (got {self.dropout})")
+        unknown = [m for m in self.target_modules if m not in LORA_TARGETS]
+        check(cls, self, "target_modules", not unknown and bool(self.target_modules),
+              f"{', '.join(unknown) or 'nothing'}: not a linear of the model (choose from {', '.join(LORA_TARGETS)})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.dim is not None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.dim
+
+
+def target_shapes(arch) -> dict:
+    """(out, in) of each target linear of one transformer layer of ``arch`` (a ModelArch)."""
+    h, heads = arch.hidden_size, arch.num_attention_heads
+    kv = arch.kv_channels or h // heads
+    groups = arch.num_query_groups or heads
+    ffn = arch.ffn_hidden_size or 4 * h
+    return {"linear_qkv": ((heads + 2 * groups) * kv, h), "linear_proj": (h, heads * kv),
+            "linear_fc1": ((2 if arch.swiglu else 1) * ffn, h), "linear_fc2": (h, ffn)}
+
+
+def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_plans=(), checkpoint_flags=()) -> None:
+    """Refuse LoRA the actor cannot have, naming the flag: a rank larger than a target linear's smaller
+    side; not yet: MoE experts, transformer_engine layers (TE fuses the layernorm into linear_qkv and
+    linear_fc1, whose input is then not the adapter's; sequence parallelism, which needs TE, is not
+    handled by the adapters either), a generation layout other than training's (``actor_plans``: the
+    switch moves the base weights only), checkpoints (``checkpoint_flags`` given: adapters are
+    neither saved nor read)."""
+    if not lora.enabled:
+        for name, value, default in (("--lora-alpha", lora.alpha, 32.0), ("--lora-dropout", lora.dropout, 0.0)):
+            if value != default:
+                fail(name, "needs --lora-dim")
+        return
+    shapes = target_shapes(arch)
+    for module in lora.target_modules:
+        if lora.dim > min(shapes[module]):
+            fail("--lora-dim", f"{lora.dim} is larger than {module}'s smaller side {min(shapes[module])} "
+                               f"(its weight is {shapes[module][0]} x {shapes[module][1]})")
+    mlp = [m for m in lora.target_modules if m in ("linear_fc1", "linear_fc2")]
+    if arch.is_moe and mlp:
+        fail("--lora-target-modules", f"{','.join(mlp)} on a MoE model: LoRA on MoE experts is not supported yet "
+                                      "(adapt linear_qkv,linear_proj only)")
+    if transformer_impl != "local":
+        fail("--lora-dim", f"needs --transformer-impl local for now (got {transformer_impl}): LoRA on transformer_engine "
+                           "layers is not supported yet")
+    if len(set(actor_plans)) > 1:
+        fail("--lora-dim", f"the actor's generation layout {actor_plans[1]} differs from its training layout "
+                           f"{actor_plans[0]}: the switch does not move LoRA adapters yet")
+    if checkpoint_flags:
+        fail("--lora-dim", f"with {'/'.join(checkpoint_flags)}: LoRA adapters are not checkpointed yet")

@@ -1,0 +1,137 @@
+"""LoRA adapters on megatron-core's parallel linears, sharded like the base weights over T.
+
+Each adapted linear keeps its own parameters and names (init, HF mapping, the switch and checkpoints
+see the base model unchanged) and gains a submodule ``adapter`` with ``linear_in`` (A, global
+[dim, in]) and ``linear_out`` (B, global [out, dim]) as Megatron-Bridge names them; a forward hook
+adds ``(alpha / dim) * B A dropout(x)`` to the linear's output.
+
+- Column-parallel linears (linear_qkv, linear_fc1; input replicated, output split over T): A is
+  replicated, B split along its output rows exactly like the base weight (the query groups of QKV,
+  the gate and up halves of a SwiGLU fc1). The rank-dim activation ``A x`` is the same on every TP
+  rank; its gradient is summed over the TP group (megatron's copy-to-region), so A's gradient is
+  the whole one on every rank.
+- Row-parallel linears (linear_proj, linear_fc2; input split over T): A is split along its input
+  columns like the base weight, the partial products ``A_t x_t`` are all-reduced over the TP group
+  (megatron's reduce-from-region), and B (replicated) maps the sum to the output, which is then the
+  same on every TP rank, like the base linear's all-reduced output.
+
+The base weights are frozen (``requires_grad`` False): megatron's DDP gives them no gradient buffer
+and its optimizer no state. Adapters start layout-independent (puzzle/models/init.py's rule: each
+whole tensor drawn from a generator seeded by its global name, each rank keeps its shard): A
+Xavier-normal, B zero (Bridge's defaults), so a fresh adapter changes no output bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Tuple
+
+import torch
+
+from puzzle.lora_config import COLUMN_TARGETS, LoRAConfig, target_shapes
+from puzzle.models.init import _seed_for, local_shard
+from puzzle.models.param_layout import ParamSpec, global_name, resolve_layers_per_stage
+from puzzle.models.param_names import canonical_param_name
+
+ADAPTER_MARK = ".adapter."
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a (local or global) parameter name is a LoRA adapter's."""
+    return ADAPTER_MARK in name
+
+
+class LoRAAdapter(torch.nn.Module):
+    """The A and B shards of one linear on this rank, and how their product meets the TP group."""
+
+    def __init__(self, target: str, dim: int, local_in: int, local_out: int, scale: float, dropout: float,
+                 tp_group, dtype: torch.dtype, device):
+        super().__init__()
+        self.column = target in COLUMN_TARGETS
+        self.scale, self.tp_group = scale, tp_group
+        self.dropout = torch.nn.Dropout(dropout) if dropout else None
+        self.linear_in = torch.nn.Linear(local_in, dim, bias=False, dtype=dtype, device=device)
+        self.linear_out = torch.nn.Linear(dim, local_out, bias=False, dtype=dtype, device=device)
+        # megatron's TP attributes: grad norms count a split parameter on every TP rank, a replicated
+        # one once; the split parameter is B of a column-parallel linear, A of a row-parallel one
+        split, dim_of_split = (self.linear_out.weight, 0) if self.column else (self.linear_in.weight, 1)
+        split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, dim_of_split, 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                                   reduce_from_tensor_model_parallel_region)
+
+        if self.dropout is not None:
+            x = self.dropout(x)
+        low = torch.nn.functional.linear(x, self.linear_in.weight)
+        if self.column:  # replicated A x: its gradient is the sum over the B shards of the TP group
+            low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
+        else:            # A_t x_t of each TP rank: summed before B
+            low = reduce_from_tensor_model_parallel_region(low, group=self.tp_group)
+        return torch.nn.functional.linear(low, self.linear_out.weight) * self.scale
+
+
+def _add_adapter_output(linear, args, output):
+    """Forward hook of an adapted linear: megatron's linears return (output, bias)."""
+    out, bias = output
+    return out + linear.adapter(args[0]).to(out.dtype), bias
+
+
+def target_linears(module: torch.nn.Module, lora: LoRAConfig) -> Iterator[Tuple[str, str, torch.nn.Module]]:
+    """(local module name, target name, linear) of every linear ``lora`` adapts in ``module``."""
+    for name, sub in module.named_modules():
+        target = name.rsplit(".", 1)[-1]
+        if target in lora.target_modules and ".mlp.experts." not in name:
+            yield name, target, sub
+
+
+def adapter_specs(arch, lora: LoRAConfig, global_linear: str, target: str, base_spec: ParamSpec):
+    """The ParamSpecs of A and B of one linear (global names and shapes, and their TP split)."""
+    out, inp = target_shapes(arch)[target]
+    where = dict(layer=base_spec.layer, split_units=base_spec.split_units, split_label=base_spec.split_label)
+    a_name, b_name = f"{global_linear}.adapter.linear_in.weight", f"{global_linear}.adapter.linear_out.weight"
+    if target in COLUMN_TARGETS:
+        return (ParamSpec(a_name, (lora.dim, inp), "replicated", layer=base_spec.layer),
+                ParamSpec(b_name, (out, lora.dim), base_spec.kind, **where))
+    return (ParamSpec(a_name, (lora.dim, inp), "row", **where),
+            ParamSpec(b_name, (out, lora.dim), "replicated", layer=base_spec.layer))
+
+
+def adapter_init_value(spec: ParamSpec, seed: int, b_std: float = 0.0) -> torch.Tensor:
+    """The whole initial value of A (Xavier-normal) or B (zero; N(0, b_std) where a test asks)."""
+    if spec.name.endswith("linear_out.weight") and not b_std:
+        return torch.zeros(spec.global_shape)
+    fan_out, fan_in = spec.global_shape
+    std = b_std if spec.name.endswith("linear_out.weight") else math.sqrt(2.0 / (fan_in + fan_out))
+    gen = torch.Generator().manual_seed(_seed_for(seed, spec.name))
+    return torch.randn(spec.global_shape, generator=gen) * std
+
+
+def apply_lora(module: torch.nn.Module, arch, role: str, lora: LoRAConfig, seed: int, b_std: float = 0.0) -> dict:
+    """Freeze ``module`` (one rank's shard of a GPTModel built by build_role_model) and give each
+    target linear its adapter, initialised layout-independently; returns {local parameter name:
+    global ParamSpec} of this rank's adapters (A and B of each linear)."""
+    from puzzle.models.init import param_specs
+
+    layout = module.puzzle_layout
+    T, t = layout.plan.T, layout.t
+    lps = resolve_layers_per_stage(arch.num_layers, layout.plan.P)
+    specs = {s.name: s for s in param_specs(arch, role)}
+    for param in module.parameters():
+        param.requires_grad_(False)
+    placed = {}
+    for local, target, linear in target_linears(module, lora):
+        global_linear = global_name(canonical_param_name(local + ".weight"), layout.p, lps)[:-len(".weight")]
+        a_spec, b_spec = adapter_specs(arch, lora, global_linear, target, specs[global_linear + ".weight"])
+        a = local_shard(a_spec, adapter_init_value(a_spec, seed, b_std), T, t)
+        b = local_shard(b_spec, adapter_init_value(b_spec, seed, b_std), T, t)
+        weight = linear.weight
+        linear.adapter = LoRAAdapter(target, lora.dim, a.shape[1], b.shape[0], lora.scale, lora.dropout,
+                                     layout.tp_group, weight.dtype, weight.device)
+        with torch.no_grad():
+            linear.adapter.linear_in.weight.copy_(a)
+            linear.adapter.linear_out.weight.copy_(b)
+        linear.register_forward_hook(_add_adapter_output)
+        placed[f"{local}.adapter.linear_in.weight"] = a_spec
+        placed[f"{local}.adapter.linear_out.weight"] = b_spec
+    return placed

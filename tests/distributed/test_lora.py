@@ -1,0 +1,40 @@
+"""LoRA on megatron-core's parallel linears (issue #39), checked in the 4-rank foundation world."""
+
+import pytest
+
+from tests.harness import run_world
+
+PLANS = ("(P=1, D=1, T=1)", "(P=1, D=1, T=2)", "(P=2, D=1, T=2)")
+
+
+@pytest.fixture(scope="module")
+def lora():
+    return run_world("distributed/worlds/foundation.py", 4)[0]["lora"]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_zero_b_leaves_logprobs_bitwise_equal(lora, plan):
+    assert lora[plan]["equal_bitwise"]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_adapted_layers_skip_the_lean_decode_step(lora, plan):
+    for plain, adapted in lora[plan]["lean_decode_plain_lora"]:
+        assert plain and all(plain) and not any(adapted), (plain, adapted)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_adapter_grads_equal_plain_pytorch_lora(lora, plan):
+    res = lora[plan]
+    assert res["names"], "the adapters' global names differ from the reference's"
+    assert res["replicas_agree"], "TP replicas of an unsplit adapter differ"
+    assert res["min_grad_max"] > 1e-4, "a reference gradient is zero: the check would pass vacuously"
+    assert res["worst_relative_grad_error"] < 1e-5, res
+
+
+def test_base_frozen_and_optimizer_holds_adapters_only(lora):
+    for rank, step in enumerate(lora["optimizer_step"]):
+        assert step["frozen_base"] and step["base_unchanged"], (rank, step)
+        assert step["optimizer_numel"] == step["ddp_grad_numel"] == step["adapter_numel"] > 0, (rank, step)
+        # B starts at zero, so A's first gradient is zero and only the Bs move
+        assert step["adapters_moved"] == step["adapters"] // 2 > 0, (rank, step)

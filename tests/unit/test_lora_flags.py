@@ -1,0 +1,76 @@
+"""LoRA's flags (Megatron-Bridge's names) and the input refused at start, naming the flag."""
+
+import pytest
+
+from puzzle.arguments import ArgumentError, parse_args, validate_args
+from puzzle.lora_config import LORA_TARGETS, LoRAConfig, check_lora, target_shapes
+from tests.unit.test_arguments import BASE
+
+
+def cfg(*extra):
+    return validate_args(parse_args(BASE + list(extra)), 4, 259)
+
+
+def test_no_lora_by_default():
+    lora = cfg().lora
+    assert not lora.enabled and lora.target_modules == LORA_TARGETS
+
+
+def test_flags_fill_the_config_with_bridges_defaults():
+    lora = cfg("--lora-dim", "8").lora
+    assert (lora.dim, lora.alpha, lora.dropout, lora.target_modules) == (8, 32.0, 0.0, LORA_TARGETS)
+    assert lora.scale == 4.0
+    lora = cfg("--lora-dim", "4", "--lora-alpha", "8", "--lora-dropout", "0.1",
+               "--lora-target-modules", "linear_qkv, linear_fc2").lora
+    assert (lora.dim, lora.alpha, lora.dropout, lora.target_modules) == (4, 8.0, 0.1, ("linear_qkv", "linear_fc2"))
+
+
+@pytest.mark.parametrize("extra, flag, words", [
+    (["--lora-dim", "0"], "--lora-dim", "must be > 0"),
+    (["--lora-dim", "-2"], "--lora-dim", "must be > 0"),
+    (["--lora-dim", "65"], "--lora-dim", "larger than linear_"),   # hidden 64: every target's smaller side
+    (["--lora-dim", "4", "--lora-target-modules", "linear_qkv,q_proj"], "--lora-target-modules", "q_proj"),
+    (["--lora-dim", "4", "--lora-target-modules", ","], "--lora-target-modules", "nothing"),
+    (["--lora-dim", "4", "--lora-alpha", "0"], "--lora-alpha", "must be > 0"),
+    (["--lora-dim", "4", "--lora-dropout", "1"], "--lora-dropout", "[0, 1)"),
+    (["--lora-alpha", "16"], "--lora-alpha", "needs --lora-dim"),
+])
+def test_bad_lora_input_names_the_flag(extra, flag, words):
+    with pytest.raises(ArgumentError) as e:
+        cfg(*extra)
+    assert str(e.value).startswith(flag + ":") and words in str(e.value), str(e.value)
+
+
+def test_what_lora_cannot_do_yet_is_refused(tmp_path):
+    with pytest.raises(ArgumentError, match="^--lora-dim: the actor's generation layout .* the switch does not move"):
+        cfg("--lora-dim", "4", "--actor-gen-tensor-model-parallel-size", "2")
+    with pytest.raises(ArgumentError, match="^--lora-dim: with --save: LoRA adapters are not checkpointed yet"):
+        cfg("--lora-dim", "4", "--save", str(tmp_path / "ckpt"))
+
+
+def test_rank_limit_is_the_target_layers_smaller_side():
+    # hidden 64, 4 heads, ffn 4*64 with SwiGLU: qkv 192x64, proj 64x64, fc1 512x64, fc2 64x256
+    assert cfg("--lora-dim", "64").lora.dim == 64
+    arch = cfg().roles["actor"].arch
+    assert target_shapes(arch) == {"linear_qkv": (192, 64), "linear_proj": (64, 64),
+                                   "linear_fc1": (512, 64), "linear_fc2": (64, 256)}
+
+
+def test_moe_experts_are_refused_for_now():
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
+    with pytest.raises(ArgumentError, match="^--lora-target-modules: linear_fc1,linear_fc2 on a MoE model: LoRA on "
+                                            "MoE experts is not supported yet"):
+        cfg("--lora-dim", "4", *moe)
+    assert cfg("--lora-dim", "4", "--lora-target-modules", "linear_qkv,linear_proj", *moe).lora.dim == 4
+
+
+def test_config_checks_itself():
+    with pytest.raises(ArgumentError, match="^--lora-dim: must be > 0"):
+        LoRAConfig(dim=0)
+
+
+def test_transformer_engine_layers_are_refused_for_now():
+    arch = cfg().roles["actor"].arch
+    with pytest.raises(ArgumentError, match="^--lora-dim: needs --transformer-impl local for now"):
+        check_lora(LoRAConfig(dim=4), arch, "transformer_engine")
+    check_lora(LoRAConfig(), arch, "transformer_engine")  # no LoRA: nothing to refuse
