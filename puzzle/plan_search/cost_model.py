@@ -103,7 +103,7 @@ class PPOWorkload:
     actor_logprobs_in_scoring: bool = True  # recompute the old log-probs in the scoring stage
     generation_micro_batch_size: Optional[int] = None  # KV-cache rows per DP rank (None: all)
     cuda_graphs: bool = False  # decode steps replayed from CUDA graphs (GPU)
-    # memory levers (puzzle.config.MemoryLevers): activation recompute in training, and the
+    # memory levers (puzzle.memory_levers.MemoryLevers): activation recompute in training, and the
     # trainable roles' gradients + optimizer states (frozen roles' weights) on the host while
     # they are idle (--rl-offload-optimizer-during-inference)
     recompute_granularity: Optional[str] = None
