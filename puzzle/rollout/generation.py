@@ -438,14 +438,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
     model = engine.module
     device = model.puzzle_device
-    graphs = None
-    if cuda_graphs and batch_invariant:
-        raise ValueError("batch_invariant generation runs eagerly: not with cuda_graphs")
-    if cuda_graphs:
-        from puzzle.rollout.cuda_graphs import DecodeGraphs
-
-        graphs = DecodeGraphs.for_model(model, P, device, compile_graphs)
-
+    graphs = _decode_graphs(model, P, device, cuda_graphs, compile_graphs, batch_invariant)
     rtok = None if resumed is None else resumed[0]
     prefills = prompts if rtok is None else [list(p) + list(q) for p, q in zip(prompts, rtok)]
     results = Results.empty(b, params.max_new_tokens, rows_sample_ids, device)
@@ -476,6 +469,17 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         out.observation_mask, out.turn_counts = tracker.observation_mask, dict(tracker.counts)
         out.finished = torch.ones_like(out.finished)  # an episode's end is its row's end
     return out
+
+
+def _decode_graphs(model, P: int, device, cuda_graphs: bool, compile_graphs: bool, batch_invariant: bool):
+    """The decode steps' CUDA graphs (``cuda_graphs``), else None."""
+    if cuda_graphs and batch_invariant:
+        raise ValueError("batch_invariant generation runs eagerly: not with cuda_graphs")
+    if not cuda_graphs:
+        return None
+    from puzzle.rollout.cuda_graphs import DecodeGraphs
+
+    return DecodeGraphs.for_model(model, P, device, compile_graphs)
 
 
 def _check_turns(turns, plan, stop, partial_tokens, cuda_graphs) -> None:
