@@ -27,6 +27,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from puzzle.reward_functions.loader import import_named
 from puzzle.reward_functions.math_checker import answers_equal
 from puzzle.reward_functions.runner import Result, Sample, call_chunk, check_value
 from puzzle.reward_functions.safe_math import MathParseError, parse_math
@@ -99,12 +100,7 @@ def resolve_env(spec: str) -> str:
     if ":" not in path:
         raise ValueError(f"--env {spec!r}: unknown environment (built in: {', '.join(sorted(BUILTIN_ENVS))}; "
                          f"else module:Class)")
-    module_name, _, cls_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"--env {spec!r}: cannot import module {module_name!r} ({e})") from None
-    cls = getattr(module, cls_name, None)
+    module_name, cls_name, cls = import_named("--env", path)
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)):
         raise ValueError(f"--env {spec!r}: module {module_name!r} has no class {cls_name!r} with a step(turn) method")
     return path

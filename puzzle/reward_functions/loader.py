@@ -42,14 +42,20 @@ def _positional_count(fn: Callable):
     return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
 
 
-def load_reward_fn(spec: str) -> RewardFunction:
-    """Import ``module:function``; a clear error names the flag and the missing piece."""
-    module_name, _, fn_name = spec.partition(":")
+def import_named(flag: str, spec: str) -> tuple:
+    """``module:name`` imported: (the module's name, the name, its attribute or None); a
+    ValueError names ``flag`` and the module when the module cannot be imported."""
+    module_name, _, name = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"--reward-fn {spec!r}: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
+        raise ValueError(f"{flag} {spec!r}: cannot import module {module_name!r} ({e})") from None
+    return module_name, name, getattr(module, name, None)
+
+
+def load_reward_fn(spec: str) -> RewardFunction:
+    """Import ``module:function``; a clear error names the flag and the missing piece."""
+    module_name, fn_name, fn = import_named("--reward-fn", spec)
     if not callable(fn):
         raise ValueError(f"--reward-fn {spec!r}: module {module_name!r} has no function {fn_name!r}")
     n = _positional_count(fn)
