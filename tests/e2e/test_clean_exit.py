@@ -19,7 +19,7 @@ from tests.harness import REPO, script_env
 
 #: launches of the 4-rank MoE generate (the examples' learning runs, the saved run and the
 #: checkpoint and fault tests add their own launches: tests.harness.run_script checks each too)
-GENERATE_RUNS = 2
+GENERATE_RUNS = 1
 ABORT = "terminate called"
 
 ORDER = r"""
