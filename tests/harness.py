@@ -97,9 +97,29 @@ def _in_background() -> None:
     """In a child before it starts: run under SCHED_IDLE, so that the tests in the foreground take
     the cores first and this process takes only what they leave (the ranks of a tiny run, waiting
     on each other's collectives, leave much). A plain low priority is not enough: a waking rank
-    of the foreground would wait its turn behind the background at every collective."""
+    of the foreground would wait its turn behind the background at every collective. Every
+    Python process under it does the same at its start (``background_env``)."""
     if hasattr(os, "SCHED_IDLE"):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _yield_session(proc: subprocess.Popen) -> None:
+    """The lowest weight (nice 19) for the autogroup of ``proc``'s session (started with a session
+    of its own): the kernel shares the cores between sessions before it shares them between the
+    processes of one."""
+    try:
+        Path(f"/proc/{proc.pid}/autogroup").write_text("19")
+    except OSError:
+        pass
+
+
+def background_env(env: dict) -> dict:
+    """``env`` for a run in the background: tests/background_site/sitecustomize.py first on
+    PYTHONPATH, so that each of its Python processes, the ranks in their own sessions included,
+    yields the cores at its start (SCHED_IDLE, and nice 19 for its session's autogroup)."""
+    site = str(REPO / "tests" / "background_site")
+    path = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+    return dict(env, PUZZLE_TEST_BACKGROUND="1", PYTHONPATH=path)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
@@ -131,8 +151,11 @@ class _World:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(REPO / "tests" / script), *args]
         self.log = open(self.out / "output.log", "w+")
-        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=_in_background if background else None)
+        self.proc = subprocess.Popen(cmd, env=background_env(env) if background else env, cwd=REPO,
+                                     stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=_in_background if background else None, start_new_session=background)
+        if background:
+            _yield_session(self.proc)
 
     def results(self, timeout: float) -> list:
         """Wait for the world (at most ``timeout`` s more); its per-rank results, or an
@@ -263,8 +286,9 @@ class LaunchedAhead:
         self.log_dir = self.dir / "log"
         self._out, self._err = open(self.dir / "stdout", "w+"), open(self.dir / "stderr", "w+")
         self.proc = subprocess.Popen(["bash", str(script), *args, "--log-dir", str(self.log_dir)], cwd=REPO,
-                                     env=script_env(NPROC=str(nproc)), stdout=self._out, stderr=self._err, text=True,
-                                     preexec_fn=_in_background)
+                                     env=background_env(script_env(NPROC=str(nproc))), stdout=self._out,
+                                     stderr=self._err, text=True, preexec_fn=_in_background, start_new_session=True)
+        _yield_session(self.proc)
 
     def finish(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait for the run (at most ``timeout`` s more); its exit status and output."""
