@@ -99,8 +99,10 @@ def _in_background() -> None:
     on each other's collectives, leave much). A plain low priority is not enough: a waking rank
     of the foreground would wait its turn behind the background at every collective. Every
     Python process under it does the same at its start (``background_env``)."""
-    if hasattr(os, "SCHED_IDLE"):
+    try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not allowed here: the run goes on as it is
+        pass
 
 
 def _yield_session(proc: subprocess.Popen) -> None:
