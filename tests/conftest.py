@@ -24,18 +24,6 @@ def pytest_configure(config):
                             "tests are collected, read by the test through the fixture ``ahead``")
 
 
-def _reads_worlds(item) -> int:
-    """2: a test file of tests/distributed; 1: another file that reads a world; 0: the rest."""
-    module = getattr(item, "module", None)
-    if module is None or not hasattr(module, "run_world"):
-        return 0
-    return 2 if "distributed" in Path(module.__file__).parts else 1
-
-
-def pytest_collection_modifyitems(config, items):
-    items.sort(key=_reads_worlds)  # stable: each file's tests keep their order
-
-
 #: how the test files ask for a world: run_world("distributed/worlds/<script>.py", <ranks>, ...)
 _WORLD_CALL = re.compile(r'run_world\(\s*"([^"]+)",\s*(\d+)')
 
@@ -46,11 +34,21 @@ def _worlds_in(path: str) -> frozenset:
     return frozenset((script, int(n)) for script, n in _WORLD_CALL.findall(Path(path).read_text()))
 
 
+def _reads_worlds(item) -> int:
+    """2: a test file of tests/distributed that reads a world; 1: another such file; 0: the rest."""
+    if not _worlds_in(str(item.path)):
+        return 0
+    return 2 if "distributed" in item.path.parts else 1
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=_reads_worlds)  # stable: each file's tests keep their order
+
+
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    modules = {i.module.__file__ for i in session.items if _reads_worlds(i)}
-    harness.start_shared_worlds(set().union(*map(_worlds_in, modules)))
+    harness.start_shared_worlds(set().union(*(_worlds_in(str(i.path)) for i in session.items)))
     for item in session.items:
         marker = item.get_closest_marker("launch_ahead")
         if marker is not None:
