@@ -461,8 +461,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     ppo = _check_token_budget(ppo)
     _check_recompute_layers(levers, roles)
     given = {"--save": args.save, "--load": args.load, "--pretrained-checkpoint": args.pretrained_checkpoint}
-    check_lora(lora, roles["actor"].arch, impl, actor_plans=(roles["actor"].plan, roles["actor"].gen_plan),
-               checkpoint_flags=[f for f, value in given.items() if value])
+    check_lora(lora, roles["actor"].arch, impl, checkpoint_flags=[f for f, value in given.items() if value])
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers, lora=lora,

@@ -42,10 +42,13 @@ def test_bad_lora_input_names_the_flag(extra, flag, words):
 
 
 def test_what_lora_cannot_do_yet_is_refused(tmp_path):
-    with pytest.raises(ArgumentError, match="^--lora-dim: the actor's generation layout .* the switch does not move"):
-        cfg("--lora-dim", "4", "--actor-gen-tensor-model-parallel-size", "2")
     with pytest.raises(ArgumentError, match="^--lora-dim: with --save: LoRA adapters are not checkpointed yet"):
         cfg("--lora-dim", "4", "--save", str(tmp_path / "ckpt"))
+
+
+def test_a_generation_layout_of_its_own_is_accepted():
+    run = cfg("--lora-dim", "4", "--actor-gen-tensor-model-parallel-size", "2")
+    assert run.lora.dim == 4 and run.roles["actor"].gen_plan != run.roles["actor"].plan
 
 
 def test_rank_limit_is_the_target_layers_smaller_side():
