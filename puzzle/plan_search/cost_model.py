@@ -581,15 +581,15 @@ class CostModel:
         self._cache[key] = cost
         return cost
 
-    def decode_step_seconds(self, role: ModelRole, plan: ParallelPlan, live_rows: int) -> float:
-        """One decode step of a P = 1 replica with ``live_rows`` sequences in its cache (the
+    def decode_step_seconds(self, role: ModelRole, plan: ParallelPlan, rows: int) -> float:
+        """One decode step of a P = 1 replica computing ``rows`` cache rows (the
         long tail's unit price, puzzle.plan_search.long_tail): the step of :meth:`generation_cost`
         at that many rows, with the host's share of the step."""
         if plan.P != 1:
             raise ValueError(f"decode_step_seconds prices P=1 plans (got P={plan.P})")
-        key = ("step", role, plan, live_rows)
+        key = ("step", role, plan, rows)
         if key not in self._cache:
-            t_dec, _ = self._decode_step(role, plan, live_rows)
+            t_dec, _ = self._decode_step(role, plan, rows)
             self._cache[key] = t_dec + self.profile.decode_step_overhead_s
         return self._cache[key]
 
