@@ -190,9 +190,10 @@ def lengths_from_config(cfg, metrics: Optional[str] = None):
 
 def long_tail_report(cfg, profile, own_layouts: bool = False, plans=None, placements=None, lengths=None):
     """The long tail's three modes priced for the run (puzzle.plan_search.long_tail.compare_modes):
-    the colocated ones at the run's own layouts (``own_layouts``, --dry-run), at ``plans`` /
-    ``placements`` (a search's), else searched."""
-    from puzzle.plan_search.long_tail import compare_modes
+    the colocated ones at the run's own layouts (``own_layouts``, --dry-run: the overlap at a
+    quarter, half and three quarters of the ranks for generation), at ``plans`` / ``placements``
+    (a search's: the overlap at every split), else searched."""
+    from puzzle.plan_search.long_tail import coarse_splits, compare_modes
 
     job = job_from_config(cfg, profile)
     job = replace(job, workload=replace(job.workload, mean_gen_len=None))
@@ -200,7 +201,8 @@ def long_tail_report(cfg, profile, own_layouts: bool = False, plans=None, placem
         plans, placements = placement_from_config(cfg), {"scoring": cfg.score_placement,
                                                          "training": cfg.train_placement}
     return compare_modes(job, lengths or lengths_from_config(cfg), cfg.ppo.n_samples_per_prompt,
-                         cfg.ppo.rl_partial_rollouts_oversample, plans, placements)
+                         cfg.ppo.rl_partial_rollouts_oversample, plans, placements,
+                         gen_ranks=coarse_splits(cfg.world_size) if own_layouts else None)
 
 
 def predict_mode(argv: List[str], lengths, world_size: int = 1, profile: str = "cpu_tiny_4ranks") -> str:

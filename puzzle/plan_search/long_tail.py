@@ -38,7 +38,7 @@ import random
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from statistics import NormalDist
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.plan_search.cost_model import CostModel, ModelRole, PPOWorkload, ppo_roles, stage_seconds
@@ -360,10 +360,12 @@ class LongTailPricer:
         self._sims: Dict[tuple, List[Trace]] = {}
 
     def _simulate(self, groups: int, group_size: int, oversample: Optional[float], seed: int = 0) -> List[Trace]:
-        key = (groups, group_size, oversample, seed)
+        fixed = self.lengths.kind == "fixed"  # no draws: one replica and a short cycle stand for all
+        key = (groups, group_size, oversample, 0 if fixed else seed)
         if key not in self._sims:
+            rounds = dict(iterations=2, warmup=2) if fixed else {}
             self._sims[key] = simulate(self.lengths, groups, group_size, slots=self.w.generation_micro_batch_size,
-                                       oversample=oversample, prompt_len=self.w.prompt_len, seed=seed)
+                                       oversample=oversample, prompt_len=self.w.prompt_len, seed=seed, **rounds)
         return self._sims[key]
 
     def _cost_model(self, mean_len: float) -> CostModel:
@@ -445,15 +447,16 @@ class LongTailPricer:
         layout = f"generation {fmt_plan(gen_plan)} on ranks {n_train}..{N - 1}; training pool " + _layout(plans)
         return ModeEstimate("overlap", max(gen, side) + switch, gen, side, switch, layout, flags)
 
-    def overlap(self) -> ModeEstimate:
+    def overlap(self, gen_ranks: Optional[Sequence[int]] = None) -> ModeEstimate:
+        """The fastest split that fits, over ``gen_ranks`` generation ranks (None: every split)."""
         N = self.job.world_size
         if N < 2:
             return ModeEstimate("overlap", why_not="needs >= 2 ranks (a generation and a training pool)")
-        splits = [self.overlap_split(g) for g in range(1, N)]
+        splits = [self.overlap_split(g) for g in (gen_ranks or range(1, N))]
         ok = [e for e in splits if e.available]
         if ok:
             return min(ok, key=lambda e: e.iteration_s)
-        even = splits[(N - 1) // 2]  # the even split's reason stands for all
+        even = splits[(len(splits) - 1) // 2]  # the middle split's reason stands for all
         return replace(even, why_not=f"no split of the {N} ranks fits; e.g. {even.flags.split(', ')[1]}: "
                                      + even.why_not)
 
@@ -468,14 +471,21 @@ def _layout(plans) -> str:
                      + (f" gen {fmt_plan(st['generation'])}" if 'generation' in st else "") for m, st in plans.items())
 
 
+def coarse_splits(world: int) -> List[int]:
+    """Generation pools of a quarter, half and three quarters of the ranks (what --dry-run prices;
+    search_plan.py prices every split)."""
+    return sorted({min(world - 1, max(1, round(world * f))) for f in (0.25, 0.5, 0.75)}) if world > 1 else []
+
+
 def compare_modes(job: PPOJob, lengths: ResponseLengths, group_size: int, oversample: float,
                   plans: Optional[dict] = None, placements: Optional[dict] = None,
-                  margin: float = OFF_POLICY_MARGIN) -> LongTailReport:
+                  margin: float = OFF_POLICY_MARGIN, gen_ranks: Optional[Sequence[int]] = None) -> LongTailReport:
     """The three modes of ``job`` priced under ``lengths`` and the advisory choice. ``plans`` /
-    ``placements``: the colocated modes' layouts (the run's own for --dry-run); None: searched."""
+    ``placements``: the colocated modes' layouts (the run's own for --dry-run); None: searched.
+    ``gen_ranks``: the overlap's generation pool sizes to price (None: every split)."""
     pricer = LongTailPricer(job, lengths, group_size, oversample)
     if plans is None:
         found = similarity_search(job)
         plans, placements = found.plans, found.placements
-    estimates = [pricer.sync(plans, placements), pricer.partial(plans, placements), pricer.overlap()]
+    estimates = [pricer.sync(plans, placements), pricer.partial(plans, placements), pricer.overlap(gen_ranks)]
     return LongTailReport(lengths, estimates, choose(estimates, margin))

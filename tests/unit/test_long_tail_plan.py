@@ -147,3 +147,27 @@ def test_bad_distributions_are_refused():
         ResponseLengths.from_percentiles(100, 2000, CAP)
     with pytest.raises(ValueError, match="oversample: must be >= 1"):
         compare_modes(_job(1), LONG_TAIL, GROUP, 0.5)
+
+
+def _bench_argv(cap: int, *extra: str) -> list:
+    from puzzle.bench.long_tail import MODEL, RUN
+
+    return MODEL + RUN + ["--rl-partial-rollouts", "--rl-partial-rollouts-oversample", "2",
+                          "--n-samples-per-prompt", "4", "--seq-length", str(cap + 16),
+                          "--max-position-embeddings", str(cap + 16), "--max-new-tokens", str(cap), *extra]
+
+
+def test_the_long_tail_bench_configurations():
+    """puzzle.bench.long_tail's two distributions on one rank, priced with the profile measured for
+    its model: partial rollouts on both (on the equal one F = 2 doubles the decode batch, whose step
+    costs less per row when wider: the bench measured 1.04x and 1.36x, docs/ppo.md); with the
+    KV cache limited to one batch, the equal lengths give nothing to cut."""
+    from puzzle.plan_search.command import predict_mode
+
+    cap = 192
+    tail, equal = ResponseLengths("exponential", cap, mean=0.16 * cap), ResponseLengths("fixed", cap)
+    assert predict_mode(_bench_argv(cap), tail, 1, "cpu_long_tail_1rank") == "partial"
+    assert predict_mode(_bench_argv(cap), equal, 1, "cpu_long_tail_1rank") == "partial"
+    one_batch = ("--generation-micro-batch-size", "64")
+    assert predict_mode(_bench_argv(cap, *one_batch), equal, 1, "cpu_long_tail_1rank") == "sync"
+    assert predict_mode(_bench_argv(cap, *one_batch), tail, 1, "cpu_long_tail_1rank") == "partial"
