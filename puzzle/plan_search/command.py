@@ -202,10 +202,24 @@ def long_tail_report(cfg, profile, own_layouts: bool = False, plans=None, placem
                                                          "training": cfg.train_placement}
     return compare_modes(job, lengths or lengths_from_config(cfg), cfg.ppo.n_samples_per_prompt,
                          cfg.ppo.rl_partial_rollouts_oversample, plans, placements,
-                         gen_ranks=coarse_splits(cfg.world_size) if own_layouts else None)
+                         gen_ranks=coarse_splits(cfg.world_size) if own_layouts else None,
+                         partial_refused=partial_refused(cfg))
 
 
-def predict_mode(argv: List[str], lengths, world_size: int = 1, profile: str = "cpu_tiny_4ranks") -> str:
+def partial_refused(cfg) -> str:
+    """Why the run could not take --rl-partial-rollouts (puzzle.flag_checks.check_partial_rollouts
+    refuses these at start); empty when it could."""
+    ppo = cfg.ppo
+    if ppo.advantage_estimator == "remax":
+        return "not with --advantage-estimator remax"
+    if ppo.filter_groups:
+        return "not with --filter-groups"
+    if cfg.max_turns > 1:
+        return "not with --max-turns > 1"
+    return ""
+
+
+def predict_mode(argv: List[str], lengths, world_size: int = 1, profile: str = "cpu_long_tail_1rank") -> str:
     """The long tail's advisory mode ('sync', 'partial' or 'overlap') for a run of train_ppo.py
     flags ``argv`` on ``world_size`` ranks priced under ``lengths`` (a
     puzzle.plan_search.long_tail.ResponseLengths) with ``profile`` (a bundled name or a file): what

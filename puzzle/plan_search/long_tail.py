@@ -397,7 +397,7 @@ class LongTailPricer:
     def partial(self, plans, placements) -> ModeEstimate:
         N, G, F, w = self.N, self.G, self.F, self.w
         served = replace(w, rollout_batch_size=max(G, math.ceil(F * G)) * N)
-        flags = f"--rl-partial-rollouts --rl-partial-rollouts-oversample {F:g}"
+        flags = f"--rl-partial-rollouts --rl-partial-rollouts-oversample {F:g} --rl-inference-logprobs-is-correction"
         gen_plan = plans["actor"]["generation"]
         if gen_plan.P != 1 or gen_plan.generation_share(0)[1] != 1:
             options, _ = candidate_plans(self.actor.shape, self.job.world_size, 0, served, "generation",
@@ -479,13 +479,17 @@ def coarse_splits(world: int) -> List[int]:
 
 def compare_modes(job: PPOJob, lengths: ResponseLengths, group_size: int, oversample: float,
                   plans: Optional[dict] = None, placements: Optional[dict] = None,
-                  margin: float = OFF_POLICY_MARGIN, gen_ranks: Optional[Sequence[int]] = None) -> LongTailReport:
+                  margin: float = OFF_POLICY_MARGIN, gen_ranks: Optional[Sequence[int]] = None,
+                  partial_refused: str = "") -> LongTailReport:
     """The three modes of ``job`` priced under ``lengths`` and the advisory choice. ``plans`` /
     ``placements``: the colocated modes' layouts (the run's own for --dry-run); None: searched.
-    ``gen_ranks``: the overlap's generation pool sizes to price (None: every split)."""
+    ``gen_ranks``: the overlap's generation pool sizes to price (None: every split).
+    ``partial_refused``: why the run cannot take partial rollouts (its estimator, ...), if so."""
     pricer = LongTailPricer(job, lengths, group_size, oversample)
     if plans is None:
         found = similarity_search(job)
         plans, placements = found.plans, found.placements
-    estimates = [pricer.sync(plans, placements), pricer.partial(plans, placements), pricer.overlap(gen_ranks)]
+    partial = (ModeEstimate("partial", why_not=partial_refused) if partial_refused
+               else pricer.partial(plans, placements))
+    estimates = [pricer.sync(plans, placements), partial, pricer.overlap(gen_ranks)]
     return LongTailReport(lengths, estimates, choose(estimates, margin))
