@@ -17,7 +17,10 @@ generating, so finished rows below a live one still cost. Three ways to run an i
   while the other W ranks score and train batch k; an iteration lasts
   ``max(generation on G ranks, scoring + training on W ranks) + the switch`` (the new weights
   from the training layout to the generation pool, every byte of it: the pools share no rank;
-  taken as exposed). Every split G + W = N whose two pools fit memory is priced.
+  taken as exposed). Every split G + W = N whose two pools fit memory is priced: the training
+  pool's plans are the plan search's for W ranks (whose objective and memory still count a
+  generation stage of its own there: conservative), the generation pool's the fastest generation
+  plan of the actor alone on G ranks that fits.
 
 The steps' widths come from a deterministic simulation (:func:`simulate`): seeded draws from
 the distribution, continuous batching over the slots in serving order, the quota rule of
@@ -348,14 +351,13 @@ class LongTailPricer:
             raise ValueError(f"oversample: must be >= 1 (got {oversample})")
         if lengths.cap != job.workload.gen_len:
             raise ValueError(f"response lengths capped at {lengths.cap}, the workload generates {job.workload.gen_len}")
-        self.job, self.lengths, self.N, self.F = job, lengths, group_size, oversample
+        self.lengths, self.N, self.F = lengths, group_size, oversample
         self.w: PPOWorkload = job.workload
         self.profile = job.profile or load_profile("a100_80gb")
-        self.job = job = replace(job, profile=self.profile)
+        self.job = replace(job, profile=self.profile)
         self.roles = ppo_roles_of(job)
         self.actor = self.roles["actor"]
         self.G = self.w.rollout_batch_size // group_size  # prompts per batch
-        self.cm = CostModel(self.profile, self.w)
         self.mean = lengths.expected_mean()
         self._sims: Dict[tuple, List[Trace]] = {}
 
