@@ -219,17 +219,23 @@ def partial_refused(cfg) -> str:
     return ""
 
 
-def predict_mode(argv: List[str], lengths, world_size: int = 1, profile: str = "cpu_long_tail_1rank") -> str:
+def predict_mode(argv: List[str], lengths, world_size: int = 1, profile: str = "cpu_long_tail_1rank",
+                 gen_ranks: Optional[List[int]] = None) -> str:
     """The long tail's advisory mode ('sync', 'partial' or 'overlap') for a run of train_ppo.py
-    flags ``argv`` on ``world_size`` ranks priced under ``lengths`` (a
-    puzzle.plan_search.long_tail.ResponseLengths) with ``profile`` (a bundled name or a file): what
-    puzzle.bench.long_tail compares its measurement with."""
+    flags ``argv`` (its own layouts) on ``world_size`` ranks priced under ``lengths`` (a
+    puzzle.plan_search.long_tail.ResponseLengths) with ``profile`` (a bundled name or a file), the
+    overlap with ``gen_ranks`` generation ranks (None: every split): what puzzle.bench.long_tail
+    compares its measurement with."""
     from puzzle.arguments import build_parser, config_for_planning
+    from puzzle.plan_search.long_tail import compare_modes
 
     args = build_parser(prog="predict_mode", raise_errors=True).parse_args(
         list(argv) + ["--world-size", str(world_size)])
     cfg = config_for_planning(args)
-    return long_tail_report(cfg, load_profile(profile), own_layouts=True, lengths=lengths).choice
+    job = job_from_config(cfg, load_profile(profile))
+    plans, placements = placement_from_config(cfg), {"scoring": cfg.score_placement, "training": cfg.train_placement}
+    return compare_modes(job, lengths, cfg.ppo.n_samples_per_prompt, cfg.ppo.rl_partial_rollouts_oversample, plans,
+                         placements, gen_ranks=gen_ranks, partial_refused=partial_refused(cfg)).choice
 
 
 #: the levers the search may turn on: full recompute of every layer, offload during inference,
