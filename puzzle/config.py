@@ -445,6 +445,15 @@ class PPOParams:
         2.0, _ALGO, "--rl-partial-rollouts: the groups served per iteration, as a multiple (>= 1) of "
         "--rollout-batch-size; carried groups first, then fresh prompts. Megatron-LM RL sizes this by "
         "--rl-max-inflight-requests (its lag) instead.")
+    # the long tail's expected response lengths: the plan search prices generation's tail from them
+    # (puzzle/plan_search/long_tail.py: a log-normal through both; neither: every response at the cap)
+    expected_response_length_p50: Optional[int] = flag(
+        None, _PPO, "Median response length in tokens the run expects (with --expected-response-length-p99): "
+        "--dry-run and search_plan.py price generation's long tail from it and advise synchronous, partial "
+        "rollouts or the lag-1 overlap. Advisory: it changes nothing the run does.", type=int)
+    expected_response_length_p99: Optional[int] = flag(
+        None, _PPO, "99th percentile of the response lengths the run expects, in [p50, --max-new-tokens] "
+        "(see --expected-response-length-p50).", type=int)
     reward_normalization: str = flag(
         "none", "reward functions (--reward-fn; docs/grpo.md)",
         "running: scores normalised by their running mean/std (checkpointed).", choices=("none", "running"))
@@ -465,11 +474,23 @@ class PPOParams:
         check_at_least(cls, self, 0, "rl_importance_sampling_truncation_coef", strict=True, optional=True)
         check(cls, self, "overlong_buffer_len", 0 <= self.overlong_buffer_len <= self.max_new_tokens,
               f"must be in [0, --max-new-tokens {self.max_new_tokens}] (got {self.overlong_buffer_len})")
+        self._check_expected_lengths()
         check(cls, self, "compile_generation", self.cuda_graph_generation or not self.compile_generation,
               "needs --cuda-graph-generation")
         check(cls, self, "batch_invariant_mode", not (self.batch_invariant_mode and self.cuda_graph_generation),
               "not with --cuda-graph-generation: graphed and compiled decode steps fuse differently from "
               "scoring's forward")
+
+    def _check_expected_lengths(self) -> None:
+        cls, p50, p99 = PPOParams, self.expected_response_length_p50, self.expected_response_length_p99
+        check(cls, self, "expected_response_length_p99" if p99 is None else "expected_response_length_p50",
+              (p50 is None) == (p99 is None), "missing: --expected-response-length-p50 and -p99 go together")
+        if p50 is not None:
+            check_at_least(cls, self, 0, "expected_response_length_p50", "expected_response_length_p99", strict=True)
+            check(cls, self, "expected_response_length_p50", p50 <= p99,
+                  f"must be <= --expected-response-length-p99 (got {p50} > {p99})")
+            check(cls, self, "expected_response_length_p99", p99 <= self.max_new_tokens,
+                  f"must be <= --max-new-tokens {self.max_new_tokens} (got {p99})")
 
     @property
     def num_samples(self) -> int:

@@ -560,27 +560,59 @@ class CostModel:
         key = ("gen", role, plan)
         if key in self._cache:
             return self._cache[key]
-        w, prof, s = self.workload, self.profile, role.shape
-        P, D, T = plan.P, plan.D, plan.T
-        tp_x, _, pp_x = self._links(plan)
-        h, V, layers = s.hidden_size, s.vocab_size, s.num_layers // P
-        tab = prof.layer_table(s.compute_shape)
-        b = math.ceil(w.rollout_batch_size / D)
+        w, P = self.workload, plan.P
+        b = math.ceil(w.rollout_batch_size / plan.D)
         rows = min(w.generation_micro_batch_size or b, b)
         steps = w.gen_len - 1  # the first token comes from the prefill
         if P == 1:  # one cache of `rows` rows, refilled: waves of prefill + decode steps
             waves = math.ceil(b / rows)
             m, bm = 1, rows
-            tok = rows * w.prompt_len
-            prefill = waves * (layers * (tab.fwd(tok, T) + self._unsplit_experts(role, tok, plan)
-                                         + self._tp_comm(role, tok, plan, tp_x) + self._moe_comm(role, tok, plan))
-                               + self._head_fwd(role, rows, T))
+            prefill = waves * self.prefill_seconds(role, plan, rows, rows * w.prompt_len)
         else:
             waves = 1
             m = math.ceil(b / w.generation_micro_batch_size) if w.generation_micro_batch_size else min(P, b)
             bm = math.ceil(b / m)
             prefill = self._pipelined_prefill(role, plan, b, m)
-        # decode: weights (profiled step at context 0) + KV-cache read at the mean context length
+        t_dec, token_return = self._decode_step(role, plan, bm)
+        # the host's share of a decode step (planning, sampling, state update: the profile's
+        # decode_step_overhead_s, per model call) is paid by every micro-batch a stage serves
+        decode = waves * steps * (max(m, P) * (t_dec + self.profile.decode_step_overhead_s) + token_return)
+        cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
+        self._cache[key] = cost
+        return cost
+
+    def decode_step_seconds(self, role: ModelRole, plan: ParallelPlan, rows: int) -> float:
+        """One decode step of a P = 1 replica computing ``rows`` cache rows (the
+        long tail's unit price, puzzle.plan_search.long_tail): the step of :meth:`generation_cost`
+        at that many rows, with the host's share of the step."""
+        if plan.P != 1:
+            raise ValueError(f"decode_step_seconds prices P=1 plans (got P={plan.P})")
+        key = ("step", role, plan, rows)
+        if key not in self._cache:
+            t_dec, _ = self._decode_step(role, plan, rows)
+            self._cache[key] = t_dec + self.profile.decode_step_overhead_s
+        return self._cache[key]
+
+    def prefill_seconds(self, role: ModelRole, plan: ParallelPlan, rows: int, tokens: float) -> float:
+        """One P = 1 prefill of ``rows`` sequences of ``tokens`` tokens in all (prompts, or
+        prompt + partial response when a carried sample resumes)."""
+        s = role.shape
+        tp_x, _, _ = self._links(plan)
+        tab = self.profile.layer_table(s.compute_shape)
+        layers = s.num_layers // plan.P
+        return (layers * (tab.fwd(tokens, plan.T) + self._unsplit_experts(role, tokens, plan)
+                          + self._tp_comm(role, tokens, plan, tp_x) + self._moe_comm(role, tokens, plan))
+                + self._head_fwd(role, rows, plan.T))
+
+    def _decode_step(self, role: ModelRole, plan: ParallelPlan, bm: int) -> Tuple[float, float]:
+        """(one decode step of one pipeline stage at ``bm`` rows, the sampled tokens' hop back
+        to the first stage): weights (profiled step at context 0) + KV-cache read at the mean
+        context length + TP collectives + head + sampling."""
+        w, prof, s = self.workload, self.profile, role.shape
+        P, T = plan.P, plan.T
+        tp_x, _, pp_x = self._links(plan)
+        h, V, layers = s.hidden_size, s.vocab_size, s.num_layers // P
+        tab = prof.layer_table(s.compute_shape)
         ctx = w.prompt_len + (w.gen_len + 1) / 2.0
         eff = 1.0
         if w.cuda_graphs:  # whole-width attention, no launch cost per kernel; MoE: every expert on every row
@@ -603,13 +635,7 @@ class CostModel:
                  + head + sample + self._p2p(bm * h * BF16, P, pp_x))
         # P > 1: each step's sampled tokens go back from the last stage to the first before that
         # micro-batch's next step can start (puzzle.rollout.pipelined_generation): one more hop per step cycle
-        token_return = self._p2p(bm * 8, P, pp_x)
-        # the host's share of a decode step (planning, sampling, state update: the profile's
-        # decode_step_overhead_s, per model call) is paid by every micro-batch a stage serves
-        decode = waves * steps * (max(m, P) * (t_dec + prof.decode_step_overhead_s) + token_return)
-        cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
-        self._cache[key] = cost
-        return cost
+        return t_dec, self._p2p(bm * 8, P, pp_x)
 
     def _pipelined_prefill(self, role: ModelRole, plan: ParallelPlan, b: int, m: int) -> float:
         """Prefill of b prompts in micro-batches through P stages: the fastest split, from m
