@@ -211,3 +211,46 @@ def load_adapter_state(module: torch.nn.Module, specs: dict, state: dict) -> Non
 def base_parameters(module: torch.nn.Module):
     """(name, parameter) of the base model only (the adapters left out)."""
     return [(n, p) for n, p in module.named_parameters() if not is_adapter_param(n)]
+
+
+# ---- export: the adapters whole, or merged into the base --------------------------------------------
+def gather_adapters(module, specs: dict, dst: int = 0):
+    """Collective over the default group: {global name: whole tensor} of every adapter on rank
+    ``dst`` (None elsewhere), from the shards of DP replica 0 (``module`` None: a rank outside the
+    model)."""
+    import torch.distributed as dist
+
+    from puzzle.models.param_layout import shard_slices
+
+    mine = []
+    if module is not None and module.puzzle_layout.d == 0:
+        lay, params = module.puzzle_layout, dict(module.named_parameters())
+        mine = [(spec, lay.plan.T, lay.t, params[n].detach().cpu().clone()) for n, spec in specs.items()]
+    got = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        got = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        dist.gather_object(mine, got, dst=dst)
+        if dist.get_rank() != dst:
+            return None
+    whole = {}
+    for spec, T, t, shard in (x for part in got for x in part):
+        out = whole.setdefault(spec.name, torch.zeros(spec.global_shape, dtype=shard.dtype))
+        k, off = spec.split_dim or 0, 0
+        for box in shard_slices(spec, T, t):
+            n = box[k][1] - box[k][0]
+            out[tuple(slice(a, b) for a, b in box)] = shard.narrow(k, off, n)
+            off += n
+    return whole
+
+
+@torch.no_grad()
+def merge_adapters(module: torch.nn.Module) -> None:
+    """W += (alpha / dim) B A on every adapted linear of ``module``, shard by shard (exact at any T:
+    a column-parallel linear's rows are B's rows with the whole A, a row-parallel one's columns A's
+    columns with the whole B); the adapters then stay disabled, so the model computes the same."""
+    for sub in module.modules():
+        adapter = getattr(sub, "adapter", None)
+        if isinstance(adapter, LoRAAdapter):
+            delta = adapter.linear_out.weight.float() @ adapter.linear_in.weight.float() * adapter.scale
+            sub.weight.add_(delta.to(sub.weight.dtype))
+            adapter.enabled = False
