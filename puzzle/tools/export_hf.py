@@ -39,6 +39,11 @@ def _export(argv) -> int:
 
     apply_patches()
     args = _parser().parse_args(argv)
+    if args.merge_lora and not _is_lora_checkpoint(args):
+        from puzzle.config_flags import ArgumentError
+
+        raise ArgumentError(f"--merge-lora: {args.load} holds no LoRA adapters of {args.role} "
+                            "(a puzzle checkpoint of a --lora-dim run)")
     rank, owns_world, plan, engine = load_source(args)
     from puzzle.models.hf_checkpoint import export_hf
 
@@ -55,6 +60,18 @@ def _export(argv) -> int:
         print(f"export_hf: {args.load} -> {args.save} at {plan}: {', '.join(files)}", flush=True)
     end_world(owns_world)
     return 0
+
+
+def _is_lora_checkpoint(args) -> bool:
+    from puzzle.models.megatron_checkpoint import find_megatron_checkpoint
+    from puzzle.tools.model_source import checkpoint_role_meta, is_hf_dir
+
+    if is_hf_dir(args.load) or find_megatron_checkpoint(args.load, args.ckpt_step) is not None:
+        return False
+    try:
+        return "lora" in checkpoint_role_meta(args.load, args.role, args.ckpt_step)
+    except (OSError, ValueError, KeyError):
+        return False  # load_source names what is wrong with the source
 
 
 def _export_peft(engine, args):
