@@ -156,7 +156,7 @@ def lora_lines(cfg, profile) -> List[str]:
     actor, plan = roles["actor"], cfg.roles["actor"].plan
     adapters = actor.shape.num_layers * sum(lora_layer_params(actor.shape, *actor.lora))
     lines = [f"actor LoRA: rank {cfg.lora.dim}, alpha {cfg.lora.alpha:g} on {','.join(cfg.lora.target_modules)}: "
-             f"{adapters / 1e6:.1f}M trained parameters ({100 * adapters / actor.params:.2f} % of "
+             f"{adapters / 1e6:.2f}M trained parameters ({100 * adapters / actor.params:.2f} % of "
              f"{actor.params / 1e9:.2f}B); gradients and optimizer state of the adapters only"]
     if cfg.reference_is_actor_base:
         ref = replace(actor, name="ref", trainable=False, lora=None)  # the model the base replaces
