@@ -58,6 +58,8 @@ def export():
 
 
 def test_exported_adapter_gives_puzzles_greedy_tokens_in_peft(export):
+    if "skipped" in export:
+        pytest.skip(export["skipped"])
     assert export["peft"] == export["ours"], export  # the PEFT adapter directory on the HF base
     assert export["merged"] == export["ours"], export  # --merge-lora: the merged HF model
     assert export["base"] != export["ours"], export  # the adapters change the tokens: the check has teeth
