@@ -331,13 +331,14 @@ def _check_trainable_cover(roles, world_size: int) -> None:
 
 def role_set(args) -> List[str]:
     """The roles a run builds: no critic unless the estimator needs one (gae), no reference when
-    KL enters neither the reward (--kl-coef 0) nor the loss, a reward model only when given."""
+    KL enters neither the reward (--kl-coef 0) nor the loss or when the actor is LoRA (its base
+    is the reference: RunConfig.reference_is_actor_base), a reward model only when given."""
     from puzzle.algorithms.advantage_estimators import ESTIMATORS
 
     roles = ["actor"]
     if ESTIMATORS[args.advantage_estimator].needs_critic:
         roles.append("critic")
-    if args.kl_coef > 0 or args.use_kl_loss:
+    if (args.kl_coef > 0 or args.use_kl_loss) and getattr(args, "lora_dim", None) is None:
         roles.append("ref")
     if args.reward_model or args.hf_reward_path or args.reward_pretrained_checkpoint:
         roles.append("reward")
@@ -368,7 +369,7 @@ _NEEDS = (
     (PPOParams, "lam", lambda a, roles: "critic" in roles, "GAE's lambda: needs a critic (--advantage-estimator gae)"),
     (PPOParams, "value_clip_eps", lambda a, roles: "critic" in roles, "clips the critic's values: needs a critic "
                                                                       "(--advantage-estimator gae)"),
-    (PPOParams, "kl_estimator", lambda a, roles: "ref" in roles, "needs a reference model (--kl-coef > 0 or "
+    (PPOParams, "kl_estimator", lambda a, roles: a.kl_coef > 0 or a.use_kl_loss, "needs a reference model (--kl-coef > 0 or "
                                                                   "--use-kl-loss)"),
     *((PPOParams, field, lambda a, roles: not a.greedy, "is ignored by --greedy (argmax decoding; log-probs at "
                                                         "temperature 1): drop one of them")
@@ -397,6 +398,8 @@ def _check_absent_roles(args, present: List[str]) -> None:
         if ROLES[role].weights_from == role:
             given += [flag for flag, _ in role_flags_given(RoleSpec, args, role)]
         if given:
+            if role == "ref" and args.lora_dim is not None:
+                why = "the LoRA actor's base, its adapters off, is the reference (--lora-dim)"
             _fail(given[0], f"the run builds no {role} model ({why.format(**vars(args))})")
 
 
@@ -460,9 +463,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     _check_batch_invariant(ppo, roles)
     ppo = _check_token_budget(ppo)
     _check_recompute_layers(levers, roles)
-    given = {"--save": args.save, "--load": args.load, "--pretrained-checkpoint": args.pretrained_checkpoint}
-    check_lora(lora, roles["actor"].arch, impl, actor_plans=(roles["actor"].plan, roles["actor"].gen_plan),
-               checkpoint_flags=[f for f, value in given.items() if value])
+    check_lora(lora, roles["actor"].arch, impl, actor_plans=(roles["actor"].plan, roles["actor"].gen_plan))
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers, lora=lora,

@@ -773,6 +773,12 @@ class RunConfig:
         return self.levers.recompute
 
     @property
+    def reference_is_actor_base(self) -> bool:
+        """A LoRA actor with a KL term: its reference is its base (the actor with its adapters off,
+        scored in the actor's slot), so the run builds no reference model (arguments.role_set)."""
+        return self.lora.enabled and (self.ppo.kl_coef > 0 or self.ppo.use_kl_loss)
+
+    @property
     def bf16(self) -> bool:
         return self.precision == "bf16"
 

@@ -76,13 +76,12 @@ def target_shapes(arch) -> dict:
             "linear_fc1": ((2 if arch.swiglu else 1) * ffn, h), "linear_fc2": (h, ffn)}
 
 
-def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_plans=(), checkpoint_flags=()) -> None:
+def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_plans=()) -> None:
     """Refuse LoRA the actor cannot have, naming the flag: a rank larger than a target linear's smaller
     side; not yet: MoE experts, transformer_engine layers (TE fuses the layernorm into linear_qkv and
     linear_fc1, whose input is then not the adapter's; sequence parallelism, which needs TE, is not
     handled by the adapters either), a generation layout other than training's (``actor_plans``: the
-    switch moves the base weights only), checkpoints (``checkpoint_flags`` given: adapters are
-    neither saved nor read)."""
+    switch moves the base weights only). Checkpoints hold the adapters (puzzle.checkpointing)."""
     if not lora.enabled:
         for name, value, default in (("--lora-alpha", lora.alpha, 32.0), ("--lora-dropout", lora.dropout, 0.0)):
             if value != default:
@@ -103,5 +102,3 @@ def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_pl
     if len(set(actor_plans)) > 1:
         fail("--lora-dim", f"the actor's generation layout {actor_plans[1]} differs from its training layout "
                            f"{actor_plans[0]}: the switch does not move LoRA adapters yet")
-    if checkpoint_flags:
-        fail("--lora-dim", f"with {'/'.join(checkpoint_flags)}: LoRA adapters are not checkpointed yet")

@@ -149,7 +149,7 @@ class PPOTrainer:
         self.micro = MicroBatching(self.engines, cfg.ppo.micro_batch_size, cfg.ppo.use_remove_padding,
                                    self.seq_multiple, tokenizer.pad_id, dynamic_bsz=cfg.ppo.use_dynamic_bsz)
         self.scoring = ScoringStage(cfg, self.engines, self.micro, self.rewards, self.vocab)
-        self.advantages = AdvantageStage(cfg.ppo, self.rewards, with_reference="ref" in self.engines)
+        self.advantages = AdvantageStage(cfg.ppo, self.rewards, with_reference="ref" in self.engines or cfg.reference_is_actor_base)
         self.training = TrainingStage(cfg, self.engines, self.micro, self.switch, self.vocab, self.rank)
         self.state = TrainState(self.engines, self.advantages, self.rewards, self.training, self.switch,
                                 self.generation.partial)

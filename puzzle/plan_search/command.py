@@ -26,6 +26,19 @@ def shapes_from_config(cfg) -> Dict[str, ModelShape]:
     return {role: spec.arch.shape for role, spec in cfg.roles.items()}
 
 
+def actor_lora(cfg):
+    """(dim, target modules) of a LoRA actor (the planner's ModelRole.lora), else None."""
+    return (cfg.lora.dim, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None
+
+
+def roles_from_config(cfg):
+    """The planner's ModelRole of every role the run builds."""
+    shapes = shapes_from_config(cfg)
+    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"),
+                      actor_lora=actor_lora(cfg))
+    return {r: roles[r] for r in shapes}
+
+
 def workload_from_config(cfg) -> PPOWorkload:
     ppo = cfg.ppo
     return PPOWorkload(rollout_batch_size=ppo.num_samples, prompt_len=ppo.max_prompt_length,
@@ -58,9 +71,7 @@ def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:
 
 
 def _memory_setup(cfg, profile):
-    shapes = shapes_from_config(cfg)
-    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"))
-    roles = {r: roles[r] for r in shapes}
+    roles = roles_from_config(cfg)
     shadow = cfg.roles["actor"].gen_plan != cfg.roles["actor"].plan
     return MemoryModel(profile, workload_from_config(cfg)), placement_from_config(cfg), roles, shadow
 
@@ -84,10 +95,9 @@ def stage_memory_estimate(cfg, profile) -> Dict[str, float]:
 def stage_estimate(cfg, profile) -> Dict[str, float]:
     """Estimated seconds per stage of the run's layouts and placements (training includes the
     actor's switch, as PPOTrainer's time_train does)."""
-    shapes = shapes_from_config(cfg)
-    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"))
-    return stage_seconds(CostModel(profile, workload_from_config(cfg)), roles, placement_from_config(cfg),
-                         {"scoring": cfg.score_placement, "training": cfg.train_placement})
+    return stage_seconds(CostModel(profile, workload_from_config(cfg)), roles_from_config(cfg),
+                         placement_from_config(cfg), {"scoring": cfg.score_placement, "training": cfg.train_placement},
+                         reference_is_actor_base=cfg.reference_is_actor_base)
 
 
 def print_dry_run(cfg, profile, out=None) -> bool:
@@ -98,7 +108,7 @@ def print_dry_run(cfg, profile, out=None) -> bool:
     for role, spec in cfg.roles.items():
         gen = f", generation {fmt_plan(spec.gen_plan)}" if role == "actor" else ""
         print(f"  {role:7s} {fmt_plan(spec.plan)}{gen}", file=out)
-    for line in expert_lines(cfg):
+    for line in expert_lines(cfg) + lora_lines(cfg, profile):
         print("  " + line, file=out)
     print(f"  placements: scoring {cfg.score_placement}, training {cfg.train_placement}", file=out)
     est = stage_estimate(cfg, profile)
@@ -137,6 +147,27 @@ def expert_lines(cfg) -> List[str]:
     return lines
 
 
+def lora_lines(cfg, profile) -> List[str]:
+    """A LoRA actor: its trained parameters, and what its reference (the base, adapters off)
+    saves against a reference model of its own in the actor's layout (weights on each rank)."""
+    if not cfg.lora.enabled:
+        return []
+    from puzzle.model_shape import lora_layer_params
+
+    mem, _, roles, _ = _memory_setup(cfg, profile)
+    actor, plan = roles["actor"], cfg.roles["actor"].plan
+    adapters = actor.shape.num_layers * sum(lora_layer_params(actor.shape, *actor.lora))
+    lines = [f"actor LoRA: rank {cfg.lora.dim}, alpha {cfg.lora.alpha:g} on {','.join(cfg.lora.target_modules)}: "
+             f"{adapters / 1e6:.2f}M trained parameters ({100 * adapters / actor.params:.2f} % of "
+             f"{actor.params / 1e9:.2f}B); gradients and optimizer state of the adapters only"]
+    if cfg.reference_is_actor_base:
+        ref = replace(actor, name="ref", trainable=False, lora=None)  # the model the base replaces
+        saved = max(sum(b for _, b in mem.static_items(ref, plan, p)) for p in range(plan.P))
+        lines.append(f"reference: the actor's base (adapters off), scored in the actor's slot: no reference model, "
+                     f"{saved / GiB:.2f} GiB of weights saved per GPU against one in the actor's layout")
+    return lines
+
+
 def lever_lines(cfg, profile) -> List[str]:
     """Which memory levers are on, and the busiest rank's memory in every stage with them."""
     lv, ppo = cfg.levers, cfg.ppo
@@ -171,7 +202,8 @@ def job_from_config(cfg, profile):
     critic = shapes.get("critic", shapes["actor"])  # a stand-in shape when the run has no critic
     return PPOJob(world_size=cfg.world_size, actor=shapes["actor"], critic=critic,
                   workload=workload_from_config(cfg), profile=profile, ref=shapes.get("ref"),
-                  reward=shapes.get("reward") or critic, roles=tuple(cfg.roles))
+                  reward=shapes.get("reward") or critic, roles=tuple(cfg.roles), actor_lora=actor_lora(cfg),
+                  reference_is_actor_base=cfg.reference_is_actor_base)
 
 
 def lengths_from_config(cfg, metrics: Optional[str] = None):

@@ -41,11 +41,24 @@ def test_bad_lora_input_names_the_flag(extra, flag, words):
     assert str(e.value).startswith(flag + ":") and words in str(e.value), str(e.value)
 
 
-def test_what_lora_cannot_do_yet_is_refused(tmp_path):
+def test_what_lora_cannot_do_yet_is_refused():
     with pytest.raises(ArgumentError, match="^--lora-dim: the actor's generation layout .* the switch does not move"):
         cfg("--lora-dim", "4", "--actor-gen-tensor-model-parallel-size", "2")
-    with pytest.raises(ArgumentError, match="^--lora-dim: with --save: LoRA adapters are not checkpointed yet"):
-        cfg("--lora-dim", "4", "--save", str(tmp_path / "ckpt"))
+
+
+def test_checkpoints_and_a_pretrained_base_are_accepted(tmp_path):
+    assert cfg("--lora-dim", "4", "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")).lora.dim == 4
+
+
+def test_the_reference_of_a_lora_actor_is_its_base():
+    kl = ["--kl-coef", "0.1"]
+    plain, lora = cfg(*kl), cfg("--lora-dim", "4", *kl)
+    assert "ref" in plain.roles and not plain.reference_is_actor_base
+    assert "ref" not in lora.roles and lora.reference_is_actor_base  # no reference model is built
+    assert not cfg("--lora-dim", "4", "--kl-coef", "0").reference_is_actor_base  # no KL: no reference at all
+    assert cfg("--lora-dim", "4", "--kl-coef", "0", "--use-kl-loss").reference_is_actor_base
+    with pytest.raises(ArgumentError, match="^--ref-num-layers: the run builds no ref model .*LoRA actor's base"):
+        cfg("--lora-dim", "4", *kl, "--ref-num-layers", "2")
 
 
 def test_rank_limit_is_the_target_layers_smaller_side():
