@@ -142,7 +142,7 @@ def check_partial_generation(gen) -> None:
     if gen.P > 1:
         fail("--rl-partial-rollouts", f"needs an actor generation layout with P=1 (the quota stops continuous "
                                        f"batching; got P={gen.P})")
-    shares = gen.generation_share(0)[1]
+    shares = gen.generation_share(gen.offset)[1]
     if shares > 1:
         fail("--rl-partial-rollouts", f"the actor generates in {shares} data-parallel shares; partial rollouts "
                                        f"need one (give --actor-gen-tensor-model-parallel-size so that the "
