@@ -31,7 +31,6 @@ the actor's loss takes the behaviour log-probs through --rl-inference-logprobs-i
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from typing import List, Optional, Tuple
 
@@ -179,7 +178,9 @@ class PoolSwitch:
 
         if not self.send_next:
             return self.actor.optimizer_step() if self.actor.member else {}
-        if not self.keep:
+        if self.keep:
+            self.send_next = False  # sent (the overlap's rounds set it again)
+        else:
             self.shadow = self._new_shadow()
         with fast_dispatch():
             dst = self.shadow.params() if self.shadow is not None else {}
@@ -188,8 +189,16 @@ class PoolSwitch:
 
     def receive(self) -> None:
         """The generation pool's half of ``optimizer_step_and_switch`` (it holds no actor weights)."""
+        self.send_next = True
         self.optimizer_step_and_switch()
         self.version += 1
+
+    def send_if_pending(self) -> None:
+        """The training pool after its iteration: a version still owed to the generation pool (the
+        actor's step was skipped: non-finite gradients) goes as it is, unchanged."""
+        if self.send_next:
+            self._move()
+            self.send_next = False
 
     def release(self) -> None:
         if self.shadow is not None and not self.keep:
@@ -235,10 +244,3 @@ def token_versions(batch: RolloutBatch, version: int) -> torch.Tensor:
     return torch.where(inside, torch.full_like(inside, version, dtype=torch.long),
                        torch.full_like(inside, -1, dtype=torch.long)).cpu()
 
-
-class Timer:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def seconds(self) -> float:
-        return time.perf_counter() - self.t0

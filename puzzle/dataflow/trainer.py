@@ -317,20 +317,21 @@ class PPOTrainer:
             return self.phase(f"iteration {it} {name}", show=shown)
 
         self.switch.send_next = work.send_weights
-        if True:  # (in the training pool's collective scope: _train_overlapped)
-            with clock.stage("generate", "generation"):
-                with phase("generation (waiting for the generation pool)"):
-                    batch, version, gen_seconds = receive_batch(self.pools.leader, self.runtime.device)
-                versions = token_versions(batch, version)
-                rows = [v[v >= 0] for v in versions]
-                rollout = Rollout(batch, records, versions=versions, stats={
-                    **length_metrics(batch, self.tokenizer.eos_id), **staleness(rows, it - 1),
-                    "generation_pool_seconds": gen_seconds, "generation_policy_version": version})
-                with phase("reward"):
-                    rewarded, reward_stats = self.rewards.score_rollout(rollout, it)
-                    stats = {**rollout.stats, **reward_stats}
-            self.last_rollout = rollout
-            return self._train_rollout(rollout, rewarded, stats, clock, phase)
+        with clock.stage("generate", "generation"):  # (in the training pool's scope: _train_overlapped)
+            with phase("generation (waiting for the generation pool)"):
+                batch, version, gen_seconds = receive_batch(self.pools.leader, self.runtime.device)
+            versions = token_versions(batch, version)
+            rows = [v[v >= 0] for v in versions]
+            rollout = Rollout(batch, records, versions=versions, stats={
+                **length_metrics(batch, self.tokenizer.eos_id), **staleness(rows, it - 1),
+                "generation_pool_seconds": gen_seconds, "generation_policy_version": version})
+            with phase("reward"):
+                rewarded, reward_stats = self.rewards.score_rollout(rollout, it)
+                stats = {**rollout.stats, **reward_stats}
+        self.last_rollout = rollout
+        out = self._train_rollout(rollout, rewarded, stats, clock, phase)
+        self.switch.send_if_pending()
+        return out
 
     def _open_run_logs(self) -> None:
         """The evaluator, --log-samples' file and a progress bar of each generation on a terminal
