@@ -321,7 +321,8 @@ def _check_trainable_cover(roles, world_size: int) -> None:
     """Every rank holds part of a trainable model: building megatron's optimizers is collective
     over the whole world, so a rank without one would leave the others waiting for ever."""
     trained = {r: s.plan for r, s in roles.items() if ROLES[r].trainable}
-    idle = sorted(set(range(world_size)) - {k for p in trained.values() for k in p.ranks})
+    pool = set(roles["actor"].gen_plan.ranks) - set(roles["actor"].plan.ranks)  # the generation pool's
+    idle = sorted(set(range(world_size)) - pool - {k for p in trained.values() for k in p.ranks})
     if idle:
         flags = "/".join(f"--{r}-data-parallel-size/--{r}-rank-offset" for r in trained)
         _fail(flags, f"rank(s) {', '.join(map(str, idle))} of the {world_size}-rank world hold no trainable "
@@ -458,6 +459,7 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _check_placement(flag, placement, {r: roles[r].plan for r in members})
 
     impl, impl_note = _check_transformer_impl(args, roles)
+    flag_checks.check_generation_pool(args, roles, world_size)
     _check_trainable_cover(roles, world_size)
     _check_moe_paths(args, roles, impl)
     _check_batch_invariant(ppo, roles)
@@ -544,7 +546,9 @@ def _role_specs(args, world_size: int, vocab_size: int, layouts: PlanLayouts) ->
         if E > 1 or ETP is not None:
             flags += ("/--expert-model-parallel-size/--expert-tensor-parallel-size" if role == "actor" else
                       f"/--{role}-expert-model-parallel-size/--{role}-expert-tensor-parallel-size")
-        plan = _plan_for(args, role, world_size, P, T, flags, offset=offset, D=D, E=E, ETP=ETP)
+        pool = args.actor_gen_rank_offset  # --rl-desired-lag's generation pool: the training roles stop before it
+        size = pool - offset if home is None and D is None and 0 < pool and offset < pool else None
+        plan = _plan_for(args, role, world_size, P, T, flags, offset=offset, D=D, E=E, ETP=ETP, size=size)
         try:
             check_layout(arch, plan, role)
         except PlanError as e:
@@ -575,8 +579,12 @@ def _actor_generation_plan(args, world_size: int, arch, plan, layouts: PlanLayou
     gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
     if gE > 1 or gETP is not None:
         gflags += "/--actor-gen-expert-model-parallel-size/--actor-gen-expert-tensor-parallel-size"
+    offset, size, D = plan.offset, plan.size, None
+    if args.actor_gen_rank_offset or args.actor_gen_data_parallel_size:  # the generation pool (--rl-desired-lag)
+        gflags += "/--actor-gen-rank-offset/--actor-gen-data-parallel-size"
+        offset, size, D = args.actor_gen_rank_offset, None, args.actor_gen_data_parallel_size
     gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags,
-                         offset=plan.offset, size=plan.size, E=gE, ETP=gETP)
+                         offset=offset, size=size, D=D, E=gE, ETP=gETP)
     try:
         check_layout(arch, gen_plan, "actor (generation layout)")
     except PlanError as e:

@@ -454,6 +454,14 @@ class PPOParams:
     expected_response_length_p99: Optional[int] = flag(
         None, _PPO, "99th percentile of the response lengths the run expects, in [p50, --max-new-tokens] "
         "(see --expected-response-length-p50).", type=int)
+    # Megatron-LM RL's --rl-desired-lag (there: partial rollouts' in-flight steps on the same ranks);
+    # puzzle/dataflow/overlap_stage.py
+    rl_desired_lag: int = flag(
+        0, _ALGO, "One-step off-policy overlap: batch k is generated with the weights after optimizer step "
+        "max(0, k-1-L) by a generation pool on its own ranks (--actor-gen-rank-offset) while the training pool "
+        "scores and trains the batches before it; 0: synchronous (today's run). Unlike Megatron-LM RL (same "
+        "ranks, in-flight requests, -1 allowed, autotuned when omitted) the lag here is whole batches on "
+        "disjoint pools; needs --rl-inference-logprobs-is-correction.")
     reward_normalization: str = flag(
         "none", "reward functions (--reward-fn; docs/grpo.md)",
         "running: scores normalised by their running mean/std (checkpointed).", choices=("none", "running"))
@@ -468,6 +476,7 @@ class PPOParams:
               f"must be > 0 (got {self.temperature}); use --greedy for argmax decoding")
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             fail("--gamma/--lam", "must lie in [0, 1]")
+        check_at_least(cls, self, 0, "rl_desired_lag")
         check_at_least(cls, self, 0, "kl_target", "reward_clip", strict=True, optional=True)
         check_at_least(cls, self, 0, "value_clip_eps", "clip_eps", strict=True)
         check_at_least(cls, self, 0, "clip_eps_high", strict=True, optional=True)
