@@ -4,7 +4,10 @@
 One episode per generated row: each ended turn is decoded once to text (the environment reads
 text; the sequence keeps the token ids as sampled), stepped in the pool under its timeout, and
 the observation encoded, capped at ``--max-observation-tokens`` with the truncation marker, and
-handed back to be inserted. A step that failed shows the model an error observation (the
+handed back to be inserted. With prompts in a chat family's template (``tool_format``,
+puzzle/reward_functions/tool_formats.py) the observation is wrapped in the family's tool response
+(the tokens that close the model's turn, hold the observation as a tool message and open the
+model's next turn; each part encoded on its own, the wrapper not counted in the cap). A step that failed shows the model an error observation (the
 episode keeps its instance as it was before that step) and is counted by the runner.
 
 A row's score is the sum of the rewards its episode gave (0.0 when it gave none); an episode
@@ -24,11 +27,14 @@ class EpisodeTurns:
     """The episodes of one ``generate`` call's rows (``prompts[r]``, ``records[r]``)."""
 
     def __init__(self, runner: EnvRunner, tokenizer, prompts: List[List[int]], records: List[dict],
-                 max_turns: int, max_observation_tokens: int, stops: List[List[int]]):
+                 max_turns: int, max_observation_tokens: int, stops: List[List[int]], tool_format=None):
         self.runner, self.tokenizer = runner, tokenizer
         self.prompts, self.records = prompts, records
         self.max_turns, self.max_observation_tokens, self.stops = max_turns, max_observation_tokens, stops
         self.marker = tokenizer.encode(TRUNCATION_MARKER)
+        self.tool_format = tool_format  # tool_formats.ToolFormat: prompts in a chat family's template
+        self.wrapper = None if tool_format is None else (tokenizer.encode(tool_format.response_open),
+                                                         tokenizer.encode(tool_format.response_close))
         self.stop_ids = set(tokenizer.eos_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
         n = len(prompts)
         self.envs: List[object] = [None] * n
@@ -63,13 +69,26 @@ class EpisodeTurns:
             self.counts["tool_calls"] += not is_final
             ids, cut = cap_observation(self.tokenizer.encode(observation), self.max_observation_tokens, self.marker)
             self.counts["observations_truncated"] += cut
-            out.append(ids)
+            out.append(ids if self.wrapper is None else self.wrapper[0] + ids + self.wrapper[1])
         return out
 
     def scores(self) -> List[Result]:
         """Each row's episode score, or ``(None, why)`` for a bad one."""
         return [(0.0 if why is None else None, why) if reward is None else (reward, None)
                 for reward, why in zip(self.rewards, self.last_error)]
+
+
+def response_turns(ids: List[int], observation: List[bool], tokenizer) -> List[Dict[str, str]]:
+    """A multi-turn response (its token ids, and which are observation tokens) as its turns in
+    order, the model's and the environment's: ``[{"model": text}, {"observation": text}, ...]``
+    (each run of tokens of one kind decoded on its own; special tokens such as EOS left out)."""
+    out: List[Dict[str, str]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or observation[i] != observation[start]:
+            out.append({"observation" if observation[start] else "model": tokenizer.decode(ids[start:i])})
+            start = i
+    return out
 
 
 def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, device) -> "EpisodeResults":

@@ -106,7 +106,10 @@ class GenerationStage:
             if multi_turn:
                 turns = self.rewards.episodes(rows[part * share:(part + 1) * share],
                                               records[part * share:(part + 1) * share])
-            out = generate(engine, rows[part * share:(part + 1) * share], self._sampling_params(greedy), seed=seed,
+            params = self._sampling_params(greedy)
+            if multi_turn and self.rewards.continuing_ids:  # a turn stop that is a stop id: the row goes on
+                params = replace(params, eos_ids=tuple(i for i in params.eos_ids if i not in self.rewards.continuing_ids))
+            out = generate(engine, rows[part * share:(part + 1) * share], params, seed=seed,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
                            batch_invariant=ppo.batch_invariant_mode, sample_offset=first_sample + part * share,
