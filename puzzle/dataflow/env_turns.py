@@ -39,6 +39,7 @@ class EpisodeTurns:
         n = len(prompts)
         self.envs: List[object] = [None] * n
         self.rewards: List[Optional[float]] = [None] * n
+        self.turn_ends: List[List[tuple]] = [[] for _ in range(n)]  # (response column, reward) of each reward
         self.last_error: List[Optional[str]] = [None] * n
         self.turn_index = [0] * n
         self.counts: Dict[str, int] = {"tool_calls": 0, "observations_truncated": 0}
@@ -54,7 +55,7 @@ class EpisodeTurns:
                                                           self.tokenizer.decode(context), context), env=self.envs[r]))
             self.turn_index[r] += 1
         out: List[Optional[List[int]]] = []
-        for r, is_final, (outcome, why) in zip(rows, final, self.runner.step(calls)):
+        for r, is_final, turn, history, (outcome, why) in zip(rows, final, turns, histories, self.runner.step(calls)):
             self.last_error[r] = why
             if why is not None:
                 observation, done = error_observation(why), False
@@ -62,6 +63,7 @@ class EpisodeTurns:
                 self.envs[r] = outcome.env
                 if outcome.step.reward is not None:
                     self.rewards[r] = (self.rewards[r] or 0.0) + outcome.step.reward
+                    self.turn_ends[r].append((len(history) + len(turn) - 1, outcome.step.reward))
                 observation, done = outcome.step.observation, outcome.step.done
             if done:
                 out.append(None)
@@ -70,6 +72,16 @@ class EpisodeTurns:
             ids, cut = cap_observation(self.tokenizer.encode(observation), self.max_observation_tokens, self.marker)
             self.counts["observations_truncated"] += cut
             out.append(ids if self.wrapper is None else self.wrapper[0] + ids + self.wrapper[1])
+        return out
+
+    def turn_rewards(self, max_new: int):
+        """[rows, max_new] float64: each step's reward at the response column of its turn's last token."""
+        import torch
+
+        out = torch.zeros(len(self.turn_ends), max_new, dtype=torch.float64)
+        for r, ends in enumerate(self.turn_ends):
+            for col, reward in ends:
+                out[r, col] += reward
         return out
 
     def scores(self) -> List[Result]:
@@ -91,9 +103,11 @@ def response_turns(ids: List[int], observation: List[bool], tokenizer) -> List[D
     return out
 
 
-def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, device) -> "EpisodeResults":
-    """Every row's episode score and bad flag, and the episodes' counts summed, on every rank, from
-    the ranks that generated (``out``/``turns`` of this rank's share, None off the layout)."""
+def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, device,
+                    max_new: int) -> "EpisodeResults":
+    """Every row's episode score, bad flag and per-turn rewards ([rows, max_new]), and the
+    episodes' counts summed, on every rank, from the ranks that generated (``out``/``turns`` of
+    this rank's share, None off the layout)."""
     import torch
     import torch.distributed as dist
 
@@ -108,17 +122,21 @@ def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, devic
         found = {**out.turn_counts, **turns.counts, **turns.runner.stats}
         counts = [found.get(k, 0) - turns.stats_before.get(k, 0) for k in keys]
     both = world_rows(local, layout.plan.generation_owners(), rows, (2,), torch.float64, device)
+    per_turn = world_rows(turns.turn_rewards(max_new) if turns is not None else None,
+                          layout.plan.generation_owners(), rows, (max_new,), torch.float64, device)
     total = torch.tensor(counts or [0] * len(keys), dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
-    return EpisodeResults(both[:, 0].float(), both[:, 1] > 0, dict(zip(keys, total.tolist())))
+    return EpisodeResults(both[:, 0].float(), both[:, 1] > 0, dict(zip(keys, total.tolist())), per_turn.float())
 
 
 class EpisodeResults:
-    """The episodes of one generation: ``scores`` [B], ``bad`` [B] and the counts (summed)."""
+    """The episodes of one generation: ``scores`` [B], ``bad`` [B], the counts (summed) and
+    ``turn_rewards`` [B, R] (each step's reward at its turn's last token; their row sums are the
+    scores of the rows that are not bad)."""
 
-    def __init__(self, scores, bad, counts: Dict[str, float]):
-        self.scores, self.bad, self.counts = scores, bad, counts
+    def __init__(self, scores, bad, counts: Dict[str, float], turn_rewards=None):
+        self.scores, self.bad, self.counts, self.turn_rewards = scores, bad, counts, turn_rewards
 
     def metrics(self, rows: int) -> Dict[str, float]:
         c = self.counts

@@ -137,6 +137,8 @@ class Rewards:
             scores, n = self.score(batch, rollout.records, iteration)
             bad += n
         out = {"scores": scores}
+        if getattr(rollout, "turn_rewards", None) is not None:  # multi-turn: each step's reward at its turn
+            out["turn_rewards"] = rollout.turn_rewards
         if rollout.greedy is not None:  # its bad rewards are warned about, not counted
             out["baseline_scores"] = self.score_baseline(rollout.greedy, rollout.records, iteration)[0]
         return out, {"bad_rewards": bad}

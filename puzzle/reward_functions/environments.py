@@ -306,14 +306,16 @@ class ByteCalculator(Calculator):
     task's prompts end in an open call holding the question's expression: ``23+45=[23+45``), so
     the call is read from the context and the turn together. The observation is ``=VALUE``. The
     rewards give credit in small steps, so that random sampling finds some of it:
-    for the final answer 1.0 when it equals the record's ``answer``, else ``PARTIAL`` times the
-    length of its prefix that matches the answer's over the longer of the two; plus ``CALL_REWARD`` when a call that evaluated came before it (an episode that ends in
-    a call, or cut by the turn or token limit, gets nothing).
+    a final answer equal to the record's ``answer`` gets 1.0; after a call that evaluated, another
+    answer gets ``CALL_REWARD`` plus ``DIGITS`` times the fraction of its characters that are digits
+    plus ``PREFIX`` times the length of its prefix that matches the answer over the longer of the
+    two; an answer without a call gets none of this shaping credit, an episode that ends in a call
+    (or is cut by the turn or token limit) nothing.
     """
 
     CALL_OPEN, CALL_CLOSE = "[", "]"
     turn_stops = (CALL_CLOSE,)
-    CALL_REWARD, PARTIAL = 0.1, 0.5
+    CALL_REWARD, DIGITS, PREFIX = 0.1, 0.1, 0.4
 
     def __init__(self):
         super().__init__()
@@ -332,13 +334,17 @@ class ByteCalculator(Calculator):
             return 0.0
         if answers_equal(text.strip(), self.answer):
             return 1.0
+        if not text or not self.called:
+            return 0.0
         same = next((i for i, (a, b) in enumerate(zip(text, self.answer)) if a != b), min(len(text), len(self.answer)))
-        return self.PARTIAL * same / max(len(text), len(self.answer))
+        digits = sum(c.isdigit() for c in text) / len(text)
+        return self.DIGITS * digits + self.PREFIX * same / max(len(text), len(self.answer))
 
     def step(self, turn: Turn) -> StepResult:
         expr = self.call_expression(turn)
         if expr is None:
-            return StepResult("", self.answer_credit(turn.text) + self.CALL_REWARD * self.called, True)
+            credit = self.answer_credit(turn.text)
+            return StepResult("", credit if credit == 1.0 or not self.called else credit + self.CALL_REWARD, True)
         observation = self.evaluate(expr)
         self.called = self.called or not observation.startswith("=error")
         return StepResult(observation, None, False)

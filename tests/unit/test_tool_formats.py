@@ -130,14 +130,18 @@ def test_token_in_token_out_with_the_familys_tool_response(tmp_path, family):
 
 
 def test_the_byte_calculator_credits_a_call_then_the_answer():
-    calc = ByteCalculator()
-    calc.reset({"answer": "176"})
-    assert calc.step(Turn("]", [], 0, "88+88=[88+88")) == StepResult("=176", None, False)
-    assert calc.step(Turn("176", [], 1, "88+88=[88+88]=176")) == StepResult("", 1.1, True)
-    again = ByteCalculator()
-    again.reset({"answer": "176"})
-    assert again.step(Turn("17x", [], 0, "88+88=[88+88")).reward == pytest.approx(0.5 * 2 / 3)  # no call: no 0.1
-    assert again.step(Turn("x]", [], 0, "88+88=[88+88")).observation.startswith("=error")
+    def episode(*turns):
+        calc = ByteCalculator()
+        calc.reset({"answer": "176"})
+        return [calc.step(Turn(text, [], i, context)) for i, (text, context) in enumerate(turns)]
+
+    call = ("]", "88+88=[88+88")
+    assert episode(call, ("176", "88+88=[88+88]=176")) == [StepResult("=176", None, False), StepResult("", 1.0, True)]
+    shaped = episode(call, ("17x", "88+88=[88+88]=176"))[1].reward
+    assert shaped == pytest.approx(0.1 + (0.1 + 0.4) * 2 / 3)  # the call, 2 of 3 digits, a prefix of 2
+    assert episode(("17x", "88+88=[88+88"))[0] == StepResult("", 0.0, True)  # no call: no shaping credit
+    assert episode(("176", "88+88=[88+88"))[0] == StepResult("", 1.0, True)  # a right answer counts anyway
+    assert episode(("x]", "88+88=[88+88"))[0].observation.startswith("=error")
 
 
 def test_the_samples_log_shows_the_turns():
