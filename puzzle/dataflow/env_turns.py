@@ -7,11 +7,13 @@ the observation encoded, capped at ``--max-observation-tokens`` with the truncat
 handed back to be inserted. With prompts in a chat family's template (``tool_format``,
 puzzle/reward_functions/tool_formats.py) the observation is wrapped in the family's tool response
 (the tokens that close the model's turn, hold the observation as a tool message and open the
-model's next turn; each part encoded on its own, the wrapper not counted in the cap). A step that failed shows the model an error observation (the
-episode keeps its instance as it was before that step) and is counted by the runner.
+model's next turn; each part encoded on its own, the wrapper not counted in the cap). A step that
+failed shows the model an error observation (the episode keeps its instance as it was before that
+step) and is counted by the runner.
 
-A row's score is the sum of the rewards its episode gave (0.0 when it gave none); an episode
-whose last step failed and that gave no reward is a bad reward (``--on-bad-reward``).
+A row's score is the sum of the rewards its episode gave (0.0 when it gave none; each reward also
+at the last token of its turn: ``turn_rewards``, for GAE); an episode whose last step failed and
+that gave no reward is a bad reward (``--on-bad-reward``).
 """
 
 from __future__ import annotations
