@@ -248,7 +248,7 @@ def rollout_sample_rows(batch, tokenizer, iteration: int, count: int) -> List[di
                           [rlens[b] for b in picked], tokenizer, [{} for _ in picked])
     rows = [{"iteration": iteration, "sample": b, "prompt": s.prompt_text, "response": s.response_text,
              "response_length": rlens[b], "reward": scores[b]} for b, s in zip(picked, samples)]
-    if batch.loss_mask is not None:  # multi-turn: the turns, and the observations' share of the response
+    if getattr(batch, "loss_mask", None) is not None:  # multi-turn: the turns and their observations
         from puzzle.dataflow.env_turns import response_turns
 
         observation = (batch.loss_mask[picked] == 0).cpu()
