@@ -1,6 +1,8 @@
 """The bundled task of the tiny tool run (examples/run_grpo_tiny_tool.sh): sums of two two-digit
-numbers (answers of two and three digits), which a tiny byte-level model cannot learn to add in
-minutes, but can answer by calling the calculator (``--env calculator_tiny``).
+numbers with three-digit totals (100..198), which a tiny byte-level model cannot learn to add in
+minutes, but can answer by calling the calculator (``--env calculator_tiny``) and copying its
+result. (With totals of two and three digits mixed, the copy's distance varies with the answer's
+length: in 150 iterations the model learned to call and to write digits, not to copy.)
 
 Each prompt asks the sum and opens a tool call holding its expression, in the byte calculator's
 syntax (``puzzle.reward_functions.environments.ByteCalculator``: ``[EXPR]``): ``"23+45=[23+45"``.
@@ -31,9 +33,9 @@ def record(a: int, b: int) -> dict:
 
 
 def make_records(seed: int = 0) -> List[List[dict]]:
-    """The training and eval records: every sum a+b of two-digit a, b, shuffled with ``seed``,
-    split into ``TRAIN_RECORDS`` and ``EVAL_RECORDS``."""
-    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100)]
+    """The training and eval records: every sum a+b >= 100 of two-digit a, b, shuffled with
+    ``seed``, split into ``TRAIN_RECORDS`` and ``EVAL_RECORDS``."""
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a + b >= 100]
     random.Random(seed).shuffle(pairs)
     return [[record(a, b) for a, b in pairs[:TRAIN_RECORDS]],
             [record(a, b) for a, b in pairs[TRAIN_RECORDS:TRAIN_RECORDS + EVAL_RECORDS]]]
