@@ -308,14 +308,14 @@ class ByteCalculator(Calculator):
     rewards give credit in small steps, so that random sampling finds some of it:
     a final answer equal to the record's ``answer`` gets 1.0; after a call that evaluated, another
     answer gets ``CALL_REWARD`` plus ``DIGITS`` times the fraction of its characters that are digits
-    plus ``PREFIX`` times the length of its prefix that matches the answer over the longer of the
-    two; an answer without a call gets none of this shaping credit, an episode that ends in a call
+    plus ``PLACES`` times the number of its characters equal to the answer's at the same place over
+    the longer of the two; an answer without a call gets none of this shaping credit, an episode that ends in a call
     (or is cut by the turn or token limit) nothing.
     """
 
     CALL_OPEN, CALL_CLOSE = "[", "]"
     turn_stops = (CALL_CLOSE,)
-    CALL_REWARD, DIGITS, PREFIX = 0.1, 0.1, 0.4
+    CALL_REWARD, DIGITS, PLACES = 0.1, 0.1, 0.4
 
     def __init__(self):
         super().__init__()
@@ -336,9 +336,9 @@ class ByteCalculator(Calculator):
             return 1.0
         if not text or not self.called:
             return 0.0
-        same = next((i for i, (a, b) in enumerate(zip(text, self.answer)) if a != b), min(len(text), len(self.answer)))
+        same = sum(a == b for a, b in zip(text, self.answer))
         digits = sum(c.isdigit() for c in text) / len(text)
-        return self.DIGITS * digits + self.PREFIX * same / max(len(text), len(self.answer))
+        return self.DIGITS * digits + self.PLACES * same / max(len(text), len(self.answer))
 
     def step(self, turn: Turn) -> StepResult:
         expr = self.call_expression(turn)
