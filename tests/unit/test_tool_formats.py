@@ -157,3 +157,15 @@ def test_the_samples_log_shows_the_turns():
     assert row["turns"] == [{"model": "]"}, {"observation": "=3"}, {"model": "3"}]
     assert row["tool_calls"] == 1 and row["observation_tokens"] == 2 and row["response"] == "]=33"
     assert response_turns([5, 6], [True, True], tok) == [{"observation": "\x05\x06"}]
+
+
+def test_the_bundled_tool_sums_are_their_generators_and_held_out_apart():
+    import json
+
+    from puzzle.data.tool_sums import EVAL_PATH, PATH, make_records
+
+    train, held_out = make_records()
+    assert [json.loads(line) for line in PATH.read_text().splitlines()] == train
+    assert [json.loads(line) for line in EVAL_PATH.read_text().splitlines()] == held_out
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert all(len(r["answer"]) == 3 and r["prompt"].endswith("[" + r["prompt"].split("=")[0]) for r in train)
