@@ -10,7 +10,7 @@
 # 16 samples per prompt. Metrics: reward_mean, solved_fraction, env_tool_calls_per_sample,
 # env_turns_per_sample, env_observation_tokens_per_sample, env_step_errors/timeouts; --log-samples N
 # shows each sample's turns. In 150 iterations it learns to call the tool (tool calls per sample
-# 0.02 -> 1.00) and to answer with digits (reward 0.00 -> 0.30), not yet to copy the tool's result
+# 0.02 -> 1.00) and to answer with digits (reward 0.000 -> 0.36), not yet to copy the tool's result
 # (solved_fraction stays near 0): docs/grpo.md, "Examples".
 #   bash examples/run_grpo_tiny_tool.sh --log-dir runs/grpo-tiny-tool   (any flag below can be overridden)
 set -euo pipefail
