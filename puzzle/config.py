@@ -674,11 +674,12 @@ class RunConfig:
     reward_fn: Optional[str] = flag(None, _PPO, "Reward function module:function.", type=str)
     env: Optional[str] = flag(
         None, _PPO, "Environment that answers the model's turns and gives the reward: module:Class or a built-in "
-        "(calculator; single_turn: --reward-fn as an episode of one turn). Its steps run in the reward workers, "
-        "each under --reward-timeout.", type=str)
+        "(calculator; calculator_tiny: its byte-level syntax for the tiny tool run; single_turn: --reward-fn as an "
+        "episode of one turn). Its steps run in the reward workers, each under --reward-timeout.", type=str)
     max_turns: int = flag(
         1, _ENV, "Turns per sample: above 1 the turns run in the decode loop (P=1, T=1), the environment answering "
-        "each turn that ends at one of its turn_stops with an observation; --max-new-tokens bounds the whole "
+        "each turn that ends at one of its turn_stops (with --apply-chat-template: the chat family's tool-call end, "
+        "the observation in its tool-response format) with an observation; --max-new-tokens bounds the whole "
         "response, observations included.")
     max_observation_tokens: int = flag(
         64, _ENV, "Tokens of one observation; a longer one is cut, ending in a truncation marker.")

@@ -30,7 +30,7 @@ from puzzle.parallel.scope import scope_group, scope_ranks
 
 #: the per-row fields of a rollout ([B, R] or [B]) and the one stage that writes each
 ROW_FIELDS = {"gen_logprobs": "generation", "group_index": "generation", "loss_mask": "generation",
-              "scores": "reward", "baseline_scores": "reward",
+              "scores": "reward", "baseline_scores": "reward", "turn_rewards": "reward",
               "old_logprobs": "scoring", "entropy": "scoring", "ref_logprobs": "scoring", "values": "scoring",
               "advantages": "advantages", "returns": "advantages"}
 
@@ -52,6 +52,8 @@ class RolloutBatch:
     loss_mask: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None           # [B] reward: raw sequence scores
     baseline_scores: Optional[torch.Tensor] = None  # [B] reward: ReMax's greedy baseline, shaped
+    # [B, R] reward (multi-turn): each environment step's reward at the last token of its turn
+    turn_rewards: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None     # [B, R] scoring: the actor's
     entropy: Optional[torch.Tensor] = None          # [B, R] scoring: the actor's
     ref_logprobs: Optional[torch.Tensor] = None     # [B, R] scoring: the reference's

@@ -64,6 +64,7 @@ class MicroBatch:
     loss_mask: Optional[torch.Tensor] = None  # multi-turn: already in response_mask (batch.py)
     scores: Optional[torch.Tensor] = None
     baseline_scores: Optional[torch.Tensor] = None
+    turn_rewards: Optional[torch.Tensor] = None  # multi-turn: read by the advantages only
     old_logprobs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
