@@ -2,7 +2,6 @@
 synchronous, partial rollouts and the lag-1 overlap (puzzle.plan_search.long_tail; pure, no torch)."""
 
 import json
-from dataclasses import replace
 
 import pytest
 
