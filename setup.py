@@ -22,7 +22,8 @@ setup(
     extras_require={
         # tensorboard: the --tensorboard-dir test reads the event files back
         # matplotlib: the plot tool's test draws a figure
-        "test": ["pytest>=7", "pytest-timeout", "tensorboard", "matplotlib"],
+        # peft: the LoRA export's test loads the exported adapter (it adds accelerate, pure Python)
+        "test": ["pytest>=7", "pytest-timeout", "tensorboard", "matplotlib", "peft"],
         # never pulled by `test`: on a CPU machine the installable TE package breaks `import megatron.core`
         "gpu": ["transformer-engine[pytorch]"],
         "hf": ["transformers", "safetensors"],

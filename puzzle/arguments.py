@@ -321,7 +321,8 @@ def _check_trainable_cover(roles, world_size: int) -> None:
     """Every rank holds part of a trainable model: building megatron's optimizers is collective
     over the whole world, so a rank without one would leave the others waiting for ever."""
     trained = {r: s.plan for r, s in roles.items() if ROLES[r].trainable}
-    idle = sorted(set(range(world_size)) - {k for p in trained.values() for k in p.ranks})
+    pool = set(roles["actor"].gen_plan.ranks) - set(roles["actor"].plan.ranks)  # the generation pool's
+    idle = sorted(set(range(world_size)) - pool - {k for p in trained.values() for k in p.ranks})
     if idle:
         flags = "/".join(f"--{r}-data-parallel-size/--{r}-rank-offset" for r in trained)
         _fail(flags, f"rank(s) {', '.join(map(str, idle))} of the {world_size}-rank world hold no trainable "
@@ -331,13 +332,14 @@ def _check_trainable_cover(roles, world_size: int) -> None:
 
 def role_set(args) -> List[str]:
     """The roles a run builds: no critic unless the estimator needs one (gae), no reference when
-    KL enters neither the reward (--kl-coef 0) nor the loss, a reward model only when given."""
+    KL enters neither the reward (--kl-coef 0) nor the loss or when the actor is LoRA (its base
+    is the reference: RunConfig.reference_is_actor_base), a reward model only when given."""
     from puzzle.algorithms.advantage_estimators import ESTIMATORS
 
     roles = ["actor"]
     if ESTIMATORS[args.advantage_estimator].needs_critic:
         roles.append("critic")
-    if args.kl_coef > 0 or args.use_kl_loss:
+    if (args.kl_coef > 0 or args.use_kl_loss) and getattr(args, "lora_dim", None) is None:
         roles.append("ref")
     if args.reward_model or args.hf_reward_path or args.reward_pretrained_checkpoint:
         roles.append("reward")
@@ -368,7 +370,7 @@ _NEEDS = (
     (PPOParams, "lam", lambda a, roles: "critic" in roles, "GAE's lambda: needs a critic (--advantage-estimator gae)"),
     (PPOParams, "value_clip_eps", lambda a, roles: "critic" in roles, "clips the critic's values: needs a critic "
                                                                       "(--advantage-estimator gae)"),
-    (PPOParams, "kl_estimator", lambda a, roles: "ref" in roles, "needs a reference model (--kl-coef > 0 or "
+    (PPOParams, "kl_estimator", lambda a, roles: a.kl_coef > 0 or a.use_kl_loss, "needs a reference model (--kl-coef > 0 or "
                                                                   "--use-kl-loss)"),
     *((PPOParams, field, lambda a, roles: not a.greedy, "is ignored by --greedy (argmax decoding; log-probs at "
                                                         "temperature 1): drop one of them")
@@ -397,6 +399,8 @@ def _check_absent_roles(args, present: List[str]) -> None:
         if ROLES[role].weights_from == role:
             given += [flag for flag, _ in role_flags_given(RoleSpec, args, role)]
         if given:
+            if role == "ref" and args.lora_dim is not None:
+                why = "the LoRA actor's base, its adapters off, is the reference (--lora-dim)"
             _fail(given[0], f"the run builds no {role} model ({why.format(**vars(args))})")
 
 
@@ -455,13 +459,13 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
         _check_placement(flag, placement, {r: roles[r].plan for r in members})
 
     impl, impl_note = _check_transformer_impl(args, roles)
+    flag_checks.check_generation_pool(args, roles, world_size)
     _check_trainable_cover(roles, world_size)
     _check_moe_paths(args, roles, impl)
     _check_batch_invariant(ppo, roles)
     ppo = _check_token_budget(ppo)
     _check_recompute_layers(levers, roles)
-    given = {"--save": args.save, "--load": args.load, "--pretrained-checkpoint": args.pretrained_checkpoint}
-    check_lora(lora, roles["actor"].arch, impl, checkpoint_flags=[f for f, value in given.items() if value])
+    check_lora(lora, roles["actor"].arch, impl, actor_plans=(roles["actor"].plan, roles["actor"].gen_plan))
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers, lora=lora,
@@ -542,7 +546,9 @@ def _role_specs(args, world_size: int, vocab_size: int, layouts: PlanLayouts) ->
         if E > 1 or ETP is not None:
             flags += ("/--expert-model-parallel-size/--expert-tensor-parallel-size" if role == "actor" else
                       f"/--{role}-expert-model-parallel-size/--{role}-expert-tensor-parallel-size")
-        plan = _plan_for(args, role, world_size, P, T, flags, offset=offset, D=D, E=E, ETP=ETP)
+        pool = args.actor_gen_rank_offset  # --rl-desired-lag's generation pool: the training roles stop before it
+        size = pool - offset if home is None and D is None and 0 < pool and offset < pool else None
+        plan = _plan_for(args, role, world_size, P, T, flags, offset=offset, D=D, E=E, ETP=ETP, size=size)
         try:
             check_layout(arch, plan, role)
         except PlanError as e:
@@ -573,8 +579,12 @@ def _actor_generation_plan(args, world_size: int, arch, plan, layouts: PlanLayou
     gflags = "--actor-gen-tensor-model-parallel-size/--actor-gen-pipeline-model-parallel-size"
     if gE > 1 or gETP is not None:
         gflags += "/--actor-gen-expert-model-parallel-size/--actor-gen-expert-tensor-parallel-size"
+    offset, size, D = plan.offset, plan.size, None
+    if args.actor_gen_rank_offset or args.actor_gen_data_parallel_size:  # the generation pool (--rl-desired-lag)
+        gflags += "/--actor-gen-rank-offset/--actor-gen-data-parallel-size"
+        offset, size, D = args.actor_gen_rank_offset, None, args.actor_gen_data_parallel_size
     gen_plan = _plan_for(args, "actor generation", world_size, gP, gT, gflags,
-                         offset=plan.offset, size=plan.size, E=gE, ETP=gETP)
+                         offset=offset, size=size, D=D, E=gE, ETP=gETP)
     try:
         check_layout(arch, gen_plan, "actor (generation layout)")
     except PlanError as e:

@@ -36,6 +36,13 @@ source plus a weight fingerprint (float64 sum and sum of squares over the unique
 shards). On resume they are rebuilt from the same source and the fingerprint is checked; a
 changed HF directory or seed is an error instead of a silently different reference model.
 
+A LoRA actor (--lora-dim) saves its adapters alone (with their optimizer state) in ``actor/``,
+each under its global name, split over T as its layout splits it, so they load at any other
+(P, D, T) (puzzle.models.lora.adapter_sharded_state_dict); its frozen base is saved by reference:
+metadata.json records the base's source (seed, HF or Megatron-LM checkpoint) and its weight
+fingerprint, and a resume (or --finetune) whose base has another fingerprint is refused, naming
+both. The fingerprint, not the source path, decides: the same weights moved to another path load.
+
 Parallel groups: every model has its own ``ProcessGroupCollection``; megatron's global
 ``parallel_state`` is never initialised. ``GPTModel.sharded_state_dict`` takes its TP/PP ranks
 from the model's own ``pg_collection`` (layers, embeddings, output layer) and its DP group from
@@ -131,6 +138,10 @@ def _role_source(cfg, role: str) -> dict:
     return source
 
 
+def _lora_dict(lora) -> dict:
+    return {"dim": lora.dim, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora.target_modules)}
+
+
 def run_metadata(cfg) -> dict:
     roles = {}
     for role, spec in cfg.roles.items():
@@ -138,6 +149,9 @@ def run_metadata(cfg) -> dict:
                        "gen_plan": _plan_dict(spec.gen_plan), "trainable": bool(spec.trainable)}
         if not spec.trainable:
             roles[role]["source"] = _role_source(cfg, role)
+        elif role == "actor" and cfg.lora.enabled:  # the adapters; the base by reference (its fingerprint: save)
+            roles[role]["lora"] = _lora_dict(cfg.lora)
+            roles[role]["base"] = {"source": _role_source(cfg, role)}
         elif spec.arch.is_moe:  # puzzle.engine.model_engine: the experts' optimizer apart at every E
             roles[role]["experts_optimizer"] = EXPERTS_OWN_OPTIMIZER
     return {"format": FORMAT, "puzzle_version": puzzle.__version__, "world_size": cfg.world_size,
@@ -261,6 +275,7 @@ def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optiona
         if bool(saved["trainable"]) != bool(spec.trainable):
             problems.append(f"role {role}: trainable={saved['trainable']} in the checkpoint")
         problems += _expert_optimizer_problems(cfg, role, saved)
+        problems += _lora_problems(cfg, role, saved)
         if not spec.trainable and not cfg.finetune:  # --finetune: the frozen roles are this run's own
             problems += _frozen_source_problems(cfg, role, saved.get("source", {}))
     for role in saved_roles:
@@ -269,6 +284,33 @@ def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optiona
     if problems:
         raise CheckpointError(f"cannot resume from {path}: " + " | ".join(problems))
     return it
+
+
+def _lora_problems(cfg, role: str, saved: dict) -> List[str]:
+    """A LoRA actor resumes adapters of the same rank on the same linears (alpha and dropout may change)."""
+    if role != "actor" or not cfg.roles[role].trainable:
+        return []
+    mine = _lora_dict(cfg.lora) if cfg.lora.enabled else None
+    theirs = saved.get("lora")
+    if mine is None and theirs is None:
+        return []
+    if mine is None or theirs is None:
+        what = lambda d: f"LoRA rank {d['dim']} adapters" if d else "full-parameter training"
+        return [f"role actor: the checkpoint holds {what(theirs)}, this run asks for {what(mine)}"]
+    diff = [f"{k}: checkpoint {theirs.get(k)!r} vs this run {mine[k]!r}" for k in ("dim", "target_modules")
+            if theirs.get(k) != mine[k]]
+    return ["role actor LoRA adapters differ: " + "; ".join(diff)] if diff else []
+
+
+def base_fingerprint_problem(meta: dict, role: str, now: list, source: dict) -> Optional[str]:
+    """The adapters of ``role`` were trained on a base whose fingerprint (sum and sum of squares of
+    its weights) differs from this run's base: a message naming both, else None."""
+    saved = (meta["roles"].get(role, {}).get("base") or {})
+    before = saved.get("fingerprint")
+    if before is None or _fingerprints_match(before, now):
+        return None
+    return (f"role {role}: its LoRA adapters were trained on the base {saved.get('source')} (fingerprint {before}), "
+            f"this run's base is {source} (fingerprint {now}): refusing to put them on another base")
 
 
 def _frozen_source_problems(cfg, role: str, src: dict) -> List[str]:
@@ -333,8 +375,12 @@ def _role_sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool) 
     if not engine.member:
         return {}  # this rank holds no part of the model; the collective save/load still runs here
     metadata = _sharding_metadata(engine)
-    # TE's FP8 metadata is dropped so the local and transformer_engine specs load each other's files
-    model_sd = drop_extra_state(engine.module.sharded_state_dict(prefix="", metadata=metadata))
+    if getattr(engine, "lora", None) is not None:  # the adapters alone: the frozen base is saved by reference
+        from puzzle.models.lora import adapter_sharded_state_dict
+
+        model_sd = adapter_sharded_state_dict(engine.module, engine.adapter_specs)
+    else:  # TE's FP8 metadata is dropped so the local and transformer_engine specs load each other's files
+        model_sd = drop_extra_state(engine.module.sharded_state_dict(prefix="", metadata=metadata))
     sd = {"model": model_sd}
     if with_optimizer and engine.optimizer is not None:
         if is_loading:
@@ -355,11 +401,16 @@ def _ensure_optimizer_state(optimizer) -> None:
 
 @torch.no_grad()
 def weight_fingerprint(engine) -> list:
-    """[sum, sum of squares] (float64) over the model's unique parameter shards, whole world."""
+    """[sum, sum of squares] (float64) over the model's unique parameter shards, whole world; of a
+    LoRA model's base (its adapters left out)."""
+    from puzzle.models.lora import is_adapter_param
+
     acc = torch.zeros(2, dtype=torch.float64, device=runtime().device)
     if engine.member:
         lay, arch = engine.layout, engine.arch
         for name, p in engine.module.named_parameters():
+            if is_adapter_param(name):
+                continue
             if is_expert_param(name):  # experts: their expert-DP replicas count once
                 if lay.edp != 0 or (lay.etp != 0 and not getattr(p, "tensor_model_parallel", False)):
                     continue
@@ -443,6 +494,9 @@ def save_checkpoint(parts: "Checkpointed", root: str, keep_last: Optional[int] =
     with phase(f"writing {METADATA}"):
         if rank == 0:
             meta = run_metadata(parts.cfg)
+            for role, spec in meta["roles"].items():
+                if "base" in spec:
+                    spec["base"]["fingerprint"] = fingerprints.pop(role)
             meta["fingerprints"], meta["iteration"], meta["files"] = fingerprints, it, files
             with open(os.path.join(tmp, METADATA), "w") as f:
                 json.dump(meta, f, indent=1)
@@ -472,7 +526,8 @@ def _write_parts(parts: "Checkpointed", tmp: str, trainable: List[str], phase: S
     with phase("writing the RNG states"):
         torch.save(capture_rng_state(), os.path.join(tmp, "rng", f"rank_{rank:05d}.pt"))
     with phase("fingerprinting the frozen models"):
-        fingerprints = {r: weight_fingerprint(e) for r, e in parts.engines.items() if not e.trainable}
+        fingerprints = {r: weight_fingerprint(e) for r, e in parts.engines.items()
+                        if not e.trainable or getattr(e, "lora", None) is not None}  # a LoRA model: its base
     with phase(f"writing {TRAINER_STATE}"):
         if rank == 0:
             state = {**parts.state.state_dict(),
@@ -597,6 +652,7 @@ def load_checkpoint(parts: "Checkpointed", root: str, *, load_optim: bool = True
     d = iter_dir(root, it)
     meta = json.load(open(os.path.join(d, METADATA)))
     same_opt = meta["optimizer"]["use_distributed_optimizer"] == parts.cfg.optim.use_distributed_optimizer
+    _check_lora_bases(parts, meta, os.path.join(d, METADATA))
     for role, eng in parts.engines.items():
         if not eng.trainable:
             continue
@@ -604,7 +660,7 @@ def load_checkpoint(parts: "Checkpointed", root: str, *, load_optim: bool = True
             sd = _role_sharded_state_dict(eng, is_loading=True, with_optimizer=load_optim)
             state = dist_checkpointing.load(sd, os.path.join(d, role))
             if eng.member:
-                _load_module_state(eng.module, state["model"])
+                _load_model_state(eng, state["model"])
                 if load_optim:
                     # (megatron_patches.distrib_optimizer_step keeps Adam's "step" right on this path)
                     eng.optimizer.load_state_dict(state["optimizer"])  # fp32 main params included
@@ -648,9 +704,21 @@ def load_checkpoint(parts: "Checkpointed", root: str, *, load_optim: bool = True
     return parts.state.iteration
 
 
+def _check_lora_bases(parts: "Checkpointed", meta: dict, path: str) -> None:
+    """Collective: each LoRA model's base (this run's weights) is the one its saved adapters were
+    trained on (the fingerprint saved with them), else a CheckpointError naming both."""
+    for role, eng in parts.engines.items():
+        if getattr(eng, "lora", None) is None:
+            continue
+        problem = base_fingerprint_problem(meta, role, weight_fingerprint(eng), _role_source(parts.cfg, role))
+        if problem:
+            raise CheckpointError(f"{path}: {problem}")
+
+
 def _load_weights_only(parts: "Checkpointed", root: str, it: int, t0: float) -> int:
     """--finetune: the trainable models' weights of iteration ``it``, at this run's layouts."""
     d = iter_dir(root, it)
+    _check_lora_bases(parts, _read_metadata(d), os.path.join(d, METADATA))
     for role, eng in parts.engines.items():
         if eng.trainable:
             try:
@@ -715,7 +783,20 @@ def load_role_weights(engine, role_dir: str) -> None:
     except BaseException as e:  # torch's CheckpointException derives from BaseException
         raise CheckpointError(f"loading {engine.role} weights from {role_dir} failed: {_summarize(e)}") from None
     if engine.member:
-        _load_module_state(engine.module, state["model"])
+        _load_model_state(engine, state["model"])
+
+
+def _load_model_state(engine, state: dict) -> None:
+    """A loaded model state into ``engine``'s module: a LoRA model's adapters, else every weight."""
+    if getattr(engine, "lora", None) is not None:
+        from puzzle.models.lora import load_adapter_state
+
+        try:
+            load_adapter_state(engine.module, engine.adapter_specs, state)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint does not fit the LoRA adapters: {e}") from None
+        return
+    _load_module_state(engine.module, state)
 
 
 def _load_module_state(module, state: dict) -> None:

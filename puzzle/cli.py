@@ -98,7 +98,8 @@ def _checked(argv, world_size: int, report: bool = True):
         if cfg.env:  # an unknown environment is refused here, naming it
             from puzzle.reward_functions.environments import EnvSpec, check_turn_setup
 
-            check_turn_setup(EnvSpec.of(cfg.env, cfg.reward_fn), cfg.max_turns, cfg.max_observation_tokens, tokenizer)
+            check_turn_setup(EnvSpec.of(cfg.env, cfg.reward_fn), cfg.max_turns, cfg.max_observation_tokens, tokenizer,
+                             chat_template=cfg.apply_chat_template)
         dataset = load_prompt_dataset(cfg.prompt_data or bundled_prompts_path(), tokenizer,
                                       cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length,
                                       overflow=cfg.prompt_overflow, split=cfg.prompt_split,

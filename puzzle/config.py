@@ -445,6 +445,23 @@ class PPOParams:
         2.0, _ALGO, "--rl-partial-rollouts: the groups served per iteration, as a multiple (>= 1) of "
         "--rollout-batch-size; carried groups first, then fresh prompts. Megatron-LM RL sizes this by "
         "--rl-max-inflight-requests (its lag) instead.")
+    # the long tail's expected response lengths: the plan search prices generation's tail from them
+    # (puzzle/plan_search/long_tail.py: a log-normal through both; neither: every response at the cap)
+    expected_response_length_p50: Optional[int] = flag(
+        None, _PPO, "Median response length in tokens the run expects (with --expected-response-length-p99): "
+        "--dry-run and search_plan.py price generation's long tail from it and advise synchronous, partial "
+        "rollouts or the lag-1 overlap. Advisory: it changes nothing the run does.", type=int)
+    expected_response_length_p99: Optional[int] = flag(
+        None, _PPO, "99th percentile of the response lengths the run expects, in [p50, --max-new-tokens] "
+        "(see --expected-response-length-p50).", type=int)
+    # Megatron-LM RL's --rl-desired-lag (there: partial rollouts' in-flight steps on the same ranks);
+    # puzzle/dataflow/overlap_stage.py
+    rl_desired_lag: int = flag(
+        0, _ALGO, "One-step off-policy overlap: batch k is generated with the weights after optimizer step "
+        "max(0, k-1-L) by a generation pool on its own ranks (--actor-gen-rank-offset) while the training pool "
+        "scores and trains the batches before it; 0: synchronous (today's run). Unlike Megatron-LM RL (same "
+        "ranks, in-flight requests, -1 allowed, autotuned when omitted) the lag here is whole batches on "
+        "disjoint pools; needs --rl-inference-logprobs-is-correction.")
     reward_normalization: str = flag(
         "none", "reward functions (--reward-fn; docs/grpo.md)",
         "running: scores normalised by their running mean/std (checkpointed).", choices=("none", "running"))
@@ -459,17 +476,30 @@ class PPOParams:
               f"must be > 0 (got {self.temperature}); use --greedy for argmax decoding")
         if not 0.0 <= self.gamma <= 1.0 or not 0.0 <= self.lam <= 1.0:
             fail("--gamma/--lam", "must lie in [0, 1]")
+        check_at_least(cls, self, 0, "rl_desired_lag")
         check_at_least(cls, self, 0, "kl_target", "reward_clip", strict=True, optional=True)
         check_at_least(cls, self, 0, "value_clip_eps", "clip_eps", strict=True)
         check_at_least(cls, self, 0, "clip_eps_high", strict=True, optional=True)
         check_at_least(cls, self, 0, "rl_importance_sampling_truncation_coef", strict=True, optional=True)
         check(cls, self, "overlong_buffer_len", 0 <= self.overlong_buffer_len <= self.max_new_tokens,
               f"must be in [0, --max-new-tokens {self.max_new_tokens}] (got {self.overlong_buffer_len})")
+        self._check_expected_lengths()
         check(cls, self, "compile_generation", self.cuda_graph_generation or not self.compile_generation,
               "needs --cuda-graph-generation")
         check(cls, self, "batch_invariant_mode", not (self.batch_invariant_mode and self.cuda_graph_generation),
               "not with --cuda-graph-generation: graphed and compiled decode steps fuse differently from "
               "scoring's forward")
+
+    def _check_expected_lengths(self) -> None:
+        cls, p50, p99 = PPOParams, self.expected_response_length_p50, self.expected_response_length_p99
+        check(cls, self, "expected_response_length_p99" if p99 is None else "expected_response_length_p50",
+              (p50 is None) == (p99 is None), "missing: --expected-response-length-p50 and -p99 go together")
+        if p50 is not None:
+            check_at_least(cls, self, 0, "expected_response_length_p50", "expected_response_length_p99", strict=True)
+            check(cls, self, "expected_response_length_p50", p50 <= p99,
+                  f"must be <= --expected-response-length-p99 (got {p50} > {p99})")
+            check(cls, self, "expected_response_length_p99", p99 <= self.max_new_tokens,
+                  f"must be <= --max-new-tokens {self.max_new_tokens} (got {p99})")
 
     @property
     def num_samples(self) -> int:
@@ -644,11 +674,12 @@ class RunConfig:
     reward_fn: Optional[str] = flag(None, _PPO, "Reward function module:function.", type=str)
     env: Optional[str] = flag(
         None, _PPO, "Environment that answers the model's turns and gives the reward: module:Class or a built-in "
-        "(calculator; single_turn: --reward-fn as an episode of one turn). Its steps run in the reward workers, "
-        "each under --reward-timeout.", type=str)
+        "(calculator; calculator_tiny: its byte-level syntax for the tiny tool run; single_turn: --reward-fn as an "
+        "episode of one turn). Its steps run in the reward workers, each under --reward-timeout.", type=str)
     max_turns: int = flag(
         1, _ENV, "Turns per sample: above 1 the turns run in the decode loop (P=1, T=1), the environment answering "
-        "each turn that ends at one of its turn_stops with an observation; --max-new-tokens bounds the whole "
+        "each turn that ends at one of its turn_stops (with --apply-chat-template: the chat family's tool-call end, "
+        "the observation in its tool-response format) with an observation; --max-new-tokens bounds the whole "
         "response, observations included.")
     max_observation_tokens: int = flag(
         64, _ENV, "Tokens of one observation; a longer one is cut, ending in a truncation marker.")
@@ -750,6 +781,12 @@ class RunConfig:
     @property
     def recompute(self) -> Recompute:
         return self.levers.recompute
+
+    @property
+    def reference_is_actor_base(self) -> bool:
+        """A LoRA actor with a KL term: its reference is its base (the actor with its adapters off,
+        scored in the actor's slot), so the run builds no reference model (arguments.role_set)."""
+        return self.lora.enabled and (self.ppo.kl_coef > 0 or self.ppo.use_kl_loss)
 
     @property
     def bf16(self) -> bool:

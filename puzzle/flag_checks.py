@@ -142,8 +142,47 @@ def check_partial_generation(gen) -> None:
     if gen.P > 1:
         fail("--rl-partial-rollouts", f"needs an actor generation layout with P=1 (the quota stops continuous "
                                        f"batching; got P={gen.P})")
-    shares = gen.generation_share(0)[1]
+    shares = gen.generation_share(gen.offset)[1]
     if shares > 1:
         fail("--rl-partial-rollouts", f"the actor generates in {shares} data-parallel shares; partial rollouts "
                                        f"need one (give --actor-gen-tensor-model-parallel-size so that the "
                                        f"generation layout has D=1)")
+
+
+def check_generation_pool(args, roles, world_size: int) -> None:
+    """--rl-desired-lag and the generation pool (--actor-gen-rank-offset): the pool on ranks no
+    training role uses, as many as the actor's training layout (the switch maps rank to rank),
+    rank 0 a training rank (it writes the metrics), and what the overlapped rounds cannot do yet."""
+    lag, gen, actor = args.rl_desired_lag, roles["actor"].gen_plan, roles["actor"].plan
+    if args.actor_gen_rank_offset or args.actor_gen_data_parallel_size:
+        flag = "--actor-gen-rank-offset"
+        used = {r: spec.plan for r, spec in roles.items() if set(spec.plan.ranks) & set(gen.ranks)}
+        if used:
+            fail(flag, f"the generation pool {gen} (ranks {gen.ranks[0]}..{gen.ranks[-1]}) overlaps "
+                       + ", ".join(f"{r} {p}" for r, p in used.items())
+                       + "; the training roles must stay on the ranks before it")
+        if gen.offset == 0:
+            fail(flag, "the generation pool must not hold rank 0 (rank 0 trains and writes the metrics)")
+        if gen.size != actor.size:
+            fail(flag, f"the generation pool {gen} has {gen.size} ranks, the actor's training layout {actor} "
+                       f"{actor.size}: the switch maps the pools rank to rank (give them equal sizes)")
+    elif lag:
+        fail("--rl-desired-lag", f"a lag of {lag} needs a generation pool on ranks of its own "
+                                 "(--actor-gen-rank-offset); colocated generation cannot overlap training")
+    if not lag:
+        return
+    reasons = [(not args.rl_inference_logprobs_is_correction, "needs --rl-inference-logprobs-is-correction "
+                "(the loss must use the log-probs each token was sampled under)"),
+               (args.rl_partial_rollouts, "not with --rl-partial-rollouts yet"),
+               (gen.P > 1, f"needs an actor generation layout with P=1 (got P={gen.P})"),
+               (bool(args.num_experts), "not with MoE models (--num-experts) yet"),
+               (getattr(args, "max_turns", 1) > 1, "not with --max-turns > 1 yet"),
+               (args.filter_groups, "not with --filter-groups (its rounds score in the generation stage)"),
+               (args.advantage_estimator == "remax", "not with --advantage-estimator remax (its greedy "
+                                                     "baseline is the training policy's)"),
+               (bool(args.save), "not with --save yet (the batches in flight are not checkpointed)"),
+               (bool(args.load), "not with --load yet"),
+               (bool(getattr(args, "eval_prompts", None)), "not with evaluation (--eval-prompts) yet")]
+    for bad, why in reasons:
+        if bad:
+            fail("--rl-desired-lag", why)

@@ -76,13 +76,14 @@ def target_shapes(arch) -> dict:
             "linear_fc1": ((2 if arch.swiglu else 1) * ffn, h), "linear_fc2": (h, ffn)}
 
 
-def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", checkpoint_flags=()) -> None:
+def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_plans=()) -> None:
     """Refuse LoRA the actor cannot have, naming the flag: a rank larger than a target linear's smaller
     side; not yet: MoE experts, transformer_engine layers (TE fuses the layernorm into linear_qkv and
     linear_fc1, whose input is then not the adapter's; sequence parallelism, which needs TE, is not
-    handled by the adapters either), checkpoints (``checkpoint_flags`` given: adapters are neither saved
-    nor read). A generation layout other than training's is fine: the switch moves the adapters and
-    generation merges them (puzzle/switch/lora_merge.py)."""
+    handled by the adapters either). Checkpoints hold the adapters (puzzle.checkpointing). A generation
+    layout other than training's on the same ranks is fine: the switch moves the adapters and generation
+    merges them (puzzle/switch/lora_merge.py); on other ranks (``actor_plans``: training, generation),
+    a generation pool, not yet: the cross-pool switch moves the base only."""
     if not lora.enabled:
         for name, value, default in (("--lora-alpha", lora.alpha, 32.0), ("--lora-dropout", lora.dropout, 0.0)):
             if value != default:
@@ -100,5 +101,7 @@ def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", checkpoi
     if transformer_impl != "local":
         fail("--lora-dim", f"needs --transformer-impl local for now (got {transformer_impl}): LoRA on transformer_engine "
                            "layers is not supported yet")
-    if checkpoint_flags:
-        fail("--lora-dim", f"with {'/'.join(checkpoint_flags)}: LoRA adapters are not checkpointed yet")
+    if len(actor_plans) == 2 and actor_plans[1] is not None and set(actor_plans[0].ranks) != set(actor_plans[1].ranks):
+        fail("--actor-gen-rank-offset", f"a LoRA actor's generation pool (generation layout {actor_plans[1]} on other "
+                                        f"ranks than training's {actor_plans[0]}) is not supported yet: the cross-pool "
+                                        "switch moves the base weights only")

@@ -237,15 +237,28 @@ class GenerationProgress:
 def rollout_sample_rows(batch, tokenizer, iteration: int, count: int) -> List[dict]:
     """``count`` rows of a scored rollout batch (``sample_rows``) as JSON-ready dicts: the prompt
     and response texts (without EOS), the response length and the reward (the score before any
-    shaping or normalisation)."""
+    shaping or normalisation); a multi-turn row also its ``turns`` (``[{"model": text},
+    {"observation": text}, ...]``), its ``tool_calls`` (turns answered by an observation) and
+    ``observation_tokens``."""
     from puzzle.dataflow.reward_stage import decode_rows
 
     picked = sample_rows(count, batch.size)
     rlens, scores = batch.response_lengths.tolist(), batch.scores.tolist()
     samples = decode_rows(batch.tokens[picked].cpu(), batch.prompt_lengths[picked].tolist(),
                           [rlens[b] for b in picked], tokenizer, [{} for _ in picked])
-    return [{"iteration": iteration, "sample": b, "prompt": s.prompt_text, "response": s.response_text,
+    rows = [{"iteration": iteration, "sample": b, "prompt": s.prompt_text, "response": s.response_text,
              "response_length": rlens[b], "reward": scores[b]} for b, s in zip(picked, samples)]
+    if getattr(batch, "loss_mask", None) is not None:  # multi-turn: the turns and their observations
+        from puzzle.dataflow.env_turns import response_turns
+
+        observation = (batch.loss_mask[picked] == 0).cpu()
+        for i, (row, b) in enumerate(zip(rows, picked)):
+            p, n = int(batch.prompt_lengths[b]), rlens[b]
+            obs = observation[i, :n].tolist()
+            row["turns"] = response_turns(batch.tokens[b, p:p + n].tolist(), obs, tokenizer)
+            row["tool_calls"] = sum(1 for t in row["turns"] if "observation" in t)  # turns answered
+            row["observation_tokens"] = sum(obs)
+    return rows
 
 
 def tokens_per_second(batch, metrics: dict) -> float:

@@ -34,6 +34,24 @@ def layer_params(shape) -> Tuple[int, int]:
     return split, 2 * h  # two RMSNorm weights are replicated across TP
 
 
+def lora_layer_params(shape, dim: int, targets) -> Tuple[int, int]:
+    """(TP-split, TP-replicated) LoRA adapter parameters of one layer (puzzle/models/lora.py):
+    rank-``dim`` A [dim, in] and B [out, dim] on each target linear; a column-parallel linear
+    (linear_qkv, linear_fc1) splits B over T and replicates A, a row-parallel one (linear_proj,
+    linear_fc2) splits A and replicates B."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    q = (head_size_if_unusual(shape) or h // shape.num_attention_heads) * shape.num_attention_heads
+    out_in = {"linear_qkv": (q + 2 * shape.kv_dim, h), "linear_proj": (h, q),
+              "linear_fc1": ((2 if shape.swiglu else 1) * f, h), "linear_fc2": (h, f)}
+    split = replicated = 0
+    for target in targets:
+        out, inp = out_in[target]
+        column = target in ("linear_qkv", "linear_fc1")
+        split += dim * (out if column else inp)
+        replicated += dim * (inp if column else out)
+    return split, replicated
+
+
 def mlp_matrices(shape) -> int:
     """Weight matrices of one (expert or dense) MLP: 3 with SwiGLU (gate, up, down), else 2."""
     return 3 if shape.swiglu else 2

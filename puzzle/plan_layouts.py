@@ -47,10 +47,16 @@ class LayoutFlags:
         None, PARALLEL_GROUP, "Actor training ETP: ranks each expert is split over (default T).", type=int,
         roles=_ROLES + (GENERATION,), role_help={GENERATION: "Actor generation-layout ETP (default: T)."})
     data_parallel_size: Optional[int] = flag(
-        None, PARALLEL_GROUP, type=int, roles=_ROLES, role_only=True,
-        role_help="{role}: D (default: the ranks from its offset to the end / (P*T)).")
-    rank_offset: int = flag(0, PARALLEL_GROUP, roles=_ROLES, role_only=True,
-                            role_help="{role}: first rank of its layout (disjoint placement).")
+        None, PARALLEL_GROUP, type=int, roles=_ROLES + (GENERATION,), role_only=True,
+        role_help={**{r: f"{r}: D (default: the ranks from its offset to the end / (P*T))." for r in _ROLES},
+                   GENERATION: "Actor generation-layout D (default: the ranks from its offset to the end / (P*T))."})
+    # --actor-gen-rank-offset > 0: the generation pool of --rl-desired-lag (its ranks used by no
+    # training role, which default to the ranks before it)
+    rank_offset: int = flag(0, PARALLEL_GROUP, roles=_ROLES + (GENERATION,), role_only=True,
+                            role_help={**{r: f"{r}: first rank of its layout (disjoint placement)." for r in _ROLES},
+                                       GENERATION: "First rank of the actor's generation layout: > 0 makes it the "
+                                       "generation pool of --rl-desired-lag, on ranks no training role uses (the "
+                                       "training roles default to the ranks before it)."})
 
     def __post_init__(self):
         cls = LayoutFlags

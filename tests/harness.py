@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -206,16 +207,21 @@ def world_main(checks) -> None:
     from puzzle.parallel.groups import init_distributed
 
     rank, _ = init_distributed()
-    results = {}
+    results, seconds = {}, {}
     for name, fn in checks:
+        t0 = time.perf_counter()
         try:
             results[name] = fn()
+            seconds[name] = round(time.perf_counter() - t0, 2)
         except Exception:  # recorded and re-raised so the test shows the traceback
             results[name] = {"error": traceback.format_exc()}
             Path(os.environ["PUZZLE_TEST_OUT"], f"rank{rank}.json").write_text(json.dumps(results))
             raise
     dist.barrier()
     Path(os.environ["PUZZLE_TEST_OUT"], f"rank{rank}.json").write_text(json.dumps(results))
+    if rank == 0 and os.environ.get("PUZZLE_WORLD_SECONDS"):  # each check's wall time (to see what to trim)
+        with open(os.environ["PUZZLE_WORLD_SECONDS"], "a") as f:
+            f.write(json.dumps({"world_size": dist.get_world_size(), "seconds": seconds}) + "\n")
     dist.destroy_process_group()
 
 

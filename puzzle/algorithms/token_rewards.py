@@ -33,8 +33,13 @@ def compute_token_rewards(
     kl_coef: float,
     kl_kind: str = "k1",
     clip_reward: Optional[float] = None,
+    turn_rewards: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-token rewards ``-kl_coef * kl`` plus the sequence score on the last valid token.
+    """Per-token rewards ``-kl_coef * kl`` plus the sequence score on the last valid token; with
+    ``turn_rewards`` (multi-turn: ``[B, R]``, the rewards an environment gave per turn, each at the
+    last token of its turn) those stay where they are and the last valid token gets the rest of the
+    score (score - their sum): GAE credits each turn's reward from its turn on, the row's sum (what
+    the group estimators read) is the score either way.
 
     Args:
         scores: ``[B]`` reward-model score per sequence.
@@ -70,6 +75,11 @@ def compute_token_rewards(
     scores = scores.to(dtype=logprobs.dtype, device=logprobs.device)
     if clip_reward is not None:
         scores = scores.clamp(min=-clip_reward, max=clip_reward)
+    if turn_rewards is not None:  # the rest of the score on the last token; the turns' own on theirs
+        check_same_shape("turn_rewards", turn_rewards, mask=mask)
+        placed = torch.where(valid, turn_rewards.to(rewards.dtype), zeros)
+        rewards = rewards + placed
+        scores = scores - placed.sum(dim=1)
     last = last_valid_index(mask)  # -1 for empty rows -> never matches a position
     positions = torch.arange(logprobs.shape[1], device=logprobs.device).expand(logprobs.shape)
     at_last = positions == last.unsqueeze(1)

@@ -1,8 +1,10 @@
-"""Benchmark: trained samples/s of a tiny GRPO run, synchronous against --rl-partial-rollouts.
+"""Benchmark: trained samples/s of a tiny GRPO run, synchronous against --rl-partial-rollouts and
+against the overlap of a generation pool and a training pool (--rl-desired-lag 1).
 
     python -m puzzle.bench.long_tail [--iterations 6] [--repeats 2] [--max-new-tokens 192] [--n-samples 4] [--oversample 2] [--out rows.json]
 
-In ONE run (one 1-rank torchrun world), the tiny GRPO model of examples/run_grpo_tiny.sh (random
+In ONE run (one 4-rank torchrun world; ``MODES`` and ``LAYOUTS`` give each mode's layouts, also in
+the rows), the tiny GRPO model of examples/run_grpo_tiny.sh (random
 weights) trains with whole iterations (generation, rewards, scoring, training) on two
 response-length distributions: ``long_tailed`` (``puzzle.bench.packing.response_lengths``'
 exponential, mean/max ~0.16 of --max-new-tokens, the same draw, without its row forced to the
@@ -13,8 +15,11 @@ before; the log-probs recorded are the model's. Each run (``PPOTrainer.train``) 
 warm-up iteration and ``--iterations`` timed ones; ``--repeats`` runs of each mode, the first
 mode alternating between repeats (load from other processes falls on both). samples/s = trained
 samples / the summed iteration wall times (the metrics' ``samples_per_sec``) of a mode's timed
-iterations; ``ratio_partial_over_sync`` the median of the repeats' own ratios. The JSON rows
-also carry generation seconds per iteration and the trained responses' mean length.
+iterations (the overlap's: the training pool's iterations, each from waiting for its batch to
+the end of its training); ``ratio_<mode>_over_sync`` the median of the repeats' own ratios. The JSON rows
+also carry generation seconds per iteration (the overlap's: the training pool's wait for its batch,
+and ``generation_pool_s_per_iteration`` the generation pool's own) and the trained responses' mean
+length.
 
 Read with the lengths: in a short run the partial mode trains shorter responses on average than
 were drawn (the long ones are still carried), which makes its scoring and training cheaper; and
@@ -38,11 +43,20 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--init-random", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 ROLLOUT_BATCH = 16
 RUN = ["--advantage-estimator", "grpo", "--rollout-batch-size", str(ROLLOUT_BATCH),
-       "--micro-batch-size", "32", "--lr", "3e-3", "--seed", "1234", "--temperature", "1.0", "--kl-coef", "0",
+       "--micro-batch-size", "16", "--lr", "3e-3", "--seed", "1234", "--temperature", "1.0", "--kl-coef", "0",
        "--prompt-data", "puzzle/data/bundled/tiny_arithmetic.jsonl",
        "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction", "--reward-timeout", "0",
        "--rl-inference-logprobs-is-correction", "--log-interval", "1000"]
-MODES = {"sync": [], "partial": ["--rl-partial-rollouts"]}
+RANKS = 4
+#: each mode's flags and layouts on the 4 ranks: sync and partial train at D=4 and generate in one
+#: share at T=4 (partial rollouts need one generating share at P=1; sync takes the same layouts);
+#: the overlap trains at D=2 on ranks 0-1 and generates at T=2 on ranks 2-3 (lag 1)
+MODES = {"sync": ["--actor-gen-tensor-model-parallel-size", "4"],
+         "partial": ["--rl-partial-rollouts", "--actor-gen-tensor-model-parallel-size", "4"],
+         "overlap": ["--rl-desired-lag", "1", "--actor-gen-rank-offset", "2",
+                     "--actor-gen-tensor-model-parallel-size", "2"]}
+LAYOUTS = {"sync": "train 1,4,1; generate 1,1,4", "partial": "train 1,4,1; generate 1,1,4",
+           "overlap": "train 1,2,1 (ranks 0-1); generate 1,1,2@2 (ranks 2-3); lag 1"}
 TABLE = 4096  # planted lengths drawn per (seed, sample index) mod this
 
 
@@ -53,16 +67,18 @@ def planted_lengths(lengths):
     import torch
 
     from puzzle.rollout import pipelined_generation
+    from puzzle.rollout.sampling import vocab_start
 
     original = pipelined_generation.sample_tokens
 
     def sample_tokens(logits, params, *, seed=0, sample_ids=None, step=0, **kw):
-        if sample_ids is not None and params.eos_id is not None:
+        eos = None if params.eos_id is None else params.eos_id - vocab_start(logits.shape[1], kw.get("tp_group"))
+        if sample_ids is not None and eos is not None and 0 <= eos < logits.shape[1]:  # (this TP rank's shard)
             s = int(seed) if not isinstance(seed, torch.Tensor) else int(seed.reshape(-1)[0])
             want = lengths[(sample_ids.cpu() * 2654435761 + s * 97) % TABLE].to(logits.device)
             stop = torch.as_tensor(step, device=logits.device) >= want - 1
             logits = logits.clone()
-            logits[:, params.eos_id] += torch.where(stop, 1e4, -1e4).to(logits.dtype)  # no other ends
+            logits[:, eos] += torch.where(stop, 1e4, -1e4).to(logits.dtype)  # no other ends
         return original(logits, params, seed=seed, sample_ids=sample_ids, step=step, **kw)
 
     pipelined_generation.sample_tokens = sample_tokens
@@ -94,7 +110,10 @@ def _train(argv) -> list:
     from puzzle.data.tokenizers import build_tokenizer, fit_to_rows
     from puzzle.dataflow.trainer import PPOTrainer
 
-    with tempfile.TemporaryDirectory(prefix="puzzle-long-tail-") as d:
+    from puzzle.parallel.device import runtime
+
+    with tempfile.TemporaryDirectory(prefix="puzzle-long-tail-") as mine:
+        d = runtime().broadcast_object(mine)  # rank 0's: it writes the metrics
         args = parse_args(argv + ["--log-dir", d])
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         cfg = validate_args(args, dist.get_world_size(), tokenizer.vocab_size)
@@ -106,7 +125,8 @@ def _train(argv) -> list:
             run.train()
         finally:
             run.close()
-        rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+        rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] if dist.get_rank() == 0 else []
+        dist.barrier()  # rank 0 has read its directory before it goes
     return [r for r in rows if r.get("iteration", 0) > 1]
 
 
@@ -127,6 +147,8 @@ def _run(args, kind: str) -> list:
                 "--train-iters", str(args.iterations + 1)]
             with planted_lengths(_lengths(kind, R)):
                 rows = _train(argv)
+            if not rows:  # not rank 0
+                continue
             samples = args.n_samples * ROLLOUT_BATCH * len(rows)
             seconds = sum(args.n_samples * ROLLOUT_BATCH / r["samples_per_sec"] for r in rows)
             per[mode] = samples / seconds
@@ -134,18 +156,23 @@ def _run(args, kind: str) -> list:
             a["seconds"] += seconds
             a["samples"] += samples
             a["gen"] += [r["time_generate"] for r in rows]
+            a["pool"] = a.get("pool", []) + [r["generation_pool_seconds"] for r in rows if "generation_pool_seconds" in r]
             a["lengths"] += [r["response_length_mean"] for r in rows]
-        ratios.append(per["partial"] / per["sync"])
+        if per:
+            ratios.append({m: per[m] / per["sync"] for m in MODES if m != "sync"})
+    if not ratios:
+        return []
     out = []
     for mode, a in acc.items():
         out.append({"distribution": kind, "mode": mode, "samples_per_s": a["samples"] / a["seconds"],
                     "seconds": a["seconds"], "generation_s_per_iteration": sum(a["gen"]) / len(a["gen"]),
                     "response_length_mean": sum(a["lengths"]) / len(a["lengths"]),
+                    **({"generation_pool_s_per_iteration": sum(a["pool"]) / len(a["pool"])} if a.get("pool") else {}),
                     "iterations": args.iterations, "repeats": args.repeats, "max_new_tokens": R,
-                    "n_samples_per_prompt": args.n_samples,
+                    "n_samples_per_prompt": args.n_samples, "ranks": RANKS, "layouts": LAYOUTS[mode],
                     **({"oversample": args.oversample} if mode == "partial" else {})})
-    out.append({"distribution": kind, "ratio_partial_over_sync": statistics.median(ratios),
-                "ratios_of_repeats": ratios})
+    out.append({"distribution": kind, **{f"ratio_{m}_over_sync": statistics.median(r[m] for r in ratios)
+                                         for m in MODES if m != "sync"}, "ratios_of_repeats": ratios})
     return out
 
 
@@ -157,7 +184,7 @@ def _worker(args) -> int:
 
     init_distributed()
     for kind in args.distributions.split(","):
-        for row in _run(args, kind):
+        for row in _run(args, kind):  # (rank 0's)
             print("ROW " + json.dumps(row), flush=True)
     return 0
 
@@ -178,7 +205,7 @@ def main(argv=None) -> int:
     from puzzle.bench.worker_ranks import torchrun_rows
 
     rows = []
-    rc = torchrun_rows("puzzle.bench.long_tail", 1, [
+    rc = torchrun_rows("puzzle.bench.long_tail", RANKS, [
         "--iterations", str(args.iterations), "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
         "--n-samples", str(args.n_samples), "--oversample", str(args.oversample),
         "--distributions", args.distributions], rows)

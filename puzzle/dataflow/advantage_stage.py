@@ -30,7 +30,8 @@ class AdvantageStage:
         ref = f.get("ref_logprobs", f["old_logprobs"])  # no reference: no KL
         rewards, kl = compute_token_rewards(scores, f["old_logprobs"], ref, mask,
                                             kl_coef=kl_coef if self.with_reference else 0.0,
-                                            kl_kind=ppo.kl_estimator, clip_reward=ppo.reward_clip)
+                                            kl_kind=ppo.kl_estimator, clip_reward=ppo.reward_clip,
+                                            turn_rewards=f.get("turn_rewards"))
         adv, ret = compute_advantages(ppo.advantage_estimator, rewards, mask, values=f.get("values"),
                                       group_index=f.get("group_index"), baseline_scores=baseline,
                                       gamma=ppo.gamma, lam=ppo.lam, whiten_advantages=ppo.whiten_advantages,

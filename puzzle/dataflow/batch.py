@@ -25,10 +25,12 @@ from typing import List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from puzzle.parallel.scope import scope_group, scope_ranks
+
 
 #: the per-row fields of a rollout ([B, R] or [B]) and the one stage that writes each
 ROW_FIELDS = {"gen_logprobs": "generation", "group_index": "generation", "loss_mask": "generation",
-              "scores": "reward", "baseline_scores": "reward",
+              "scores": "reward", "baseline_scores": "reward", "turn_rewards": "reward",
               "old_logprobs": "scoring", "entropy": "scoring", "ref_logprobs": "scoring", "values": "scoring",
               "advantages": "advantages", "returns": "advantages"}
 
@@ -50,6 +52,8 @@ class RolloutBatch:
     loss_mask: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None           # [B] reward: raw sequence scores
     baseline_scores: Optional[torch.Tensor] = None  # [B] reward: ReMax's greedy baseline, shaped
+    # [B, R] reward (multi-turn): each environment step's reward at the last token of its turn
+    turn_rewards: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None     # [B, R] scoring: the actor's
     entropy: Optional[torch.Tensor] = None          # [B, R] scoring: the actor's
     ref_logprobs: Optional[torch.Tensor] = None     # [B, R] scoring: the reference's
@@ -170,12 +174,12 @@ def world_rows(local: Optional[torch.Tensor], owners: List[int], total_rows: int
 def _from_owners(mine: Optional[torch.Tensor], owners: List[int], part_shape, dtype,
                  device: torch.device) -> torch.Tensor:
     """The owners' parts (each ``part_shape``) one after another, on every rank."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1:
+    world, group = scope_ranks(), scope_group()  # the world, or one pool of --rl-desired-lag
+    if len(world) == 1:
         return mine
-    if owners == list(range(world)):
-        out = torch.empty((world * part_shape[0], *part_shape[1:]), dtype=dtype, device=device)
-        dist.all_gather_into_tensor(out, mine)
+    if owners == world:
+        out = torch.empty((len(world) * part_shape[0], *part_shape[1:]), dtype=dtype, device=device)
+        dist.all_gather_into_tensor(out, mine, group=group)
         return out
     out = torch.empty((len(owners) * part_shape[0], *part_shape[1:]), dtype=dtype, device=device)
     me = dist.get_rank()
@@ -183,7 +187,7 @@ def _from_owners(mine: Optional[torch.Tensor], owners: List[int], part_shape, dt
         part = out[k * part_shape[0]:(k + 1) * part_shape[0]]  # contiguous: a slice of the first dim
         if src == me:
             part.copy_(mine)
-        dist.broadcast(part, src)
+        dist.broadcast(part, src, group=group)
     return out
 
 

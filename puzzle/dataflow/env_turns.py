@@ -4,11 +4,16 @@
 One episode per generated row: each ended turn is decoded once to text (the environment reads
 text; the sequence keeps the token ids as sampled), stepped in the pool under its timeout, and
 the observation encoded, capped at ``--max-observation-tokens`` with the truncation marker, and
-handed back to be inserted. A step that failed shows the model an error observation (the
-episode keeps its instance as it was before that step) and is counted by the runner.
+handed back to be inserted. With prompts in a chat family's template (``tool_format``,
+puzzle/reward_functions/tool_formats.py) the observation is wrapped in the family's tool response
+(the tokens that close the model's turn, hold the observation as a tool message and open the
+model's next turn; each part encoded on its own, the wrapper not counted in the cap). A step that
+failed shows the model an error observation (the episode keeps its instance as it was before that
+step) and is counted by the runner.
 
-A row's score is the sum of the rewards its episode gave (0.0 when it gave none); an episode
-whose last step failed and that gave no reward is a bad reward (``--on-bad-reward``).
+A row's score is the sum of the rewards its episode gave (0.0 when it gave none; each reward also
+at the last token of its turn: ``turn_rewards``, for GAE); an episode whose last step failed and
+that gave no reward is a bad reward (``--on-bad-reward``).
 """
 
 from __future__ import annotations
@@ -24,15 +29,19 @@ class EpisodeTurns:
     """The episodes of one ``generate`` call's rows (``prompts[r]``, ``records[r]``)."""
 
     def __init__(self, runner: EnvRunner, tokenizer, prompts: List[List[int]], records: List[dict],
-                 max_turns: int, max_observation_tokens: int, stops: List[List[int]]):
+                 max_turns: int, max_observation_tokens: int, stops: List[List[int]], tool_format=None):
         self.runner, self.tokenizer = runner, tokenizer
         self.prompts, self.records = prompts, records
         self.max_turns, self.max_observation_tokens, self.stops = max_turns, max_observation_tokens, stops
         self.marker = tokenizer.encode(TRUNCATION_MARKER)
+        self.tool_format = tool_format  # tool_formats.ToolFormat: prompts in a chat family's template
+        self.wrapper = None if tool_format is None else (tokenizer.encode(tool_format.response_open),
+                                                         tokenizer.encode(tool_format.response_close))
         self.stop_ids = set(tokenizer.eos_ids) | ({tokenizer.eos_id} if tokenizer.eos_id is not None else set())
         n = len(prompts)
         self.envs: List[object] = [None] * n
         self.rewards: List[Optional[float]] = [None] * n
+        self.turn_ends: List[List[tuple]] = [[] for _ in range(n)]  # (response column, reward) of each reward
         self.last_error: List[Optional[str]] = [None] * n
         self.turn_index = [0] * n
         self.counts: Dict[str, int] = {"tool_calls": 0, "observations_truncated": 0}
@@ -48,7 +57,7 @@ class EpisodeTurns:
                                                           self.tokenizer.decode(context), context), env=self.envs[r]))
             self.turn_index[r] += 1
         out: List[Optional[List[int]]] = []
-        for r, is_final, (outcome, why) in zip(rows, final, self.runner.step(calls)):
+        for r, is_final, turn, history, (outcome, why) in zip(rows, final, turns, histories, self.runner.step(calls)):
             self.last_error[r] = why
             if why is not None:
                 observation, done = error_observation(why), False
@@ -56,6 +65,7 @@ class EpisodeTurns:
                 self.envs[r] = outcome.env
                 if outcome.step.reward is not None:
                     self.rewards[r] = (self.rewards[r] or 0.0) + outcome.step.reward
+                    self.turn_ends[r].append((len(history) + len(turn) - 1, outcome.step.reward))
                 observation, done = outcome.step.observation, outcome.step.done
             if done:
                 out.append(None)
@@ -63,7 +73,17 @@ class EpisodeTurns:
             self.counts["tool_calls"] += not is_final
             ids, cut = cap_observation(self.tokenizer.encode(observation), self.max_observation_tokens, self.marker)
             self.counts["observations_truncated"] += cut
-            out.append(ids)
+            out.append(ids if self.wrapper is None else self.wrapper[0] + ids + self.wrapper[1])
+        return out
+
+    def turn_rewards(self, max_new: int):
+        """[rows, max_new] float64: each step's reward at the response column of its turn's last token."""
+        import torch
+
+        out = torch.zeros(len(self.turn_ends), max_new, dtype=torch.float64)
+        for r, ends in enumerate(self.turn_ends):
+            for col, reward in ends:
+                out[r, col] += reward
         return out
 
     def scores(self) -> List[Result]:
@@ -72,9 +92,24 @@ class EpisodeTurns:
                 for reward, why in zip(self.rewards, self.last_error)]
 
 
-def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, device) -> "EpisodeResults":
-    """Every row's episode score and bad flag, and the episodes' counts summed, on every rank, from
-    the ranks that generated (``out``/``turns`` of this rank's share, None off the layout)."""
+def response_turns(ids: List[int], observation: List[bool], tokenizer) -> List[Dict[str, str]]:
+    """A multi-turn response (its token ids, and which are observation tokens) as its turns in
+    order, the model's and the environment's: ``[{"model": text}, {"observation": text}, ...]``
+    (each run of tokens of one kind decoded on its own; special tokens such as EOS left out)."""
+    out: List[Dict[str, str]] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or observation[i] != observation[start]:
+            out.append({"observation" if observation[start] else "model": tokenizer.decode(ids[start:i])})
+            start = i
+    return out
+
+
+def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, device,
+                    max_new: int) -> "EpisodeResults":
+    """Every row's episode score, bad flag and per-turn rewards ([rows, max_new]), and the
+    episodes' counts summed, on every rank, from the ranks that generated (``out``/``turns`` of
+    this rank's share, None off the layout)."""
     import torch
     import torch.distributed as dist
 
@@ -89,17 +124,21 @@ def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, devic
         found = {**out.turn_counts, **turns.counts, **turns.runner.stats}
         counts = [found.get(k, 0) - turns.stats_before.get(k, 0) for k in keys]
     both = world_rows(local, layout.plan.generation_owners(), rows, (2,), torch.float64, device)
+    per_turn = world_rows(turns.turn_rewards(max_new) if turns is not None else None,
+                          layout.plan.generation_owners(), rows, (max_new,), torch.float64, device)
     total = torch.tensor(counts or [0] * len(keys), dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
-    return EpisodeResults(both[:, 0].float(), both[:, 1] > 0, dict(zip(keys, total.tolist())))
+    return EpisodeResults(both[:, 0].float(), both[:, 1] > 0, dict(zip(keys, total.tolist())), per_turn.float())
 
 
 class EpisodeResults:
-    """The episodes of one generation: ``scores`` [B], ``bad`` [B] and the counts (summed)."""
+    """The episodes of one generation: ``scores`` [B], ``bad`` [B], the counts (summed) and
+    ``turn_rewards`` [B, R] (each step's reward at its turn's last token; their row sums are the
+    scores of the rows that are not bad)."""
 
-    def __init__(self, scores, bad, counts: Dict[str, float]):
-        self.scores, self.bad, self.counts = scores, bad, counts
+    def __init__(self, scores, bad, counts: Dict[str, float], turn_rewards=None):
+        self.scores, self.bad, self.counts, self.turn_rewards = scores, bad, counts, turn_rewards
 
     def metrics(self, rows: int) -> Dict[str, float]:
         c = self.counts

@@ -34,6 +34,7 @@ class Rollout:
     # after the response) and each row's global sample index
     versions: Optional[torch.Tensor] = None
     sample_ids: Optional[List[int]] = None
+    turn_rewards: Optional[torch.Tensor] = None  # multi-turn: [B, R] each step's reward at its turn's end
 
 
 class GenerationStage:
@@ -68,6 +69,7 @@ class GenerationStage:
             out = Rollout(self.rollout(engine, prompt_ids, iteration, records=records), records)
             if self.episodes is not None:  # multi-turn: the episodes scored the rows
                 out.scores, n_bad = self.rewards.episode_scores(self.episodes, iteration)
+                out.turn_rewards = self.episodes.turn_rewards
                 out.stats.update(self.episodes.metrics(out.batch.size), bad_rewards=n_bad)
         if ESTIMATORS[self.ppo.advantage_estimator].needs_greedy_baseline:
             out.greedy = self.rollout(engine, prompt_ids, iteration, greedy=True)
@@ -106,7 +108,10 @@ class GenerationStage:
             if multi_turn:
                 turns = self.rewards.episodes(rows[part * share:(part + 1) * share],
                                               records[part * share:(part + 1) * share])
-            out = generate(engine, rows[part * share:(part + 1) * share], self._sampling_params(greedy), seed=seed,
+            params = self._sampling_params(greedy)
+            if multi_turn and self.rewards.continuing_ids:  # a turn stop that is a stop id: the row goes on
+                params = replace(params, eos_ids=tuple(i for i in params.eos_ids if i not in self.rewards.continuing_ids))
+            out = generate(engine, rows[part * share:(part + 1) * share], params, seed=seed,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
                            batch_invariant=ppo.batch_invariant_mode, sample_offset=first_sample + part * share,
@@ -114,7 +119,7 @@ class GenerationStage:
             responses, lengths, logprobs = out.response_tokens, out.response_lengths, out.logprobs
             if multi_turn:
                 loss_mask = (~out.observation_mask).float().to(lengths.device)
-        self.episodes = gather_episodes(turns, out, layout, B, self.device) if multi_turn else None
+        self.episodes = gather_episodes(turns, out, layout, B, self.device, R) if multi_turn else None
         return rollout_from_generation(rows, responses, lengths, layout, R, self.tokenizer.pad_id,
                                        self.device, seq_multiple=self.seq_multiple, logprobs=logprobs,
                                        with_logprobs=with_logprobs, loss_mask=loss_mask, with_loss_mask=multi_turn)

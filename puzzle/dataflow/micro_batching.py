@@ -64,6 +64,7 @@ class MicroBatch:
     loss_mask: Optional[torch.Tensor] = None  # multi-turn: already in response_mask (batch.py)
     scores: Optional[torch.Tensor] = None
     baseline_scores: Optional[torch.Tensor] = None
+    turn_rewards: Optional[torch.Tensor] = None  # multi-turn: read by the advantages only
     old_logprobs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
@@ -241,6 +242,10 @@ def gather_outputs(outputs: List[dict], key: str, engine, batch: RolloutBatch,
     return world_rows(local, lay.plan.output_owners(), batch.size, tail, torch.float32, batch.device, rows=rows)
 
 
+#: roles without an engine of their own when the run has none for them: a LoRA actor's reference
+BORROWED_ENGINES = {"ref": "actor"}
+
+
 class MicroBatching:
     """Each model's micro-batches of a batch: ``micro_batch_size`` rows of its DP share, packed
     without padding (``packed``, --use-remove-padding) or right-padded; with ``dynamic_bsz``
@@ -287,7 +292,7 @@ class MicroBatching:
         part = batch.rows(rows)
         contexts = []
         for role, fn in jobs:
-            eng = self.engines[role]
+            eng = self.engine(role)
             order = share_rows(part, eng.layout, balance=token_budget is not None)
             count = None  # every DP rank runs as many micro-batches (token_budget.split_to_count)
             if role in equal and eng.layout.plan.D > 1:
@@ -309,7 +314,12 @@ class MicroBatching:
     def gather(self, outputs: List[dict], key: str, role: str, batch: RolloutBatch,
                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``gather_outputs`` of ``role``'s outputs."""
-        return gather_outputs(outputs, key, self.engines[role], batch, rows)
+        return gather_outputs(outputs, key, self.engine(role), batch, rows)
+
+    def engine(self, role: str):
+        """The engine that runs ``role``'s jobs: its own, or for the reference of a LoRA actor
+        (no reference engine: scoring_stage runs the actor with its adapters off) the actor's."""
+        return self.engines[role] if role in self.engines else self.engines[BORROWED_ENGINES[role]]
 
     def _equal_counts(self, jobs: List[Tuple[str, object]], placement: str) -> set:
         """The roles whose token-budget micro-batches must number the same on every DP rank: MoE
@@ -318,9 +328,9 @@ class MicroBatching:
         pipelines must all run one program (puzzle.parallel.streams.needs_one_program: equal P at
         different (D, T) on the same ranks). Fixed-count micro-batches number the same on every
         DP rank anyway (``share_rows`` gives each the same number of rows)."""
-        plans = {role: self.engines[role].layout.plan for role, _ in jobs}
+        plans = {role: self.engine(role).layout.plan for role, _ in jobs}
         equal = set(one_program_roles(plans, placement))
-        return equal | {role for role, _ in jobs if self.engines[role].arch.is_moe and plans[role].E > 1}
+        return equal | {role for role, _ in jobs if self.engine(role).arch.is_moe and plans[role].E > 1}
 
 
 __all__ = ["MicroBatch", "MicroBatching", "Packing", "PackedRows", "ROW_FIELDS", "gather_outputs",

@@ -24,7 +24,8 @@ from puzzle.algorithms.dapo import overlong_penalty
 from puzzle.algorithms.token_rewards import fold_moments, normalize_scores, running_std
 from puzzle.dataflow.env_turns import EpisodeTurns
 from puzzle.reward_functions.distributed import BadRewardPolicy, RolloutRewarder
-from puzzle.reward_functions.environments import EnvSpec, turn_stops
+from puzzle.reward_functions.environments import EnvSpec, turn_stop_strings
+from puzzle.reward_functions.tool_formats import tool_format_of
 from puzzle.reward_functions.runner import Sample
 
 
@@ -111,8 +112,11 @@ class Rewards:
                                                                                 cfg.bad_reward_value)
         self.env, self.max_turns, self.max_observation_tokens = cfg.env, cfg.max_turns, cfg.max_observation_tokens
         self.multi_turn = bool(cfg.env) and cfg.max_turns > 1  # episodes run in the decode loop
-        self.turn_stops = [tokenizer.encode(s) for s in turn_stops(EnvSpec.of(cfg.env, cfg.reward_fn))] \
-            if self.multi_turn else []
+        self.tool_format = tool_format_of(tokenizer) if self.multi_turn and cfg.apply_chat_template else None
+        self.turn_stops = [tokenizer.encode(s) for s in turn_stop_strings(EnvSpec.of(cfg.env, cfg.reward_fn),
+                                                                          self.tool_format)] if self.multi_turn else []
+        # a turn stop that is one of the tokenizer's stop ids (Llama-3.1's <|eom_id|>) continues the row
+        self.continuing_ids = {s[0] for s in self.turn_stops if len(s) == 1 and s[0] in tokenizer.eos_ids}
         self.model_name = cfg.reward_model
         self.max_new_tokens = ppo.max_new_tokens
         self.overlong = (ppo.overlong_buffer_len, ppo.overlong_penalty_factor)
@@ -133,6 +137,8 @@ class Rewards:
             scores, n = self.score(batch, rollout.records, iteration)
             bad += n
         out = {"scores": scores}
+        if getattr(rollout, "turn_rewards", None) is not None:  # multi-turn: each step's reward at its turn
+            out["turn_rewards"] = rollout.turn_rewards
         if rollout.greedy is not None:  # its bad rewards are warned about, not counted
             out["baseline_scores"] = self.score_baseline(rollout.greedy, rollout.records, iteration)[0]
         return out, {"bad_rewards": bad}
@@ -170,7 +176,7 @@ class Rewards:
     def episodes(self, prompts: List[List[int]], records: List[dict]) -> EpisodeTurns:
         """The episodes of one generation's rows: the decode loop's turn handler."""
         return EpisodeTurns(self.function.env_runner, self.tokenizer, prompts, records, self.max_turns,
-                            self.max_observation_tokens, self.turn_stops)
+                            self.max_observation_tokens, self.turn_stops, self.tool_format)
 
     def episode_scores(self, results, iteration: int) -> Tuple[torch.Tensor, int]:
         """The episodes' scores (``env_turns.EpisodeResults``, on every rank) with the bad ones

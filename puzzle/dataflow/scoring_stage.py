@@ -37,11 +37,13 @@ class ScoringStage:
     def jobs(self, R: int) -> List[Tuple[str, object]]:
         ppo = self.cfg.ppo
         temp = 1.0 if ppo.greedy else ppo.temperature
+        base = self.cfg.reference_is_actor_base  # a LoRA actor's reference: the actor, adapters off
         jobs = {"actor": steps.logprob_score_step(self.vocab, temp, R, with_entropy=True,
                                                   batch_invariant=ppo.batch_invariant_mode),
-                "ref": steps.logprob_score_step(self.vocab, temp, R),
+                "ref": steps.logprob_score_step(self.vocab, temp, R, adapters_off=base),
                 "critic": steps.value_score_step(R), "reward": steps.reward_score_step()}
-        return [(role, jobs[role]) for role in ROLES if role in self.engines]
+        # ROLES' order: the base's pass follows the actor's, in the actor's time slot
+        return [(role, jobs[role]) for role in ROLES if role in self.engines or (role == "ref" and base)]
 
     def reward_model_scores(self, batch: RolloutBatch) -> torch.Tensor:
         """Collective: the reward model's raw scores of every row of ``batch`` (unchecked, kept

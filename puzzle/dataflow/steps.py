@@ -7,6 +7,7 @@ token counts) so they aggregate exactly across micro-batches and ranks.
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from puzzle.algorithms import agg_loss, entropy_bonus, kl_penalty, policy_loss, value_loss
 from puzzle.algorithms.rollout_correction import truncated_is_weights
 from puzzle.models.batch_invariant import batch_invariant_mode
+from puzzle.models.lora import adapters_disabled
 from puzzle.parallel.device import check_on_device
 from puzzle.dataflow.batch import gather_response, packed_response_index
 from puzzle.dataflow.micro_batching import MicroBatch
@@ -73,10 +75,11 @@ def _zero_loss(output):
 
 # ---- scoring (forward-only) ------------------------------------------------------------------
 def logprob_score_step(true_vocab: int, temperature: float, R: int, with_entropy: bool = False,
-                       batch_invariant: bool = False):
+                       batch_invariant: bool = False, adapters_off: bool = False):
     """Actor old log-probs / reference log-probs: report {'logprobs': [mb, R]} (+ 'entropy').
     ``batch_invariant`` (--batch-invariant-mode): the forward and the log-probs in the mode of
-    puzzle/models/batch_invariant.py, the arithmetic generation ran."""
+    puzzle/models/batch_invariant.py, the arithmetic generation ran. ``adapters_off``: the forward
+    of a LoRA actor's base (its reference: puzzle.models.lora.adapters_disabled)."""
 
     def loss_func(mb, tp_group, output):
         with batch_invariant_mode(batch_invariant):
@@ -89,7 +92,8 @@ def logprob_score_step(true_vocab: int, temperature: float, R: int, with_entropy
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        with batch_invariant_mode(batch_invariant):
+        base = adapters_disabled(_unwrap(model)) if adapters_off else contextlib.nullcontext()
+        with batch_invariant_mode(batch_invariant), base:
             output = _run(model, mb)
         return output, partial(loss_func, mb, _unwrap(model).pg_collection.tp)
 

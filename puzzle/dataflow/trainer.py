@@ -27,7 +27,8 @@ from puzzle import checkpointing, run_control
 from puzzle.dataflow.advantage_stage import AdvantageStage
 from puzzle.config import RunConfig
 from puzzle.data.prompts import PromptLoader
-from puzzle.dataflow.generation_stage import GenerationStage
+from puzzle.dataflow.generation_stage import GenerationStage, Rollout, length_metrics
+from puzzle.dataflow.overlap_stage import Pools, PoolSwitch, pools_of
 from puzzle.metrics import (GenerationProgress, MetricsLogger, SampleLog, StageClock, learning_rates,
                             rollout_sample_rows, tokens_per_second)
 from puzzle.parallel.device import runtime
@@ -134,8 +135,14 @@ class PPOTrainer:
         # --rl-offload-optimizer-during-inference: idle state on the host between stages
         self.offload = StageOffload(self.engines, cfg.levers.rl_offload_optimizer_during_inference)
         gen_plan = cfg.roles["actor"].gen_plan
-        self.switch = None
-        if gen_plan != cfg.roles["actor"].plan:
+        self.switch = self.pools = None
+        pools = pools_of(cfg)  # the actor generates on ranks of its own (--actor-gen-rank-offset)
+        if pools is not None:
+            self.switch = PoolSwitch(self.engines["actor"], gen_plan, cfg.switch_segments,
+                                     ranks_per_node=cfg.ranks_per_node)
+            if cfg.ppo.rl_desired_lag:
+                self.pools = Pools(*pools)
+        elif gen_plan != cfg.roles["actor"].plan:
             from puzzle.dataflow.actor_switch import ActorSwitch
 
             self.switch = ActorSwitch(self.engines["actor"], gen_plan, cfg.switch_segments,
@@ -149,7 +156,7 @@ class PPOTrainer:
         self.micro = MicroBatching(self.engines, cfg.ppo.micro_batch_size, cfg.ppo.use_remove_padding,
                                    self.seq_multiple, tokenizer.pad_id, dynamic_bsz=cfg.ppo.use_dynamic_bsz)
         self.scoring = ScoringStage(cfg, self.engines, self.micro, self.rewards, self.vocab)
-        self.advantages = AdvantageStage(cfg.ppo, self.rewards, with_reference="ref" in self.engines)
+        self.advantages = AdvantageStage(cfg.ppo, self.rewards, with_reference="ref" in self.engines or cfg.reference_is_actor_base)
         self.training = TrainingStage(cfg, self.engines, self.micro, self.switch, self.vocab, self.rank)
         self.state = TrainState(self.engines, self.advantages, self.rewards, self.training, self.switch,
                                 self.generation.partial)
@@ -159,6 +166,7 @@ class PPOTrainer:
         self.checkpoint = checkpointing.Checkpointed(cfg, self.engines, self.state, progress=self.progress)
         self.logger = MetricsLogger(cfg.log_dir, cfg.log_interval, cfg.train_iters, self.rank, ops=cfg.ops)
         self.evaluator = self.sample_log = None  # opened by train() once the resumed iteration is known
+        self.last_rollout = None  # --rl-desired-lag: the training pool's last rollout (its token versions)
 
     @classmethod
     def for_run(cls, cfg: RunConfig, tokenizer, prompts, eval_prompts=None, *,
@@ -215,6 +223,8 @@ class PPOTrainer:
             pb = next(loader)
             return pb.prompts, [self.prompts.records[i] if self.prompts.records else {} for i in pb.indices]
 
+        if self.pools is not None:  # --rl-desired-lag >= 1
+            return self._train_overlapped(next_prompts)
         saved = self.iteration
         while self.iteration < cfg.train_iters:
             batch, metrics = self._iteration(*next_prompts(), refill=next_prompts)
@@ -232,6 +242,96 @@ class PPOTrainer:
                 break
         if cfg.save and saved != self.iteration:  # the final state, as Megatron-LM does
             self._save()
+
+    def _train_overlapped(self, next_prompts: Callable) -> None:
+        """--rl-desired-lag L >= 1: the rounds of puzzle/dataflow/overlap_stage.py, the generation
+        pool generating batch r while the training pool trains batch r - L. Both pools draw the
+        prompts in the same order (batch k: the k-th draw). An exit before the last round drops
+        the batches in flight (generated, not trained); --save is refused with a lag."""
+        from puzzle.dataflow.overlap_stage import num_rounds, receive_batch, round_work
+        from puzzle.parallel.scope import collective_scope
+
+        cfg, pools, lag = self.cfg, self.pools, self.cfg.ppo.rl_desired_lag
+        self.switch.start()  # version 0 into the generation pool's kept shadow
+        sends, generated = [], 0
+        for r in range(1, num_rounds(cfg.train_iters, lag) + 1):
+            work = round_work(r, cfg.train_iters, lag)
+            if pools.is_generation:
+                sends += self._generation_round(work, next_prompts)
+            elif work.train is not None:
+                with collective_scope(pools.train):
+                    batch, metrics = self._training_round(work, next_prompts)
+                    self._run_metrics(batch, metrics)
+                self.logger.log(metrics)
+            generated += work.generate is not None
+            self.iteration = max(0, r - lag)  # the batches trained (the same count on both pools)
+            self.progress(self.iteration, "exit check")
+            reason = self.exit_control.reason_to_exit(self.iteration) if self.exit_control else None
+            if reason:
+                if self.rank == 0:
+                    print(f"exiting after iteration {self.iteration}: {reason}; the {generated - self.iteration} "
+                          "generated batch(es) in flight are dropped (not trained)", flush=True)
+                break
+        if not pools.is_generation:
+            for _ in range(generated - self.iteration):  # the dropped ones
+                receive_batch(pools.leader, self.runtime.device)
+        for work, _ in sends:
+            work.wait()
+
+    def _generation_round(self, work, next_prompts: Callable) -> list:
+        """The generation pool's round: batch ``work.generate`` with the weights it holds, then the
+        training step's new weights (when sent), then the batch to the training pool (isend:
+        the generation goes on while the training pool has not taken it yet)."""
+        from puzzle.dataflow.overlap_stage import send_batch
+        from puzzle.parallel.scope import collective_scope
+
+        rollout = None
+        if work.generate is not None:
+            prompt_ids, records = next_prompts()
+            t0, version = time.perf_counter(), self.switch.version
+            if version != work.version:
+                raise RuntimeError(f"batch {work.generate}: the generation pool holds policy version {version}, "
+                                   f"the schedule says {work.version}")
+            with collective_scope(self.pools.gen):
+                rollout = self.generation.run(prompt_ids, records, None, work.generate)
+            seconds = time.perf_counter() - t0
+        if work.send_weights:
+            self.switch.receive()
+        if rollout is None or self.rank != self.pools.leader:
+            return []
+        return send_batch(rollout.batch, version, seconds, self.pools.train_ranks)
+
+    def _training_round(self, work, next_prompts: Callable) -> Tuple[RolloutBatch, dict]:
+        """The training pool's round: batch ``work.train`` from the generation pool (the wait is
+        the clock's "generate" stage), its rewards, scoring and training; the actor's step sends
+        its weights to the generation pool when ``work.send_weights``."""
+        from puzzle.dataflow.overlap_stage import receive_batch, token_versions
+        from puzzle.rollout.partial import staleness
+
+        prompt_ids, records = next_prompts()
+        self.iteration = it = work.train
+        clock = StageClock(self.runtime, it, self.progress)
+        shown = it == 1 or it % self.cfg.log_interval == 0 or it == self.cfg.train_iters
+
+        def phase(name):
+            return self.phase(f"iteration {it} {name}", show=shown)
+
+        self.switch.send_next = work.send_weights
+        with clock.stage("generate", "generation"):  # (in the training pool's scope: _train_overlapped)
+            with phase("generation (waiting for the generation pool)"):
+                batch, version, gen_seconds = receive_batch(self.pools.leader, self.runtime.device)
+            versions = token_versions(batch, version)
+            rows = [v[v >= 0] for v in versions]
+            rollout = Rollout(batch, records, versions=versions, stats={
+                **length_metrics(batch, self.tokenizer.eos_id), **staleness(rows, it - 1),
+                "generation_pool_seconds": gen_seconds, "generation_policy_version": version})
+            with phase("reward"):
+                rewarded, reward_stats = self.rewards.score_rollout(rollout, it)
+                stats = {**rollout.stats, **reward_stats}
+        self.last_rollout = rollout
+        out = self._train_rollout(rollout, rewarded, stats, clock, phase)
+        self.switch.send_if_pending()
+        return out
 
     def _open_run_logs(self) -> None:
         """The evaluator, --log-samples' file and a progress bar of each generation on a terminal
@@ -293,6 +393,12 @@ class PPOTrainer:
             with phase("reward"):
                 rewarded, reward_stats = self.rewards.score_rollout(rollout, it)
                 stats = {**rollout.stats, **reward_stats}
+        return self._train_rollout(rollout, rewarded, stats, clock, phase)
+
+    def _train_rollout(self, rollout: Rollout, rewarded: Dict, stats: dict, clock: StageClock,
+                       phase) -> Tuple[RolloutBatch, dict]:
+        """The iteration after its generation and rewards: scoring, advantages, training."""
+        it = self.iteration
         self.offload.before("scoring")
         with clock.stage("score", "scoring"), phase("scoring"):
             scored, score_stats = self.scoring.run(rollout.batch, it)
@@ -305,6 +411,7 @@ class PPOTrainer:
         with clock.stage("train", "training"), phase("training"):
             stats.update(self.training.run(batch, it))
         switch = self._switch_metrics()
+        shown = it == 1 or it % self.cfg.log_interval == 0 or it == self.cfg.train_iters
         if switch and shown:  # overlapped with the actor's optimizer step (or before the generation)
             self.phase.ended(f"iteration {it} switch to the generation layout (slowest rank)",
                              switch["switch_seconds"])

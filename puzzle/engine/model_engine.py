@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any, Callable, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from puzzle.config import ModelArch, OptimConfig, Recompute  # noqa: F401  (OptimConfig: imported from here too)
 from puzzle.lora_config import LoRAConfig
@@ -157,6 +158,10 @@ def build_role_engines(cfg) -> dict:
     from puzzle.parallel.groups import layout_for
 
     engines = {}
+    me = dist.get_rank() if dist.is_initialized() else 0
+    trains = any(spec.trainable and spec.plan.contains(me) for spec in cfg.roles.values())
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    idle_ranks = set(range(world)) - {r for spec in cfg.roles.values() if spec.trainable for r in spec.plan.ranks}
     for role, spec in cfg.roles.items():
         optim = replace(cfg.optim, lr=spec.lr) if spec.trainable else None
         # the reference starts as the actor: same shape and seed -> the same weights
@@ -165,6 +170,8 @@ def build_role_engines(cfg) -> dict:
                                     bf16=cfg.bf16, fp16=cfg.fp16, transformer_impl=cfg.transformer_impl,
                                     sequence_parallel=cfg.sequence_parallel,
                                     lora=cfg.lora if role == "actor" else None)
+        if spec.trainable and idle_ranks:  # a generation pool holds no trainable model
+            _param_groups_gathers(joining=not trains)
         if spec.hf_path and engines[role].member:
             from puzzle.models.hf_checkpoint import load_hf_into_model
 
@@ -177,6 +184,21 @@ def build_role_engines(cfg) -> dict:
             load_megatron_into_model(engines[role].module, role, spec.pretrained_checkpoint,
                                      allow_missing_head=spec.description.allow_missing_head)
     return engines
+
+
+_BUILT = "optimizer built"
+
+
+def _param_groups_gathers(joining: bool) -> None:
+    """get_megatron_optimizer gathers the param-group keys over the whole world (each call to its
+    _get_param_groups: dense and expert groups). A rank holding no trainable model (the generation
+    pool of --rl-desired-lag) joins those gathers with no keys of its own, until the training
+    ranks, their optimizer built, gather ``_BUILT`` (``joining`` False)."""
+    while True:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, [] if joining else _BUILT)
+        if not joining or _BUILT in gathered:
+            return
 
 
 def _experts_in_their_own_optimizer(module) -> None:

@@ -23,6 +23,7 @@ Xavier-normal, B zero (Bridge's defaults), so a fresh adapter changes no output 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator, Tuple
 
@@ -49,6 +50,7 @@ class LoRAAdapter(torch.nn.Module):
         super().__init__()
         self.column = target in COLUMN_TARGETS
         self.scale, self.tp_group = scale, tp_group
+        self.enabled = True  # False inside adapters_disabled: the linear is the base's
         self.dropout = torch.nn.Dropout(dropout) if dropout else None
         self.linear_in = torch.nn.Linear(local_in, dim, bias=False, dtype=dtype, device=device)
         self.linear_out = torch.nn.Linear(dim, local_out, bias=False, dtype=dtype, device=device)
@@ -73,8 +75,25 @@ class LoRAAdapter(torch.nn.Module):
 
 def _add_adapter_output(linear, args, output):
     """Forward hook of an adapted linear: megatron's linears return (output, bias)."""
+    if not linear.adapter.enabled:
+        return output
     out, bias = output
     return out + linear.adapter(args[0]).to(out.dtype), bias
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: torch.nn.Module):
+    """Within: ``module`` (a model shard, wrapped or not) computes its base model, every adapter
+    skipped -- a LoRA actor's reference (no model of its own: the same weights, adapters off)."""
+    adapters = [m for m in module.modules() if isinstance(m, LoRAAdapter)]
+    was = [a.enabled for a in adapters]
+    for a in adapters:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a, on in zip(adapters, was):
+            a.enabled = on
 
 
 def target_linears(module: torch.nn.Module, lora: LoRAConfig) -> Iterator[Tuple[str, str, torch.nn.Module]]:
@@ -135,3 +154,103 @@ def apply_lora(module: torch.nn.Module, arch, role: str, lora: LoRAConfig, seed:
         placed[f"{local}.adapter.linear_in.weight"] = a_spec
         placed[f"{local}.adapter.linear_out.weight"] = b_spec
     return placed
+
+
+# ---- checkpoints: the adapters alone, resharded on load ------------------------------------------
+def adapter_sharded_state_dict(module: torch.nn.Module, specs: dict) -> dict:
+    """megatron dist_checkpointing's view of this rank's adapters (``specs``: apply_lora's {local
+    name: global ParamSpec}): one ShardedTensor per adapter under its global name, split over T as
+    the spec says (A of a row-parallel linear along its input, B of a column-parallel one along its
+    output rows; a SwiGLU fc1's B as its gate and up halves), replicated ones written by TP rank 0
+    of DP rank 0. Saved at one layout, loaded at any other (P, D, T)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    layout = module.puzzle_layout
+    T, t, d = layout.plan.T, layout.t, layout.d
+    params = dict(module.named_parameters())
+    out = {}
+    for local, spec in specs.items():
+        p = params[local]
+        if spec.split_dim is None or T == 1:
+            out[spec.name] = ShardedTensor.from_rank_offsets(spec.name, p, replica_id=(0, t, d))
+        elif spec.kind == "swiglu_fc1":
+            out[spec.name] = _halves_factory(spec.name, p, t, T, d)
+        else:
+            out[spec.name] = ShardedTensor.from_rank_offsets(spec.name, p, (spec.split_dim, t, T), replica_id=(0, 0, d))
+    return out
+
+
+def _halves_factory(key: str, param: torch.Tensor, t: int, T: int, d: int):
+    """B of a SwiGLU fc1: TP rank t holds rows [gate_t; up_t] of the global [gate; up] -- two
+    pieces, saved as fragments t and T + t of 2T along the rows, concatenated again on load."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    def build(key, data, replica_id, flattened_range):
+        gate, up = torch.chunk(data, 2, dim=0)
+        return [ShardedTensor.from_rank_offsets(key, gate, (0, t, 2 * T), replica_id=replica_id),
+                ShardedTensor.from_rank_offsets(key, up, (0, T + t, 2 * T), replica_id=replica_id)]
+
+    def merge(pieces):
+        return torch.cat(pieces, dim=0)
+
+    return ShardedTensorFactory(key, param, build, merge, replica_id=(0, 0, d))
+
+
+@torch.no_grad()
+def load_adapter_state(module: torch.nn.Module, specs: dict, state: dict) -> None:
+    """Copy the loaded adapter shards (``state``: {global name: this rank's shard}) into ``module``."""
+    params = dict(module.named_parameters())
+    for local, spec in specs.items():
+        value = state[spec.name]
+        if tuple(value.shape) != tuple(params[local].shape):
+            raise ValueError(f"adapter {spec.name}: loaded shard {tuple(value.shape)} != {tuple(params[local].shape)}")
+        params[local].copy_(value)
+
+
+def base_parameters(module: torch.nn.Module):
+    """(name, parameter) of the base model only (the adapters left out)."""
+    return [(n, p) for n, p in module.named_parameters() if not is_adapter_param(n)]
+
+
+# ---- export: the adapters whole, or merged into the base --------------------------------------------
+def gather_adapters(module, specs: dict, dst: int = 0):
+    """Collective over the default group: {global name: whole tensor} of every adapter on rank
+    ``dst`` (None elsewhere), from the shards of DP replica 0 (``module`` None: a rank outside the
+    model)."""
+    import torch.distributed as dist
+
+    from puzzle.models.param_layout import shard_slices
+
+    mine = []
+    if module is not None and module.puzzle_layout.d == 0:
+        lay, params = module.puzzle_layout, dict(module.named_parameters())
+        mine = [(spec, lay.plan.T, lay.t, params[n].detach().cpu().clone()) for n, spec in specs.items()]
+    got = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        got = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+        dist.gather_object(mine, got, dst=dst)
+        if dist.get_rank() != dst:
+            return None
+    whole = {}
+    for spec, T, t, shard in (x for part in got for x in part):
+        out = whole.setdefault(spec.name, torch.zeros(spec.global_shape, dtype=shard.dtype))
+        k, off = spec.split_dim or 0, 0
+        for box in shard_slices(spec, T, t):
+            n = box[k][1] - box[k][0]
+            out[tuple(slice(a, b) for a, b in box)] = shard.narrow(k, off, n)
+            off += n
+    return whole
+
+
+@torch.no_grad()
+def merge_adapters(module: torch.nn.Module) -> None:
+    """W += (alpha / dim) B A on every adapted linear of ``module``, shard by shard (exact at any T:
+    a column-parallel linear's rows are B's rows with the whole A, a row-parallel one's columns A's
+    columns with the whole B); the adapters then stay disabled, so the model computes the same."""
+    for sub in module.modules():
+        adapter = getattr(sub, "adapter", None)
+        if isinstance(adapter, LoRAAdapter):
+            delta = adapter.linear_out.weight.float() @ adapter.linear_in.weight.float() * adapter.scale
+            sub.weight.add_(delta.to(sub.weight.dtype))
+            adapter.enabled = False

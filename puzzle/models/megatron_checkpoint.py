@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from puzzle.config import ROLES, ModelArch
+from puzzle.models.lora import ADAPTER_MARK
 from puzzle.models.param_names import HEAD_LOCAL_NAME, drop_extra_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -286,6 +287,7 @@ def _model_sharded_state_dict(module, keep_extra_state: bool = False) -> dict:
         return {}
     metadata = {"dp_cp_group": module.puzzle_layout.pg_collection.dp_cp, "singleton_local_shards": False}
     sd = module.sharded_state_dict(prefix="", metadata=metadata)
+    sd = {k: v for k, v in sd.items() if ADAPTER_MARK not in k}  # LoRA adapters: the base alone
     return sd if keep_extra_state else drop_extra_state(sd)
 
 
@@ -361,7 +363,7 @@ def load_megatron_into_model(module, role: str, root: str, *, allow_missing_head
                                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     if module is not None:
         res = module.load_state_dict(state["model"], strict=False)
-        missing = [k for k in res.missing_keys if not k.endswith("_extra_state")
+        missing = [k for k in res.missing_keys if not k.endswith("_extra_state") and ADAPTER_MARK not in k
                    and not (keep_head and k == HEAD_LOCAL_NAME)]
         if missing or res.unexpected_keys:
             raise MegatronCheckpointError(f"{ckpt.describe()}: does not fit the {role} model: missing {missing[:5]}, "

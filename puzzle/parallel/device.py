@@ -82,18 +82,22 @@ class Runtime:
 
     def all_reduce(self, values: Iterable[float], op: str = "sum") -> List[float]:
         """Reduce a short list of floats over the world (float64, on this rank's device)."""
+        from puzzle.parallel.scope import scope_group, scope_size
+
         t = self.tensor(list(values))
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and scope_size() > 1:  # the world, or one pool of --rl-desired-lag
             dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                                   "min": dist.ReduceOp.MIN}[op])
+                                   "min": dist.ReduceOp.MIN}[op], group=scope_group())
         return t.tolist()
 
     def broadcast_object(self, obj, src: int = 0):
         """``obj`` of rank ``src`` on every rank, over the gloo object group."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        from puzzle.parallel.scope import scope_object_group, scope_size
+
+        if not dist.is_initialized() or scope_size() == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.object_group)
+        dist.broadcast_object_list(box, src=src, group=scope_object_group(self.object_group))
         return box[0]
 
     def synchronize(self) -> None:

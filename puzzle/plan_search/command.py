@@ -26,6 +26,19 @@ def shapes_from_config(cfg) -> Dict[str, ModelShape]:
     return {role: spec.arch.shape for role, spec in cfg.roles.items()}
 
 
+def actor_lora(cfg):
+    """(dim, target modules) of a LoRA actor (the planner's ModelRole.lora), else None."""
+    return (cfg.lora.dim, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None
+
+
+def roles_from_config(cfg):
+    """The planner's ModelRole of every role the run builds."""
+    shapes = shapes_from_config(cfg)
+    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"),
+                      actor_lora=actor_lora(cfg))
+    return {r: roles[r] for r in shapes}
+
+
 def workload_from_config(cfg) -> PPOWorkload:
     ppo = cfg.ppo
     return PPOWorkload(rollout_batch_size=ppo.num_samples, prompt_len=ppo.max_prompt_length,
@@ -58,9 +71,7 @@ def placement_from_config(cfg) -> Dict[str, Dict[str, object]]:
 
 
 def _memory_setup(cfg, profile):
-    shapes = shapes_from_config(cfg)
-    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"))
-    roles = {r: roles[r] for r in shapes}
+    roles = roles_from_config(cfg)
     shadow = cfg.roles["actor"].gen_plan != cfg.roles["actor"].plan
     return MemoryModel(profile, workload_from_config(cfg)), placement_from_config(cfg), roles, shadow
 
@@ -84,10 +95,9 @@ def stage_memory_estimate(cfg, profile) -> Dict[str, float]:
 def stage_estimate(cfg, profile) -> Dict[str, float]:
     """Estimated seconds per stage of the run's layouts and placements (training includes the
     actor's switch, as PPOTrainer's time_train does)."""
-    shapes = shapes_from_config(cfg)
-    roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"))
-    return stage_seconds(CostModel(profile, workload_from_config(cfg)), roles, placement_from_config(cfg),
-                         {"scoring": cfg.score_placement, "training": cfg.train_placement})
+    return stage_seconds(CostModel(profile, workload_from_config(cfg)), roles_from_config(cfg),
+                         placement_from_config(cfg), {"scoring": cfg.score_placement, "training": cfg.train_placement},
+                         reference_is_actor_base=cfg.reference_is_actor_base)
 
 
 def print_dry_run(cfg, profile, out=None) -> bool:
@@ -98,12 +108,14 @@ def print_dry_run(cfg, profile, out=None) -> bool:
     for role, spec in cfg.roles.items():
         gen = f", generation {fmt_plan(spec.gen_plan)}" if role == "actor" else ""
         print(f"  {role:7s} {fmt_plan(spec.plan)}{gen}", file=out)
-    for line in expert_lines(cfg):
+    for line in expert_lines(cfg) + lora_lines(cfg, profile):
         print("  " + line, file=out)
     print(f"  placements: scoring {cfg.score_placement}, training {cfg.train_placement}", file=out)
     est = stage_estimate(cfg, profile)
     print("  estimated stage seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in est.items()), file=out)
     for line in lever_lines(cfg, profile):
+        print("  " + line, file=out)
+    for line in long_tail_report(cfg, profile, own_layouts=True).lines():
         print("  " + line, file=out)
     worst = max(reports, key=lambda r: r.total)
     print(f"  per-device memory estimate (worst stage, GiB; device {profile.device_memory_bytes / GiB:.0f}):",
@@ -132,6 +144,27 @@ def expert_lines(cfg) -> List[str]:
                      f"({shape.active_param_count(lm_head) / 1e9:.2f}B active); E={plan.E}, ETP={plan.ETP}: "
                      f"{shape.num_experts // plan.E} experts per rank, EDP={plan.EDP}; "
                      f"{shape.moe_dispatcher} dispatcher")
+    return lines
+
+
+def lora_lines(cfg, profile) -> List[str]:
+    """A LoRA actor: its trained parameters, and what its reference (the base, adapters off)
+    saves against a reference model of its own in the actor's layout (weights on each rank)."""
+    if not cfg.lora.enabled:
+        return []
+    from puzzle.model_shape import lora_layer_params
+
+    mem, _, roles, _ = _memory_setup(cfg, profile)
+    actor, plan = roles["actor"], cfg.roles["actor"].plan
+    adapters = actor.shape.num_layers * sum(lora_layer_params(actor.shape, *actor.lora))
+    lines = [f"actor LoRA: rank {cfg.lora.dim}, alpha {cfg.lora.alpha:g} on {','.join(cfg.lora.target_modules)}: "
+             f"{adapters / 1e6:.2f}M trained parameters ({100 * adapters / actor.params:.2f} % of "
+             f"{actor.params / 1e9:.2f}B); gradients and optimizer state of the adapters only"]
+    if cfg.reference_is_actor_base:
+        ref = replace(actor, name="ref", trainable=False, lora=None)  # the model the base replaces
+        saved = max(sum(b for _, b in mem.static_items(ref, plan, p)) for p in range(plan.P))
+        lines.append(f"reference: the actor's base (adapters off), scored in the actor's slot: no reference model, "
+                     f"{saved / GiB:.2f} GiB of weights saved per GPU against one in the actor's layout")
     return lines
 
 
@@ -169,7 +202,72 @@ def job_from_config(cfg, profile):
     critic = shapes.get("critic", shapes["actor"])  # a stand-in shape when the run has no critic
     return PPOJob(world_size=cfg.world_size, actor=shapes["actor"], critic=critic,
                   workload=workload_from_config(cfg), profile=profile, ref=shapes.get("ref"),
-                  reward=shapes.get("reward") or critic, roles=tuple(cfg.roles))
+                  reward=shapes.get("reward") or critic, roles=tuple(cfg.roles), actor_lora=actor_lora(cfg),
+                  reference_is_actor_base=cfg.reference_is_actor_base)
+
+
+def lengths_from_config(cfg, metrics: Optional[str] = None):
+    """The response-length distribution to price the long tail with: a run's metrics.jsonl
+    (``metrics``), else --expected-response-length-p50/-p99, else every response at the cap."""
+    from puzzle.plan_search.long_tail import ResponseLengths, from_metrics
+
+    ppo = cfg.ppo
+    if metrics:
+        return from_metrics(metrics, ppo.max_new_tokens)
+    if ppo.expected_response_length_p50 is None:
+        return ResponseLengths("fixed", ppo.max_new_tokens)
+    return ResponseLengths.from_percentiles(ppo.expected_response_length_p50, ppo.expected_response_length_p99,
+                                            ppo.max_new_tokens)
+
+
+def long_tail_report(cfg, profile, own_layouts: bool = False, plans=None, placements=None, lengths=None):
+    """The long tail's three modes priced for the run (puzzle.plan_search.long_tail.compare_modes):
+    the colocated ones at the run's own layouts (``own_layouts``, --dry-run: the overlap at a
+    quarter, half and three quarters of the ranks for generation), at ``plans`` / ``placements``
+    (a search's: the overlap at every split), else searched."""
+    from puzzle.plan_search.long_tail import coarse_splits, compare_modes
+
+    job = job_from_config(cfg, profile)
+    job = replace(job, workload=replace(job.workload, mean_gen_len=None))
+    if own_layouts:
+        plans, placements = placement_from_config(cfg), {"scoring": cfg.score_placement,
+                                                         "training": cfg.train_placement}
+    return compare_modes(job, lengths or lengths_from_config(cfg), cfg.ppo.n_samples_per_prompt,
+                         cfg.ppo.rl_partial_rollouts_oversample, plans, placements,
+                         gen_ranks=coarse_splits(cfg.world_size) if own_layouts else None,
+                         partial_refused=partial_refused(cfg))
+
+
+def partial_refused(cfg) -> str:
+    """Why the run could not take --rl-partial-rollouts (puzzle.flag_checks.check_partial_rollouts
+    refuses these at start); empty when it could."""
+    ppo = cfg.ppo
+    if ppo.advantage_estimator == "remax":
+        return "not with --advantage-estimator remax"
+    if ppo.filter_groups:
+        return "not with --filter-groups"
+    if cfg.max_turns > 1:
+        return "not with --max-turns > 1"
+    return ""
+
+
+def predict_mode(argv: List[str], lengths, world_size: int = 1, profile: str = "cpu_long_tail_1rank",
+                 gen_ranks: Optional[List[int]] = None) -> str:
+    """The long tail's advisory mode ('sync', 'partial' or 'overlap') for a run of train_ppo.py
+    flags ``argv`` (its own layouts) on ``world_size`` ranks priced under ``lengths`` (a
+    puzzle.plan_search.long_tail.ResponseLengths) with ``profile`` (a bundled name or a file), the
+    overlap with ``gen_ranks`` generation ranks (None: every split): what puzzle.bench.long_tail
+    compares its measurement with."""
+    from puzzle.arguments import build_parser, config_for_planning
+    from puzzle.plan_search.long_tail import compare_modes
+
+    args = build_parser(prog="predict_mode", raise_errors=True).parse_args(
+        list(argv) + ["--world-size", str(world_size)])
+    cfg = config_for_planning(args)
+    job = job_from_config(cfg, load_profile(profile))
+    plans, placements = placement_from_config(cfg), {"scoring": cfg.score_placement, "training": cfg.train_placement}
+    return compare_modes(job, lengths, cfg.ppo.n_samples_per_prompt, cfg.ppo.rl_partial_rollouts_oversample, plans,
+                         placements, gen_ranks=gen_ranks, partial_refused=partial_refused(cfg)).choice
 
 
 #: the levers the search may turn on: full recompute of every layer, offload during inference,
@@ -269,6 +367,10 @@ def _add_search_args(parser) -> None:
     g.add_argument("--json", action="store_true", help="Print the result as JSON.")
     g.add_argument("--exhaustive", action="store_true", help="Also run the exhaustive search and report the gap.")
     g.add_argument("--save-plan", type=str, default=None, help="Write the plan file for train_ppo.py --plan-file.")
+    g.add_argument("--response-lengths-from", type=str, default=None, metavar="METRICS_JSONL",
+                   help="Price generation's long tail from the response lengths a run logged (its metrics.jsonl: "
+                        "the median of its last 5 iterations' response_length_p10/p50/p90/max) instead of "
+                        "--expected-response-length-p50/-p99.")
 
 
 def search_main(argv: Optional[List[str]] = None) -> int:
@@ -284,6 +386,8 @@ def search_main(argv: Optional[List[str]] = None) -> int:
         cfg = config_for_planning(args)
         profile = load_profile(args.profile or "a100_80gb")
         result, check = search(cfg, profile, exhaustive=args.exhaustive)
+        tail = long_tail_report(cfg, profile, plans=result.plans, placements=result.placements,
+                                lengths=lengths_from_config(cfg, args.response_lengths_from))
     except (ArgumentError, ValueError, OSError) as e:  # bad input: one line, exit 2 (as train_ppo.py)
         return report_usage_error(e)
     except InfeasibleError as e:
@@ -295,6 +399,7 @@ def search_main(argv: Optional[List[str]] = None) -> int:
         doc["gap"] = round(result.total_time / check.total_time - 1.0, 6)
     doc["world_size"] = cfg.world_size
     doc["profile"] = profile.name
+    doc["long_tail"] = tail.to_dict()
     if args.save_plan:
         with open(args.save_plan, "w") as f:
             json.dump(doc, f, indent=1)
@@ -312,6 +417,8 @@ def search_main(argv: Optional[List[str]] = None) -> int:
     print("  memory levers: " + (" ".join(lever_argv(doc["levers"])) or "none needed"))
     if "gap" in doc:
         print(f"  exhaustive optimum {doc['exhaustive_total_time']:.3f} s (gap {100 * doc['gap']:.2f} %)")
+    for line in tail.lines():
+        print("  " + line)
     if args.save_plan:
         print(f"  plan written to {args.save_plan} (train_ppo.py --plan-file {args.save_plan})")
     return 0

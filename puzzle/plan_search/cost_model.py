@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.config import ROLES
-from puzzle.model_shape import ModelShape, layer_params
+from puzzle.model_shape import ModelShape, layer_params, lora_layer_params
 from puzzle.parallel.plan import ParallelPlan, PlanError
 from puzzle.parallel.streams import stream_problem
 from puzzle.plan_search import experts
@@ -66,12 +66,14 @@ LLAMA_SHAPES: Dict[str, ModelShape] = {
 @dataclass(frozen=True)
 class ModelRole:
     """One of the four PPO models. ``lm_head``: vocabulary head (actor, ref) vs scalar value
-    head (critic, reward)."""
+    head (critic, reward). ``lora`` (dim, target modules): a trainable model whose base is frozen
+    and whose rank-dim adapters train (gradients and optimizer state of the adapters only)."""
 
     name: str
     shape: ModelShape
     trainable: bool
     lm_head: bool
+    lora: Optional[Tuple[int, Tuple[str, ...]]] = None
 
     @property
     def params(self) -> int:
@@ -79,11 +81,13 @@ class ModelRole:
 
 
 def ppo_roles(actor: ModelShape, critic: Optional[ModelShape], ref: Optional[ModelShape] = None,
-              reward: Optional[ModelShape] = None) -> Dict[str, ModelRole]:
+              reward: Optional[ModelShape] = None, actor_lora=None) -> Dict[str, ModelRole]:
     """actor/critic/ref/reward; ref mirrors the actor and reward the critic (else the actor) unless
-    given. ``critic=None``: a run without a critic (critic-free estimators), no critic role."""
+    given. ``critic=None``: a run without a critic (critic-free estimators), no critic role.
+    ``actor_lora`` (dim, target modules): the actor trains LoRA adapters on a frozen base."""
     shapes = {"actor": actor, "ref": ref or actor, "reward": reward or critic or actor, "critic": critic}
-    return {name: ModelRole(name, shape, ROLES[name].trainable, ROLES[name].lm_head)
+    return {name: ModelRole(name, shape, ROLES[name].trainable, ROLES[name].lm_head,
+                            lora=actor_lora if name == "actor" else None)
             for name, shape in shapes.items() if shape is not None}
 
 
@@ -217,6 +221,20 @@ def params_on_stage(role: ModelRole, P: int, T: int, p: int) -> float:
     return n
 
 
+def trained_params_on_stage(role: ModelRole, P: int, T: int, p: int) -> float:
+    """Parameters with gradients and optimizer state on one rank of stage p: the whole shard
+    (:func:`params_on_stage`), or a LoRA model's adapters only."""
+    if role.lora is None:
+        return params_on_stage(role, P, T, p)
+    split, replicated = lora_layer_params(role.shape, *role.lora)
+    return role.shape.num_layers // P * (split / T + replicated)
+
+
+def trained_expert_params_on_rank(role: ModelRole, plan: ParallelPlan) -> float:
+    """Expert parameters with gradients on one rank (none under LoRA: the experts are frozen)."""
+    return 0.0 if role.lora is not None else expert_params_on_rank(role, plan)
+
+
 @dataclass(frozen=True)
 class TaskCost:
     """Estimated time of one model's work in one stage. For pipelined work (training, scoring):
@@ -303,14 +321,18 @@ def stage_time(tasks: Sequence[TaskCost], placement: str) -> float:
 
 
 def stage_seconds(cm: "CostModel", roles: Dict[str, "ModelRole"],
-                  plans: Dict[str, Dict[str, ParallelPlan]], placements: Dict[str, str]) -> Dict[str, float]:
+                  plans: Dict[str, Dict[str, ParallelPlan]], placements: Dict[str, str],
+                  reference_is_actor_base: bool = False) -> Dict[str, float]:
     """Estimated seconds of PPOTrainer's three stages, with the boundaries of its ``time_*``
     metrics: the actor's train->generation switch overlaps its last optimizer step, so it counts in
     training. ``plans[model][stage]``: the models present take part (no 'reward' entry = a reward
-    function)."""
+    function). ``reference_is_actor_base``: a LoRA actor's reference is a second forward of the
+    actor (adapters off) in its scoring plan, no model of its own."""
     A = plans["actor"]["training"]
     G = plans["actor"].get("generation", A)
     score = [cm.forward_cost(roles[m], st["scoring"]) for m, st in plans.items() if "scoring" in st]
+    if reference_is_actor_base:
+        score.append(cm.forward_cost(roles["actor"], plans["actor"]["scoring"]))
     train = [cm.train_cost(roles[m], st["training"]) for m, st in plans.items() if "training" in st]
     return {"generation": cm.generation_cost(roles["actor"], G).total,
             "scoring": stage_time(score, placements.get("scoring", "sequential")),
@@ -496,12 +518,15 @@ class CostModel:
         p2p = self._p2p(tokens * s.hidden_size * BF16, P, pp_x)
         head_f = self._head_fwd(role, tokens, T)
         t_f = layers * (tab.fwd(tokens, T) + ar_moe) + head_f + p2p
-        t_b = layers * (tab.bwd(tokens, T) + ar_moe) + 2 * head_f + p2p
+        if role.lora is None:
+            t_b = layers * (tab.bwd(tokens, T) + ar_moe) + 2 * head_f + p2p
+        else:  # a frozen base computes its input gradients only (no weight gradients): ~ a forward
+            t_b = layers * (tab.fwd(tokens, T) + ar_moe) + head_f + p2p
         if w.recompute_granularity == "full":  # the recomputed layers run their forward again
             redo = layers if w.recompute_method == "uniform" else min(w.recompute_num_layers, layers)
             t_b += redo * (tab.fwd(tokens, T) + ar_moe)
-        phi = max(params_on_stage(role, P, T, 0), params_on_stage(role, P, T, P - 1))
-        phe = expert_params_on_rank(role, plan)
+        phi = max(trained_params_on_stage(role, P, T, 0), trained_params_on_stage(role, P, T, P - 1))
+        phe = trained_expert_params_on_rank(role, plan)
         if D > 1:
             if w.distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
                 dp = (D - 1) / D * 6.0 * phi / prof.bandwidth(dp_x) + 2 * prof.latency(dp_x)
@@ -545,8 +570,12 @@ class CostModel:
         link (gradients are freed and re-zeroed, not copied)."""
         if not self.workload.offload_during_inference:
             return 0.0
-        phi = max(params_on_stage(role, plan.P, plan.T, p) for p in range(plan.P))
-        phe = expert_params_on_rank(role, plan)
+        if role.trainable:
+            phi = max(trained_params_on_stage(role, plan.P, plan.T, p) for p in range(plan.P))
+            phe = trained_expert_params_on_rank(role, plan)
+        else:
+            phi = max(params_on_stage(role, plan.P, plan.T, p) for p in range(plan.P))
+            phe = expert_params_on_rank(role, plan)
         dist = self.workload.distributed_optimizer
         nbytes = (12.0 * phi / (plan.D if dist else 1) + 12.0 * phe / (plan.EDP if dist else 1) if role.trainable
                   else BF16 * (phi + phe))
@@ -560,27 +589,59 @@ class CostModel:
         key = ("gen", role, plan)
         if key in self._cache:
             return self._cache[key]
-        w, prof, s = self.workload, self.profile, role.shape
-        P, D, T = plan.P, plan.D, plan.T
-        tp_x, _, pp_x = self._links(plan)
-        h, V, layers = s.hidden_size, s.vocab_size, s.num_layers // P
-        tab = prof.layer_table(s.compute_shape)
-        b = math.ceil(w.rollout_batch_size / D)
+        w, P = self.workload, plan.P
+        b = math.ceil(w.rollout_batch_size / plan.D)
         rows = min(w.generation_micro_batch_size or b, b)
         steps = w.gen_len - 1  # the first token comes from the prefill
         if P == 1:  # one cache of `rows` rows, refilled: waves of prefill + decode steps
             waves = math.ceil(b / rows)
             m, bm = 1, rows
-            tok = rows * w.prompt_len
-            prefill = waves * (layers * (tab.fwd(tok, T) + self._unsplit_experts(role, tok, plan)
-                                         + self._tp_comm(role, tok, plan, tp_x) + self._moe_comm(role, tok, plan))
-                               + self._head_fwd(role, rows, T))
+            prefill = waves * self.prefill_seconds(role, plan, rows, rows * w.prompt_len)
         else:
             waves = 1
             m = math.ceil(b / w.generation_micro_batch_size) if w.generation_micro_batch_size else min(P, b)
             bm = math.ceil(b / m)
             prefill = self._pipelined_prefill(role, plan, b, m)
-        # decode: weights (profiled step at context 0) + KV-cache read at the mean context length
+        t_dec, token_return = self._decode_step(role, plan, bm)
+        # the host's share of a decode step (planning, sampling, state update: the profile's
+        # decode_step_overhead_s, per model call) is paid by every micro-batch a stage serves
+        decode = waves * steps * (max(m, P) * (t_dec + self.profile.decode_step_overhead_s) + token_return)
+        cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
+        self._cache[key] = cost
+        return cost
+
+    def decode_step_seconds(self, role: ModelRole, plan: ParallelPlan, rows: int) -> float:
+        """One decode step of a P = 1 replica computing ``rows`` cache rows (the
+        long tail's unit price, puzzle.plan_search.long_tail): the step of :meth:`generation_cost`
+        at that many rows, with the host's share of the step."""
+        if plan.P != 1:
+            raise ValueError(f"decode_step_seconds prices P=1 plans (got P={plan.P})")
+        key = ("step", role, plan, rows)
+        if key not in self._cache:
+            t_dec, _ = self._decode_step(role, plan, rows)
+            self._cache[key] = t_dec + self.profile.decode_step_overhead_s
+        return self._cache[key]
+
+    def prefill_seconds(self, role: ModelRole, plan: ParallelPlan, rows: int, tokens: float) -> float:
+        """One P = 1 prefill of ``rows`` sequences of ``tokens`` tokens in all (prompts, or
+        prompt + partial response when a carried sample resumes)."""
+        s = role.shape
+        tp_x, _, _ = self._links(plan)
+        tab = self.profile.layer_table(s.compute_shape)
+        layers = s.num_layers // plan.P
+        return (layers * (tab.fwd(tokens, plan.T) + self._unsplit_experts(role, tokens, plan)
+                          + self._tp_comm(role, tokens, plan, tp_x) + self._moe_comm(role, tokens, plan))
+                + self._head_fwd(role, rows, plan.T))
+
+    def _decode_step(self, role: ModelRole, plan: ParallelPlan, bm: int) -> Tuple[float, float]:
+        """(one decode step of one pipeline stage at ``bm`` rows, the sampled tokens' hop back
+        to the first stage): weights (profiled step at context 0) + KV-cache read at the mean
+        context length + TP collectives + head + sampling."""
+        w, prof, s = self.workload, self.profile, role.shape
+        P, T = plan.P, plan.T
+        tp_x, _, pp_x = self._links(plan)
+        h, V, layers = s.hidden_size, s.vocab_size, s.num_layers // P
+        tab = prof.layer_table(s.compute_shape)
         ctx = w.prompt_len + (w.gen_len + 1) / 2.0
         eff = 1.0
         if w.cuda_graphs:  # whole-width attention, no launch cost per kernel; MoE: every expert on every row
@@ -603,13 +664,7 @@ class CostModel:
                  + head + sample + self._p2p(bm * h * BF16, P, pp_x))
         # P > 1: each step's sampled tokens go back from the last stage to the first before that
         # micro-batch's next step can start (puzzle.rollout.pipelined_generation): one more hop per step cycle
-        token_return = self._p2p(bm * 8, P, pp_x)
-        # the host's share of a decode step (planning, sampling, state update: the profile's
-        # decode_step_overhead_s, per model call) is paid by every micro-batch a stage serves
-        decode = waves * steps * (max(m, P) * (t_dec + prof.decode_step_overhead_s) + token_return)
-        cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
-        self._cache[key] = cost
-        return cost
+        return t_dec, self._p2p(bm * 8, P, pp_x)
 
     def _pipelined_prefill(self, role: ModelRole, plan: ParallelPlan, b: int, m: int) -> float:
         """Prefill of b prompts in micro-batches through P stages: the fastest split, from m

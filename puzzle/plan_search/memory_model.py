@@ -3,7 +3,8 @@
 Static (resident for the whole run):
   * weights, bf16: 2 B/param of the rank's shard (every model);
   * trainable models (actor, critic): fp32 gradient buffer 4 B/param (megatron's main_grad)
-    and Adam (fp32 master + 2 moments) 12 B/param, divided by D with the distributed optimizer.
+    and Adam (fp32 master + 2 moments) 12 B/param, divided by D with the distributed optimizer;
+    a LoRA actor: those of its adapters only (bf16 adapters beside the frozen base's weights);
 Active (only during a stage; the peak of a rank is static + the largest stage):
   * training: activations of the micro-batches in flight; 1F1B keeps min(P - p, N_B) of them on
     stage p. Per layer and token (bf16, flash attention, SwiGLU, no recomputation): 8h bytes
@@ -42,7 +43,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.plan_search import experts
-from puzzle.plan_search.cost_model import BF16, ModelRole, PPOWorkload, expert_params_on_rank, params_on_stage
+from puzzle.plan_search.cost_model import (BF16, ModelRole, PPOWorkload, expert_params_on_rank, params_on_stage,
+                                           trained_expert_params_on_rank, trained_params_on_stage)
 from puzzle.plan_search.profile_data import Profile
 
 GiB = float(1 << 30)
@@ -139,6 +141,9 @@ class MemoryModel:
             items.append((f"{role.name} weights", BF16 * phi))
             if phe:
                 items.append((f"{role.name} expert weights", BF16 * phe))
+        if role.lora is not None:  # the frozen base has no gradients nor optimizer state: the adapters have
+            phi, phe = trained_params_on_stage(role, plan.P, plan.T, p), 0.0
+            items.append((f"{role.name} adapters", BF16 * phi))
         if role.trainable and not (offload and stage in ("generation", "scoring")):
             items.append((f"{role.name} grads", 4.0 * phi))
             items.append((f"{role.name} optimizer", 12.0 * phi / (plan.D if dist else 1)))
@@ -156,6 +161,7 @@ class MemoryModel:
         phe = expert_params_on_rank(role, plan)
         dist = self.workload.distributed_optimizer
         if role.trainable:
+            phi, phe = trained_params_on_stage(role, plan.P, plan.T, p), trained_expert_params_on_rank(role, plan)
             return 12.0 * phi / (plan.D if dist else 1) + 12.0 * phe / (plan.EDP if dist else 1)
         return BF16 * (phi + phe)
 

@@ -79,6 +79,10 @@ class PPOJob:
     #: the roles the run builds (critic-free estimators have no critic, --kl-coef 0 no reference, a
     #: reward function no reward model); absent ones take no time, memory or plan
     roles: Tuple[str, ...] = ("actor", "critic", "ref", "reward")
+    #: a LoRA actor: (dim, target modules); with a KL term its base (adapters off) is the reference,
+    #: priced as a second actor forward in scoring (no 'ref' in ``roles``)
+    actor_lora: Optional[Tuple[int, Tuple[str, ...]]] = None
+    reference_is_actor_base: bool = False
 
 
 @dataclass
@@ -263,7 +267,7 @@ class _Evaluator:
         self.job, self.N = job, job.world_size
         self.profile = job.profile or load_profile("a100_80gb")
         self.w = job.workload
-        self.roles = ppo_roles(job.actor, job.critic, job.ref, job.reward)
+        self.roles = ppo_roles(job.actor, job.critic, job.ref, job.reward, actor_lora=job.actor_lora)
         self.absent = {v for v, (model, _, _) in VAR_INFO.items() if model not in job.roles}
         self.cost = CostModel(self.profile, self.w)
         self.mem = MemoryModel(self.profile, self.w)
@@ -330,6 +334,8 @@ class _Evaluator:
             side_a = [L.task["R"][r], L.fwd["A"][a]] if self.w.actor_logprobs_in_scoring else [L.task["R"][r]]
             side_c = [L.fwd["C"][c], L.task["W"][w]]
             side_a = [t for t, v in zip(side_a, ("R", "A")) if v not in self.absent]
+            if self.job.reference_is_actor_base:  # the LoRA actor's base: its forward again
+                side_a.append(L.fwd["A"][a])
             side_c = [t for t, v in zip(side_c, ("C", "W")) if v not in self.absent]
             if L.k is not None:  # 'disjoint': each group's models one after another
                 res = (max(sequential_time(side_a), sequential_time(side_c)), False)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from puzzle.parallel.device import runtime
+from puzzle.parallel.scope import scope_group, scope_object_group, scope_rank, scope_size
 from puzzle.reward_functions.env_runner import EnvRunner, SingleTurnEpisodes
 from puzzle.reward_functions.environments import EnvSpec
 from puzzle.reward_functions.loader import load_reward_fn
@@ -80,7 +81,7 @@ class RolloutRewarder:
     def share(size: int) -> Tuple[int, int]:
         """The rows ``lo .. hi - 1`` of ``size`` that this rank scores (contiguous, in rank order)."""
         on = dist.is_initialized()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        rank, world = (scope_rank(), scope_size()) if on else (0, 1)  # the world, or one pool
         per = -(-size // world)
         return min(rank * per, size), min((rank + 1) * per, size)
 
@@ -90,7 +91,7 @@ class RolloutRewarder:
 
         ``make_sample(b)`` builds sample ``b`` (called only for this rank's share, ``share``)."""
         on = dist.is_initialized()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        rank, world = (scope_rank(), scope_size()) if on else (0, 1)  # the world, or one pool
         lo, hi = self.share(size)
         results = self.scorer.score([make_sample(b) for b in range(lo, hi)])
         rt = runtime()
@@ -104,14 +105,14 @@ class RolloutRewarder:
                 first_bad = first_bad or (b, why)
         if on and world > 1:
             buf = buf.to(rt.device)
-            dist.all_reduce(buf)
+            dist.all_reduce(buf, group=scope_group())
             buf = buf.cpu()
         bad = buf[1] > 0
         n_bad = int(bad.sum())
         if n_bad:
             found = [None] * world
             if on and world > 1:
-                dist.all_gather_object(found, first_bad, group=rt.object_group)
+                dist.all_gather_object(found, first_bad, group=scope_object_group(rt.object_group))
             else:
                 found = [first_bad]
             b, why = min(f for f in found if f is not None)

@@ -34,6 +34,7 @@ from puzzle.reward_functions.safe_math import MathParseError, parse_math
 
 #: the built-in environments' registry names (``--env NAME``)
 BUILTIN_ENVS = {"calculator": "puzzle.reward_functions.environments:Calculator",
+                "calculator_tiny": "puzzle.reward_functions.environments:ByteCalculator",
                 "single_turn": "puzzle.reward_functions.environments:SingleTurnReward"}
 #: an observation longer than this is cut in the worker, before it crosses the pipe
 MAX_OBSERVATION_CHARS = 16384
@@ -132,12 +133,24 @@ def turn_stops(spec: EnvSpec) -> List[str]:
     return list(stops)
 
 
-def check_turn_setup(spec: EnvSpec, max_turns: int, max_observation_tokens: int, tokenizer) -> None:
-    """Multi-turn (``max_turns`` > 1) needs the environment's ``turn_stops`` and room for the
-    truncation marker in an observation; a ValueError names the flag."""
+def turn_stop_strings(spec: EnvSpec, tool_format=None) -> List[str]:
+    """The strings that end a model's turn: the chat family's tool-call end (``tool_format``,
+    prompts in the chat template), else the environment's ``turn_stops``."""
+    return [tool_format.call_end] if tool_format is not None else turn_stops(spec)
+
+
+def check_turn_setup(spec: EnvSpec, max_turns: int, max_observation_tokens: int, tokenizer,
+                     chat_template: bool = False) -> None:
+    """Multi-turn (``max_turns`` > 1) needs a turn stop (the chat template's tool format with
+    ``chat_template``: refused, naming the template, when it has none; else the environment's
+    ``turn_stops``) and room for the truncation marker in an observation; a ValueError names the flag."""
     if max_turns == 1:
         return
-    if not turn_stops(spec):
+    if chat_template:
+        from puzzle.reward_functions.tool_formats import tool_format_of
+
+        tool_format_of(tokenizer)
+    elif not turn_stops(spec):
         raise ValueError(f"--max-turns {max_turns}: --env {spec.spec} declares no turn_stops (the strings that end "
                          f"a turn), so its samples cannot have several turns")
     marker = len(tokenizer.encode(TRUNCATION_MARKER))
@@ -224,8 +237,9 @@ class SingleTurnReward:
 class Calculator:
     """A calculator tool over the whitelist math parser (``safe_math.parse_math``; never ``eval``).
 
-    A turn that ends in ``<calc>EXPR</calc>`` (the last such call counts) is a tool call: the
-    observation is ``=VALUE`` (or ``=error: why``), no reward, not done. Any other turn is the
+    A turn that ends in ``<calc>EXPR</calc>`` (the last such call counts), or in a chat family's
+    JSON call of the tool ``calculator`` with ``{"expression": EXPR}`` (``tool_formats``), is a
+    tool call: the observation is ``=VALUE`` (or ``=error: why``), no reward, not done. Any other turn is the
     final answer: reward 1.0 when it equals the record's ``answer`` mathematically, else 0.0, done.
     """
 
@@ -257,9 +271,80 @@ class Calculator:
         except (MathParseError, ZeroDivisionError, ValueError, TypeError, RecursionError) as e:
             return f"=error: {e}"[:80]
 
+    @staticmethod
+    def family_call(text: str) -> Optional[str]:
+        """A chat family's JSON tool call (``tool_formats.json_tool_call``) of the tool
+        ``calculator`` with ``{"expression": ...}``: its expression, or an error observation's
+        text; None when the turn makes no such call."""
+        from puzzle.reward_functions.tool_formats import json_tool_call
+
+        call = json_tool_call(text)
+        if call is None:
+            return None
+        name, args = call
+        if name != "calculator" or not isinstance(args.get("expression"), str):
+            return f'=error: the tool is "calculator", its argument {{"expression": "..."}} (got {name!r})'[:120]
+        return args["expression"]
+
     def step(self, turn: Turn) -> StepResult:
         expr = self.tool_call(turn.text)
+        if expr is None:
+            expr = self.family_call(turn.text)
+            if expr is not None and expr.startswith("=error"):
+                return StepResult(expr, None, False)
         if expr is not None:
             return StepResult(self.evaluate(expr), None, False)
         solved = self.answer is not None and answers_equal(turn.text.strip(), self.answer)
         return StepResult("", 1.0 if solved else 0.0, True)
+
+
+class ByteCalculator(Calculator):
+    """The calculator in a syntax a tiny byte-level model can learn from random weights (the tiny
+    tool run, examples/run_grpo_tiny_tool.sh; ``--env calculator_tiny``).
+
+    A tool call is ``[EXPR]``, its close one byte; the call may open in the prompt (the bundled
+    task's prompts end in an open call holding the question's expression: ``23+45=[23+45``), so
+    the call is read from the context and the turn together. The observation is ``=VALUE``. The
+    rewards give credit in small steps, so that random sampling finds some of it:
+    a final answer equal to the record's ``answer`` gets 1.0; after a call that evaluated, another
+    answer gets ``CALL_REWARD`` plus ``DIGITS`` times the fraction of its characters that are digits
+    plus ``PLACES`` times the number of its characters equal to the answer's at the same place over
+    the longer of the two; an answer without a call gets none of this shaping credit, an episode that ends in a call
+    (or is cut by the turn or token limit) nothing.
+    """
+
+    CALL_OPEN, CALL_CLOSE = "[", "]"
+    turn_stops = (CALL_CLOSE,)
+    CALL_REWARD, DIGITS, PLACES = 0.1, 0.1, 0.4
+
+    def __init__(self):
+        super().__init__()
+        self.called = False
+
+    def call_expression(self, turn: Turn) -> Optional[str]:
+        """The expression of the turn's closing call (opened in the turn or its context), or None."""
+        if not turn.text.endswith(self.CALL_CLOSE):
+            return None
+        text = turn.context_text + turn.text[:-len(self.CALL_CLOSE)]
+        start = text.rfind(self.CALL_OPEN)
+        return None if start < 0 else text[start + len(self.CALL_OPEN):]
+
+    def answer_credit(self, text: str) -> float:
+        if self.answer is None:
+            return 0.0
+        if answers_equal(text.strip(), self.answer):
+            return 1.0
+        if not text or not self.called:
+            return 0.0
+        same = sum(a == b for a, b in zip(text, self.answer))
+        digits = sum(c.isdigit() for c in text) / len(text)
+        return self.DIGITS * digits + self.PLACES * same / max(len(text), len(self.answer))
+
+    def step(self, turn: Turn) -> StepResult:
+        expr = self.call_expression(turn)
+        if expr is None:
+            credit = self.answer_credit(turn.text)
+            return StepResult("", credit if credit == 1.0 or not self.called else credit + self.CALL_REWARD, True)
+        observation = self.evaluate(expr)
+        self.called = self.called or not observation.startswith("=error")
+        return StepResult(observation, None, False)

@@ -8,7 +8,9 @@ How a row runs (``TurnTracker``, driven by ``SlotBatch.advance``):
 
 - its turn ends when its tokens since the turn began end with one of the handler's ``stops``
   (token sequences: a tool call's closing tag), or the row ends anyway (a stop id such as EOS,
-  or ``max_new_tokens``, which bounds the whole sample, observations included);
+  or ``max_new_tokens``, which bounds the whole sample, observations included; an observation
+  token ends its row only at the budget: it may be a stop id, as Qwen's ``<|im_end|>`` that closes
+  the model's turn before a tool response);
 - the handler's ``step`` (the environment, in the reward worker pool) answers each ended turn
   with the observation's token ids, or None when the episode is done; the row's next steps then
   feed those tokens into its kept KV cache one per decode step, in place of the token it samples
@@ -83,9 +85,9 @@ class TurnTracker:
         out, ask = list(finished), []
         for i, r in enumerate(rows):
             n = len(self.tokens[r])
-            if self.pending[r] or n == self.turn_start[r]:  # mid-observation, or no model token yet
-                if finished[i]:
-                    self.counts["token_limit_cuts"] += 1
+            if self.pending[r] or n == self.turn_start[r]:  # mid-observation, or no model token yet:
+                out[i] = n >= self.max_new  # only the budget ends it (an observation token may be a stop id)
+                self.counts["token_limit_cuts"] += out[i]
                 continue
             if finished[i] or self._ends_turn(r):
                 self.turns[r] += 1

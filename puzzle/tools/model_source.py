@@ -81,9 +81,14 @@ def load_engine(source: str, role: str, plan, arch, *, step: Optional[int] = Non
     from puzzle.engine.model_engine import ModelEngine
 
     impl, _ = resolve_transformer_impl(transformer_impl)
+    from puzzle.models.megatron_checkpoint import find_megatron_checkpoint
+
+    if not is_hf_dir(source) and find_megatron_checkpoint(source, step) is None:
+        meta = checkpoint_role_meta(source, role, step)
+        if "lora" in meta:  # a LoRA actor: its base from its source, then the adapters
+            return _load_lora_engine(source, role, plan, arch, meta, step=step, bf16=bf16, transformer_impl=impl)
     engine = ModelEngine(role, arch, layout_for(plan), trainable=False, bf16=bf16, layout_independent_init=False,
                          transformer_impl=impl)
-    from puzzle.models.megatron_checkpoint import find_megatron_checkpoint
 
     if is_hf_dir(source):
         from puzzle.models.hf_checkpoint import load_hf_into_model
@@ -97,6 +102,45 @@ def load_engine(source: str, role: str, plan, arch, *, step: Optional[int] = Non
         from puzzle.checkpointing import load_role_weights
 
         load_role_weights(engine, checkpoint_role_dir(source, role, step)[0])
+    return engine
+
+
+def checkpoint_role_meta(root: str, role: str, step: Optional[int] = None) -> dict:
+    """``role``'s entry of a puzzle checkpoint's metadata.json (its arch, layouts, LoRA and base)."""
+    from puzzle.checkpointing import METADATA
+
+    d = os.path.dirname(checkpoint_role_dir(root, role, step)[0])
+    with open(os.path.join(d, METADATA)) as f:
+        return json.load(f)["roles"][role]
+
+
+def _load_lora_engine(source: str, role: str, plan, arch, meta: dict, *, step, bf16: bool, transformer_impl: str):
+    """A LoRA actor of a puzzle checkpoint (collective): its base rebuilt from the source the run
+    recorded (an HF or Megatron-LM checkpoint, else its seed), checked against the saved base
+    fingerprint (another base is refused, naming both), then its adapters."""
+    from puzzle.checkpoint_errors import CheckpointError
+    from puzzle.checkpointing import base_fingerprint_problem, load_role_weights, weight_fingerprint
+    from puzzle.engine.model_engine import ModelEngine
+    from puzzle.lora_config import LoRAConfig
+    from puzzle.parallel.groups import layout_for
+
+    lora = LoRAConfig(**{k: meta["lora"][k] for k in ("dim", "alpha", "dropout", "target_modules")})
+    base = meta["base"]["source"]
+    engine = ModelEngine(role, arch, layout_for(plan), trainable=False, bf16=bf16, seed=base["seed"], lora=lora,
+                         layout_independent_init=not (base.get("hf_path") or base.get("pretrained_checkpoint")),
+                         transformer_impl=transformer_impl)
+    if base.get("hf_path"):
+        from puzzle.models.hf_checkpoint import load_hf_into_model
+
+        load_hf_into_model(engine.module, arch, role, base["hf_path"])
+    elif base.get("pretrained_checkpoint"):
+        from puzzle.models.megatron_checkpoint import load_megatron_into_model
+
+        load_megatron_into_model(engine.module, role, base["pretrained_checkpoint"])
+    problem = base_fingerprint_problem({"roles": {role: meta}}, role, weight_fingerprint(engine), base)
+    if problem:
+        raise CheckpointError(f"{source}: {problem}")
+    load_role_weights(engine, checkpoint_role_dir(source, role, step)[0])
     return engine
 
 

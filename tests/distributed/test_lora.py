@@ -40,6 +40,33 @@ def test_base_frozen_and_optimizer_holds_adapters_only(lora):
         assert step["adapters_moved"] == step["adapters"] // 2 > 0, (rank, step)
 
 
+def test_the_reference_is_the_actor_with_its_adapters_off(lora):
+    res = lora["reference_is_base"]
+    assert res["jobs"] == ["actor", "ref"], res  # a reference job, run on the actor: no reference engine
+    assert res["ref_equals_base"] and res["actor_differs"], res
+
+
+def test_adapters_and_their_optimizer_state_resume_at_another_layout(lora):
+    for what, res in lora["checkpoint"].items():  # saved at (2,1,2), loaded at (1,4,1)
+        assert res["names_agree"] and res["equal"], (what, res)
+    assert lora["checkpoint"]["exp_avg"]["nonzero"] > 0  # the moments hold something to compare
+
+
+@pytest.fixture(scope="module")
+def export():
+    return run_world("distributed/worlds/tiny_runs.py", 1)[0]["lora_export"]
+
+
+def test_exported_adapter_gives_puzzles_greedy_tokens_in_peft(export):
+    if "skipped" in export:
+        pytest.skip(export["skipped"])
+    assert export["peft"] == export["ours"], export  # the PEFT adapter directory on the HF base
+    assert export["merged"] == export["ours"], export  # --merge-lora: the merged HF model
+    assert export["base"] != export["ours"], export  # the adapters change the tokens: the check has teeth
+    assert export["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"])
+
+
 @pytest.fixture(scope="module")
 def lora_switch():
     return run_world("distributed/worlds/foundation.py", 4)

@@ -84,6 +84,8 @@ def test_export_hf(tmp_path, world, capsys):
     world(1)
     err = _fails(main, ["--load", str(tmp_path / "nothing"), "--save", str(tmp_path / "out")], capsys)
     assert "neither an HF directory (config.json) nor a puzzle checkpoint" in err
+    err = _fails(main, ["--load", llama, "--save", str(tmp_path / "out"), "--merge-lora"], capsys)
+    assert err.startswith("error: --merge-lora: ") and "holds no LoRA adapters" in err, err
     assert not (tmp_path / "out").exists()
 
 

@@ -143,7 +143,7 @@ def _lora_optimizer_step():
     base = {n: p.detach().clone() for n, p in params.items() if n not in eng.adapter_specs}
     adapters = {n: params[n].detach().clone() for n in eng.adapter_specs}
     eng.train_step(lm_nll_step(LORA_ARCH.vocab_size), iter(_lora_tokens(3).split(1)), LB, LS, 1)
-    return {"frozen_base": all(not params[n].requires_grad for n in base),
+    return eng, {"frozen_base": all(not params[n].requires_grad for n in base),
             "optimizer_numel": sum(p.numel() for g in eng.optimizer.param_groups for p in g["params"]),
             "ddp_grad_numel": sum(b.grad_data.numel() for b in eng.model.buffers),
             "adapter_numel": sum(p.numel() for p in adapters.values()),
@@ -186,10 +186,12 @@ def check_lora():
                           "replicas_agree": replicas_agree, "names": sorted(full) == sorted(ref),
                           "worst_relative_grad_error": worst,
                           "min_grad_max": min(ref[n].abs().max().item() for n in ref)}
-    step = _lora_optimizer_step()
+    eng, step = _lora_optimizer_step()
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, step)
     out["optimizer_step"] = gathered if dist.get_rank() == 0 else None
+    out["reference_is_base"] = _lora_reference_is_base(eng)
+    out["checkpoint"] = _lora_checkpoint_reshards(eng)
     return out
 
 
@@ -229,6 +231,78 @@ def check_lora_switch():
     dist.barrier()
     res["seconds"] = time.perf_counter() - t0
     return res
+def _lora_reference_is_base(eng):
+    """The scoring stage of the trained LoRA actor with a KL term: no reference engine; the reference
+    log-probs (the actor, adapters off) equal the plain base model's bitwise, the actor's differ."""
+    from types import SimpleNamespace
+
+    from puzzle.dataflow.batch import RolloutBatch
+    from puzzle.dataflow.micro_batching import MicroBatching
+    from puzzle.dataflow.scoring_stage import ScoringStage
+
+    plain = ModelEngine("actor", LORA_ARCH, eng.layout, trainable=False, seed=7)
+    R = LS - 3
+    batch = RolloutBatch(_lora_tokens(4), torch.full((LB,), 3), torch.full((LB,), R), R)
+    ppo = SimpleNamespace(greedy=True, temperature=1.0, batch_invariant_mode=False, log_prob_max_token_len_per_gpu=None)
+    out = {}
+    for name, engine, base in (("lora", eng, True), ("plain", plain, False)):
+        cfg = SimpleNamespace(ppo=ppo, score_placement="sequential", reference_is_actor_base=base)
+        engines = {"actor": engine}
+        stage = ScoringStage(cfg, engines, MicroBatching(engines, 1, False, 1, 0), None, LORA_ARCH.vocab_size)
+        out[name] = (stage.run(batch, 0)[0], [role for role, _ in stage.jobs(R)])
+    (lora, jobs), (plain_f, _) = out["lora"], out["plain"]
+    return {"jobs": jobs, "ref_equals_base": torch.equal(lora["ref_logprobs"], plain_f["old_logprobs"]),
+            "actor_differs": not torch.equal(lora["old_logprobs"], plain_f["old_logprobs"])}
+
+
+def _lora_checkpoint_reshards(eng):
+    """The trained actor's adapters and Adam state saved at (2,1,2) (puzzle.checkpointing's role
+    state dict: the adapters alone) and loaded at (1,4,1): the same adapters and moments, compared
+    as whole tensors."""
+    import os
+    import shutil
+    import tempfile
+
+    from megatron.core import dist_checkpointing
+
+    from puzzle.checkpointing import _load_model_state, _role_sharded_state_dict
+
+    root = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root)
+    path = os.path.join(root[0], "actor")
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    dist_checkpointing.save(_role_sharded_state_dict(eng, is_loading=False, with_optimizer=True), path)
+    other = ModelEngine("actor", LORA_ARCH, layout_for(ParallelPlan(1, 4, 1)), trainable=True,
+                        optim=OptimConfig(lr=1e-3), seed=9, lora=LORA)  # another seed: the load must set A
+    state = dist_checkpointing.load(_role_sharded_state_dict(other, is_loading=True, with_optimizer=True), path)
+    _load_model_state(other, state["model"])
+    other.optimizer.load_state_dict(state["optimizer"])
+    whole = {(label, what): _whole_adapters(e, what) for label, e in (("saved", eng), ("loaded", other))
+             for what in (None, "exp_avg", "exp_avg_sq")}
+    if dist.get_rank() != 0:
+        return None
+    shutil.rmtree(root[0], ignore_errors=True)
+    out = {}
+    for what in (None, "exp_avg", "exp_avg_sq"):
+        a, b = whole["saved", what], whole["loaded", what]
+        out[what or "weights"] = {"names_agree": sorted(a) == sorted(b) and len(a) > 0,
+                                  "equal": all(torch.equal(a[n], b[n]) for n in a),
+                                  "nonzero": sum(bool(a[n].abs().sum() > 0) for n in a)}
+    return out
+
+
+def _whole_adapters(eng, state_key=None):
+    """{global name: whole tensor} of an engine's adapters (or of their Adam ``state_key``),
+    assembled on rank 0 from every rank's shards."""
+    params = dict(eng.module.named_parameters()) if eng.member else {}
+    value = (lambda p: p) if state_key is None else (lambda p: eng.optimizer.optimizer.state[p][state_key])
+    mine = [(spec, eng.layout.plan.T, eng.layout.t, value(params[n]).detach().clone())
+            for n, spec in eng.adapter_specs.items()]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"grads": mine})
+    return _assemble(gathered)[0] if dist.get_rank() == 0 else {}
 
 
 def _assemble(ranks):

@@ -2,7 +2,8 @@
 loss aggregation, overlong shaping, dynamic sampling, running reward normalisation) runs one
 iteration at two layouts -- all roles (1,4,1) sequential, and actor/ref (2,1,2) time-shared with
 the actor generating at (1,2,2) through the switch -- and reports its metrics; plus the bad-reward
-policy with a reward function that fails on one rank only.
+policy with a reward function that fails on one rank only; plus --rl-desired-lag 1 on a training
+pool (ranks 0-1) and a generation pool (ranks 2-3), and lag 0 on the same pools.
 """
 
 import torch
@@ -92,5 +93,60 @@ def check_bad_reward_one_rank():
     return out
 
 
+OVERLAP = ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "4",
+           "--kl-coef", "0", "--rl-inference-logprobs-is-correction", "--actor-gen-rank-offset", "2",
+           "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+           "--actor-gen-tensor-model-parallel-size", "2", "--log-interval", "1000", "--ppo-epochs", "1"]
+
+
+def _overlap_run(lag: int, iterations: int) -> dict:
+    """One run on 2 training + 2 generation ranks at ``lag``: each iteration's metrics (rank 0's),
+    and per batch what the generation pool sampled (rows and log-probs), and what the training
+    pool trained (rows, the behaviour log-probs the loss read, the current policy's, the token
+    versions)."""
+    tok = build_tokenizer("ByteLevelTokenizer", None)
+    argv = MODEL + OVERLAP + ["--rl-desired-lag", str(lag), "--train-iters", str(iterations)]
+    cfg = validate_args(parse_args(argv), torch.distributed.get_world_size(), tok.vocab_size)
+    ds = load_prompt_dataset(bundled_prompts_path(), tok, max_prompt_len=cfg.ppo.max_prompt_length)
+    trainer = PPOTrainer(cfg, tok, ds)
+    sampled, trained, rows = {}, {}, []
+    generate, train = trainer.generation.run, trainer.training.run
+
+    def generation_run(prompt_ids, records, refill, it):
+        out = generate(prompt_ids, records, refill, it)
+        if trainer.engines["actor"].member is False:  # the generation pool's own record
+            sampled[it] = (out.batch.tokens.tolist(), out.batch.gen_logprobs.tolist())
+        return out
+
+    def training_run(batch, it):
+        versions = trainer.last_rollout.versions if trainer.last_rollout is not None else None
+        trained[it] = {"tokens": batch.tokens.tolist(), "loss_behaviour": batch.gen_logprobs.tolist(),
+                       "old": batch.old_logprobs.tolist(), "mask": batch.response_mask.tolist(),
+                       "versions": None if versions is None else versions.tolist()}
+        return train(batch, it)
+
+    trainer.generation.run, trainer.training.run = generation_run, training_run
+    log = trainer.logger.log
+    trainer.logger.log = lambda m: (rows.append({k: v for k, v in m.items() if not k.startswith("time_")
+                                                 and k not in ("samples_per_sec", "tokens_per_sec")}), log(m))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return {"rows": rows, "sampled": sampled, "trained": trained}
+
+
+def check_overlap():
+    """--rl-desired-lag 1 on 2 + 2 ranks for 3 iterations, and lag 0 on the same pools for 1
+    (the synchronous path), timed."""
+    import time
+
+    t0 = time.perf_counter()
+    out = {"lag1": _overlap_run(1, 3), "lag0": _overlap_run(0, 1)}
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
 if __name__ == "__main__":
-    world_main([("bad_reward", check_bad_reward_one_rank), ("estimators", check_estimators)])
+    world_main([("bad_reward", check_bad_reward_one_rank), ("estimators", check_estimators),
+                ("overlap", check_overlap)])

@@ -248,7 +248,75 @@ def check_env_rollouts():
             "counts": out.turn_counts, "calls": handler.calls}
 
 
+def check_lora_export():
+    """1 rank: a LoRA actor on a tiny HF Llama base (its adapters non-zero) exported as a PEFT adapter
+    directory and, merged, as an HF model: PEFT on transformers and the merged model give the greedy
+    tokens of puzzle's generation (puzzle.tools.generate's), the base alone others."""
+    if dist.get_world_size() != 1:
+        return {}
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("peft") is None:  # the test extra's; without it the group's other checks still run
+        return {"skipped": "peft is not installed (pip install -e '.[test]')"}
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from puzzle.engine.model_engine import ModelEngine
+    from puzzle.lora_config import LoRAConfig
+    from puzzle.models.hf_checkpoint import arch_from_hf_dir, export_hf, load_hf_into_model
+    from puzzle.models.lora import gather_adapters, merge_adapters
+    from puzzle.models.peft_export import write_peft_adapter
+    from puzzle.parallel.groups import layout_for
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.rollout import SamplingParams, generate
+
+    root = tempfile.mkdtemp(prefix="puzzle-lora-export-")
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=False, rope_theta=10000.0))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2) if p.dim() > 1 else None
+    hf.save_pretrained(os.path.join(root, "base"))
+    arch = arch_from_hf_dir(os.path.join(root, "base"), make_vocab_size_divisible_by=32, seq_length=32)
+    lora = LoRAConfig(dim=4, alpha=8.0)
+    engine = ModelEngine("actor", arch, layout_for(ParallelPlan(1, 1, 1)), trainable=False, seed=5, lora=lora,
+                         layout_independent_init=False)
+    load_hf_into_model(engine.module, arch, "actor", os.path.join(root, "base"))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if name.endswith("adapter.linear_out.weight"):  # B non-zero: the adapters change the tokens
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    write_peft_adapter(arch, lora, gather_adapters(engine.module, engine.adapter_specs), os.path.join(root, "peft"),
+                       base_model=os.path.join(root, "base"))
+    prompts = [[5, 17, 33], [64, 2, 9, 41, 7], [88, 12]]
+    greedy = SamplingParams(8, greedy=True)
+    ours = [r[:n] for r, n in zip(*(x.tolist() for x in (lambda o: (o.response_tokens, o.response_lengths))(
+        generate(engine, prompts, greedy, seed=1))))]
+
+    def hf_tokens(model):
+        model.eval()
+        with torch.no_grad():
+            return [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+    base_model = LlamaForCausalLM.from_pretrained(os.path.join(root, "base"))
+    base_tokens = hf_tokens(base_model)
+    peft_tokens = hf_tokens(PeftModel.from_pretrained(base_model, os.path.join(root, "peft")))
+    merge_adapters(engine.module)
+    export_hf(engine.module, arch, "actor", os.path.join(root, "merged"))
+    merged_tokens = hf_tokens(LlamaForCausalLM.from_pretrained(os.path.join(root, "merged")))
+    import json
+
+    config = json.load(open(os.path.join(root, "peft", "adapter_config.json")))
+    return {"ours": ours, "peft": peft_tokens, "merged": merged_tokens, "base": base_tokens,
+            "target_modules": config["target_modules"]}
+
+
 if __name__ == "__main__":
     world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume),
                 ("batch_invariant", check_batch_invariant), ("env_rollouts", check_env_rollouts),
-                ("partial_rollouts", check_partial_rollouts)])
+                ("partial_rollouts", check_partial_rollouts), ("lora_export", check_lora_export)])
