@@ -80,8 +80,10 @@ def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_pl
     """Refuse LoRA the actor cannot have, naming the flag: a rank larger than a target linear's smaller
     side; not yet: MoE experts, transformer_engine layers (TE fuses the layernorm into linear_qkv and
     linear_fc1, whose input is then not the adapter's; sequence parallelism, which needs TE, is not
-    handled by the adapters either), a generation layout other than training's (``actor_plans``: the
-    switch moves the base weights only). Checkpoints hold the adapters (puzzle.checkpointing)."""
+    handled by the adapters either). Checkpoints hold the adapters (puzzle.checkpointing). A generation
+    layout other than training's on the same ranks is fine: the switch moves the adapters and generation
+    merges them (puzzle/switch/lora_merge.py); on other ranks (``actor_plans``: training, generation),
+    a generation pool, not yet: the cross-pool switch moves the base only."""
     if not lora.enabled:
         for name, value, default in (("--lora-alpha", lora.alpha, 32.0), ("--lora-dropout", lora.dropout, 0.0)):
             if value != default:
@@ -99,6 +101,7 @@ def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_pl
     if transformer_impl != "local":
         fail("--lora-dim", f"needs --transformer-impl local for now (got {transformer_impl}): LoRA on transformer_engine "
                            "layers is not supported yet")
-    if len(set(actor_plans)) > 1:
-        fail("--lora-dim", f"the actor's generation layout {actor_plans[1]} differs from its training layout "
-                           f"{actor_plans[0]}: the switch does not move LoRA adapters yet")
+    if len(actor_plans) == 2 and actor_plans[1] is not None and set(actor_plans[0].ranks) != set(actor_plans[1].ranks):
+        fail("--actor-gen-rank-offset", f"a LoRA actor's generation pool (generation layout {actor_plans[1]} on other "
+                                        f"ranks than training's {actor_plans[0]}) is not supported yet: the cross-pool "
+                                        "switch moves the base weights only")

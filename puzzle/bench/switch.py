@@ -1,6 +1,6 @@
 """Benchmark: the inter-stage switch (PUZZLE §5.1-5.2) vs megatron-core's resharding refit.
 
-    python -m puzzle.bench.switch [--repeats 5] [--segments 8] [--only all|dense|moe] [--out rows.json]
+    python -m puzzle.bench.switch [--repeats 5] [--segments 8] [--only all|dense|moe|lora] [--out rows.json]
 
 Spawns its own 4-rank torchrun world (gloo, OMP_NUM_THREADS=1). One model (GQA + SwiGLU,
 untied: 4 layers, hidden 256, 8 heads / 4 query groups, ffn 512, vocab 1024) and its mixture-of-experts
@@ -24,6 +24,17 @@ generation layouts of another E), in ONE run:
   (puzzle.switch.overlap); ``hidden_fraction`` = (sequential - async) / time_puzzle_s, the share
   of the switch hidden behind the step.
 
+LoRA rows (``--only lora``, or ``all``): the same dense model with rank-``LORA.dim`` adapters on every
+target linear, training (1, 2, 2) -> generation (1, 1, 4). The first switch lays the base and the
+adapters out (``full_*``), every later one moves the adapters only (``adapters_*``): bytes moved
+by the busiest rank (measured) against what it lacks, the median time of each switch, and
+``adapter_over_full_bytes``. Generation on the merged copy against the unmerged one (adapters as
+forward hooks, megatron's layer forward): ``decode_merged_ms_per_step`` /
+``decode_unmerged_ms_per_step`` (greedy, taken in turns), and ``merge_unmerge_s``, what merging
+costs per switch (puzzle/switch/lora_merge.py picks merged on these figures). The 7B row (LLaMA-2-7B
+shape, bf16) is bytes only, from the routing plan: its weights are not moved (a 7B training copy
+and its generation copy are about 27 GB in bf16, more than this machine's ranks should hold).
+
 Times are wall times between barriers on rank 0 (so the slowest rank), median of ``--repeats``
 after one warm-up. 4 processes share the machine's cores: expect noise.
 """
@@ -40,6 +51,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 PAIRS = [((4, 1, 1), (2, 1, 2)), ((2, 1, 2), (1, 1, 4)), ((1, 2, 2), (1, 1, 4)), ((2, 2, 1), (1, 2, 2))]
 PAIRS = PAIRS + [(d, s) for s, d in PAIRS]
@@ -65,6 +77,24 @@ def _plan(degrees):
     from puzzle.parallel.plan import ParallelPlan
 
     return ParallelPlan(*degrees[:3], E=degrees[3] if len(degrees) > 3 else 1)
+
+
+LORA_PAIR = ((1, 2, 2), (1, 1, 4))
+LORA_DIM = 8
+DECODE_ROWS, DECODE_TOKENS = 8, 16
+
+
+def _lora():
+    from puzzle.lora_config import LoRAConfig
+
+    return LoRAConfig(dim=LORA_DIM, alpha=16.0)
+
+
+def _arch_7b():
+    from puzzle.config import ModelArch
+
+    return ModelArch.llama(num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
+                           num_query_groups=32, vocab_size=32000, make_vocab_size_divisible_by=128, seq_length=4096)
 
 
 def _cases(only: str):
@@ -119,6 +149,13 @@ def _worker(args):
     from puzzle.engine.model_engine import ModelEngine, OptimConfig
 
     rank, world = init_distributed()
+    if args.only == "lora":
+        rows = _lora_rows(args, world)
+        if rank == 0:
+            Path(args.out_file).write_text(json.dumps(rows))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     cases = _cases(args.only)
     archs = {"dense": _arch(), "moe": _arch(moe=True)}
     for _, s, d in cases:  # every layout, collectively, in the same order
@@ -137,6 +174,8 @@ def _worker(args):
         if rank == 0:
             print(f"[switch bench] {kind} {src} -> {dst} done", file=sys.stderr, flush=True)
     failed = _mcore_refit_columns(args, rows, cases, archs, engines, world)
+    if args.only == "all" and not failed:
+        rows.extend(_lora_rows(args, world))
     if rank == 0:
         Path(args.out_file).write_text(json.dumps(rows))
     if not failed:
@@ -192,6 +231,82 @@ def _switch_row(args, arch, eng, kind, src, dst, tokens, world) -> dict:
         "segments": args.segments,
         "hidden_fraction": round((t_seq - t_asy) / t_puzzle, 3) if t_puzzle > 0 else None,
     }
+
+
+def _max_over_ranks(value, world) -> int:
+    import torch.distributed as dist
+
+    got = [None] * world
+    dist.all_gather_object(got, value)
+    return max(got)
+
+
+def _lora_bytes_columns(arch, src, dst, dtype_bytes, world) -> dict:
+    """Bytes of the full switch and of the adapters-only one, from the routing plan."""
+    from puzzle.switch.lora_merge import adapter_bytes
+    from puzzle.switch.shadow import routing_table_for
+
+    full = routing_table_for(arch, "actor", src, dst, dtype_bytes, lora=_lora())
+    adapters = routing_table_for(arch, "actor", src, dst, dtype_bytes, lora=_lora(), adapters_only=True)
+    model = routing_table_for(arch, "actor", src, dst, dtype_bytes).model_bytes()
+    return {"src": str(src), "dst": str(dst), "lora_dim": LORA_DIM, "dtype_bytes": dtype_bytes,
+            "model_bytes": model, "adapter_bytes": adapter_bytes(arch, "actor", _lora(), dtype_bytes),
+            "adapter_over_model_bytes": round(adapter_bytes(arch, "actor", _lora(), dtype_bytes) / model, 4),
+            "full_lower_bound_bytes_max_rank": max(full.bytes_lacking(r) for r in range(world)),
+            "adapters_lower_bound_bytes_max_rank": max(adapters.bytes_lacking(r) for r in range(world))}
+
+
+def _lora_rows(args, world) -> list:
+    """The LoRA rows: the bench's dense model (switched and generated) and the 7B (bytes only)."""
+    import torch.distributed as dist
+
+    from puzzle.bench.generation import _prompts
+    from puzzle.engine.model_engine import ModelEngine, OptimConfig
+    from puzzle.models.param_names import table_params
+    from puzzle.parallel.groups import layout_for
+    from puzzle.rollout import SamplingParams, generate
+    from puzzle.switch.routing_executor import execute_routing
+    from puzzle.switch.shadow import routing_table_for, switch_to_generation
+
+    arch, (src, dst) = _arch(), (_plan(LORA_PAIR[0]), _plan(LORA_PAIR[1]))
+    eng = ModelEngine("actor", arch, layout_for(src), trainable=True, seed=5, optim=OptimConfig(lr=1e-4), lora=_lora())
+    row = {"model": "dense+lora", **_lora_bytes_columns(arch, src, dst, 4, world)}
+    shadow = switch_to_generation(eng, dst)  # the first switch: base and adapters
+    first = shadow.switch_stats.bytes_received
+    src_params, dst_params = table_params(eng.module, "actor"), shadow.params()
+    full = routing_table_for(arch, "actor", src, dst, 4, lora=_lora())
+    adapters = routing_table_for(arch, "actor", src, dst, 4, lora=_lora(), adapters_only=True)
+    stats = []
+    t_full = _timed(lambda: execute_routing(full, src_params, dst_params), args.repeats)
+    t_adapters = _timed(lambda: stats.append(execute_routing(adapters, src_params, dst_params)), args.repeats)
+    # the unmerged copy: the same weights, adapters as forward hooks
+    unmerged = ModelEngine("actor", arch, layout_for(dst), trainable=False, seed=5, lora=_lora())
+    execute_routing(full, src_params, table_params(unmerged.module, "actor"))
+    merged = SimpleNamespace(module=shadow.module, layout=shadow.layout, arch=arch, role="actor",
+                             config=shadow.module.config, member=True)
+    t_merge = _timed(lambda: (shadow.merge_adapters(), shadow.unmerge_adapters()), args.repeats)
+    shadow.merge_adapters()
+    prompts = _prompts(DECODE_ROWS, 8, 32, arch.vocab_size, seed=1)
+    greedy = SamplingParams(DECODE_TOKENS, greedy=True)
+    outs = {}
+    t_m, t_u = _timed_alternately(lambda: outs.__setitem__("m", generate(merged, prompts, greedy, seed=0)),
+                                  lambda: outs.__setitem__("u", generate(unmerged, prompts, greedy, seed=0)),
+                                  max(1, args.repeats // 3))
+    shadow.release()
+    row.update(full_bytes_moved_max_rank=_max_over_ranks(first, world),
+               adapters_bytes_moved_max_rank=_max_over_ranks(stats[-1].bytes_received, world),
+               time_full_switch_s=round(t_full, 5), time_adapters_switch_s=round(t_adapters, 5),
+               merge_unmerge_s=round(t_merge, 5), decode_rows=DECODE_ROWS,
+               decode_merged_ms_per_step=round(t_m / DECODE_TOKENS * 1e3, 3),
+               decode_unmerged_ms_per_step=round(t_u / DECODE_TOKENS * 1e3, 3),
+               decode_greedy_tokens_equal=outs["m"].responses() == outs["u"].responses())
+    row["adapter_over_full_bytes"] = round(row["adapters_bytes_moved_max_rank"] / row["full_bytes_moved_max_rank"], 4)
+    big = {"model": "7B+lora (LLaMA-2-7B shape, bf16)", **_lora_bytes_columns(_arch_7b(), src, dst, 2, world),
+           "note": "bytes computed by the routing plan; weights not moved (too large for this machine's ranks)"}
+    big["adapter_over_full_bytes"] = round(big["adapters_lower_bound_bytes_max_rank"]
+                                           / big["full_lower_bound_bytes_max_rank"], 4)
+    dist.barrier()
+    return [row, big]
 
 
 def _mcore_unmatched(src_module, dst_module):
@@ -273,6 +388,9 @@ def _mcore_refit_columns(args, rows, cases, archs, engines, world):
             flags = [None] * world
             dist.all_gather_object(flags, same)
             row["mcore_matches_puzzle"] = all(flags)
+            if not all(flags):  # e.g. MoE at E -> E': it pairs experts by their local index
+                row["mcore_error"] = ("megatron-core swap_model_weights ran, but its weights differ from puzzle's "
+                                      "(and from the model built at the destination): its time is no baseline")
         except Exception as exc:  # noqa: BLE001 - reported in the row
             failed = f"{type(exc).__name__}: {exc}"[:300]
             row["mcore_error"] = f"megatron-core swap_model_weights: {failed}"
@@ -285,8 +403,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--segments", type=int, default=8)
-    ap.add_argument("--only", choices=("all", "dense", "moe"), default="all",
-                    help="the dense model's plan pairs, the MoE model's (P, D, T, E) pairs, or both")
+    ap.add_argument("--only", choices=("all", "dense", "moe", "lora"), default="all",
+                    help="the dense model's plan pairs, the MoE model's (P, D, T, E) pairs, the LoRA rows, or all")
     ap.add_argument("--timeout", type=int, default=180, help="process-group timeout (s): guards a hang")
     ap.add_argument("--out", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -200,6 +200,10 @@ class PoolSwitch:
             self._move()
             self.send_next = False
 
+    def reset(self) -> None:
+        """After a load (TrainState): as ``release`` (ActorSwitch's also drops a LoRA actor's kept base)."""
+        self.release()
+
     def release(self) -> None:
         if self.shadow is not None and not self.keep:
             self.shadow.release()

@@ -110,7 +110,7 @@ class TrainState:
                     raise ValueError(f"{role} LR schedule differs from the checkpoint's ({e}); the decay "
                                      "length follows --train-iters, --global-batch-size and --ppo-epochs") from e
         if self._switch is not None:
-            self._switch.release()  # the next generation switches from the loaded weights
+            self._switch.reset()  # the next generation switches from the loaded weights (a LoRA base too)
 
 
 class PPOTrainer:

@@ -154,8 +154,9 @@ def _segment_of_model_params(engine, table: RoutingTable, segment_of: Mapping[st
     by_data = {p.data_ptr(): name for name, p in table_params(engine.module, engine.role).items()}
     out = {}
     for _, p in engine.module.named_parameters():
-        local = by_data[p.data_ptr()]
-        out[id(p)] = segment_of[local_to_spec[local]]
+        spec = local_to_spec.get(by_data[p.data_ptr()])
+        if spec is not None:  # (not in the table: a LoRA actor's frozen base, which no optimizer holds)
+            out[id(p)] = segment_of[spec]
     return out
 
 

@@ -19,9 +19,11 @@ from typing import Dict, Optional
 import torch
 
 from puzzle.config import ModelArch
+from puzzle.lora_config import LoRAConfig
 from puzzle.models.init import param_specs
 from puzzle.models.param_names import table_params
 from puzzle.parallel.plan import ParallelPlan, PlanError
+from puzzle.switch.lora_merge import MergedAdapters, adapter_param_specs
 from puzzle.switch.overlap import step_and_switch
 from puzzle.switch.routing import RoutingTable, build_routing_table
 from puzzle.switch.routing_executor import fast_dispatch
@@ -43,10 +45,14 @@ def param_bytes(module: Optional[torch.nn.Module]) -> int:
 
 
 def routing_table_for(arch: ModelArch, role: str, src: ParallelPlan, dst: ParallelPlan,
-                      dtype_bytes: int = 4, ranks_per_node: Optional[int] = None) -> RoutingTable:
-    """The (cached) routing table of role ``role`` of shape ``arch`` from ``src`` to ``dst``.
-    Raises PlanError when the plans do not cover the same ranks or the model does not split."""
-    key = (arch, role, src, dst, dtype_bytes, ranks_per_node)
+                      dtype_bytes: int = 4, ranks_per_node: Optional[int] = None, *,
+                      lora: Optional[LoRAConfig] = None, adapters_only: bool = False) -> RoutingTable:
+    """The (cached) routing table of role ``role`` of shape ``arch`` from ``src`` to ``dst``; with
+    ``lora`` the adapters' too (after the base), or ``adapters_only``. Raises PlanError when the plans
+    do not cover the same ranks or the model does not split."""
+    if adapters_only and lora is None:
+        raise ValueError("adapters_only needs the LoRA config")
+    key = (arch, role, src, dst, dtype_bytes, ranks_per_node, lora, adapters_only)
     if key not in _TABLES:
         for what, plan in (("source", src), ("destination", dst)):
             if not isinstance(plan, ParallelPlan):
@@ -59,18 +65,23 @@ def routing_table_for(arch: ModelArch, role: str, src: ParallelPlan, dst: Parall
 
         check_layout(arch, src, f"{role} (switch source)")
         check_layout(arch, dst, f"{role} (switch destination)")
-        _TABLES[key] = build_routing_table(param_specs(arch, role), src, dst, dtype_bytes=dtype_bytes,
-                                           ranks_per_node=ranks_per_node)
+        specs = [] if adapters_only else param_specs(arch, role)
+        if lora is not None:
+            specs = specs + adapter_param_specs(arch, role, lora)
+        _TABLES[key] = build_routing_table(specs, src, dst, dtype_bytes=dtype_bytes, ranks_per_node=ranks_per_node)
     return _TABLES[key]
 
 
 class ShadowModel:
     """A weights-only model of ``role`` in ``plan``'s layout on this rank (``module`` None off-plan).
 
+    With ``lora`` it also holds the adapters' shards in this layout (``adapters``, written by the
+    switch), merged into the target weights for generation (:meth:`merge_adapters`).
     ``memory`` records RSS and parameter bytes at build and release."""
 
     def __init__(self, arch: ModelArch, role: str, plan: ParallelPlan, *, bf16: bool = False,
-                 fp16: bool = False, seed: int = 0, transformer_impl: str = "local"):
+                 fp16: bool = False, seed: int = 0, transformer_impl: str = "local",
+                 lora: Optional[LoRAConfig] = None):
         from puzzle.models.builders import build_role_model
         from puzzle.parallel.groups import layout_for
 
@@ -87,6 +98,7 @@ class ShadowModel:
             for p in self.module.parameters():
                 p.requires_grad_(False)
             self.module.eval()
+        self.adapters = MergedAdapters(self.module, arch, role, lora) if lora is not None and self.member else None
         self.memory = {"rss_before_build": rss0, "rss_after_build": process_rss_bytes(),
                        "param_bytes": param_bytes(self.module), "build_s": time.perf_counter() - t0}
 
@@ -95,8 +107,25 @@ class ShadowModel:
         return self.module is not None
 
     def params(self) -> Dict[str, torch.Tensor]:
-        """Parameters under the routing table's local names (see :func:`table_params`)."""
-        return table_params(self.module, self.role)
+        """Parameters under the routing table's local names (see :func:`table_params`), the
+        adapters' too (LoRA). The switch writes them: not while the adapters are merged."""
+        if self.adapters is None:
+            return table_params(self.module, self.role)
+        if self.adapters.merged:
+            raise RuntimeError("the shadow's adapters are merged: unmerge them before a switch")
+        return {**table_params(self.module, self.role), **self.adapters.tensors}
+
+    def merge_adapters(self) -> None:
+        """LoRA: the target weights become base + adapter for generation (no-op without LoRA)."""
+        if self.adapters is not None:
+            self.adapters.merge()
+
+    def unmerge_adapters(self) -> None:
+        """LoRA: the base weights back; CUDA graphs captured on the merged weights are dropped."""
+        if self.adapters is not None and self.adapters.merged:
+            self.adapters.unmerge()
+            if hasattr(self.module, "_puzzle_decode_graphs"):
+                del self.module._puzzle_decode_graphs
 
     def param_bytes(self) -> int:
         return param_bytes(self.module)
@@ -108,7 +137,7 @@ class ShadowModel:
         cycles; tests/distributed/worlds/switch.py checks with weak references). A full
         gc.collect() would cost ~0.2 s per iteration in a megatron process for nothing."""
         before = process_rss_bytes()
-        self.module = None
+        self.module = self.adapters = None
         self.memory.update(rss_before_release=before, rss_after_release=process_rss_bytes(),
                            param_bytes_after_release=0)
         return dict(self.memory)
@@ -134,7 +163,7 @@ def _dtype_flags(engine) -> dict:
 def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1, *,
                          shadow: Optional[ShadowModel] = None, optimizer_step: bool = False,
                          group=None, bucket_bytes: Optional[int] = None,
-                         ranks_per_node: Optional[int] = None):
+                         ranks_per_node: Optional[int] = None, adapters_only: bool = False):
     """Switch ``train_engine`` (a ModelEngine) to ``dst_plan``: returns the ShadowModel whose
     parameters are the destination-layout slices of the training weights (collective).
 
@@ -142,14 +171,20 @@ def switch_to_generation(train_engine, dst_plan: ParallelPlan, segments: int = 1
     in ``segments`` segments (:func:`puzzle.switch.overlap.step_and_switch`); the step's result
     is in ``shadow.step_result``. Without it the current weights are moved. ``shadow.switch_stats``
     holds this rank's :class:`~puzzle.switch.routing_executor.SwitchStats`. All plan checks run (and
-    raise PlanError) before anything is allocated or sent."""
+    raise PlanError) before anything is allocated or sent.
+
+    A LoRA actor (``train_engine.lora``) moves its adapters too, into the shadow's adapter shards;
+    ``adapters_only``: only them, into ``shadow`` whose (frozen) base an earlier switch laid out."""
     src_plan = train_engine.layout.plan
     dtype = train_engine.config.params_dtype if train_engine.config is not None else torch.float32
+    lora = getattr(train_engine, "lora", None)
     table = routing_table_for(train_engine.arch, train_engine.role, src_plan, dst_plan,
                               dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
-                              ranks_per_node=ranks_per_node)
+                              ranks_per_node=ranks_per_node, lora=lora, adapters_only=adapters_only)
     if shadow is None:
-        shadow = build_shadow(train_engine.arch, train_engine.role, dst_plan, **_dtype_flags(train_engine))
+        if adapters_only:
+            raise ValueError("adapters_only: the shadow holding the base is needed")
+        shadow = build_shadow(train_engine.arch, train_engine.role, dst_plan, lora=lora, **_dtype_flags(train_engine))
     elif shadow.module is None and shadow.layout.member:
         raise RuntimeError("shadow model was released; build a new one")
     kw = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}

@@ -65,3 +65,35 @@ def test_exported_adapter_gives_puzzles_greedy_tokens_in_peft(export):
     assert export["base"] != export["ours"], export  # the adapters change the tokens: the check has teeth
     assert export["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def lora_switch():
+    return run_world("distributed/worlds/foundation.py", 4)
+
+
+def _split_adapter_bytes_lacking():
+    """Analytic: from (1,2,2) to (1,4,1) each generation rank lacks the other half of every split adapter
+    (B of linear_qkv and linear_fc1, A of linear_proj and linear_fc2), fp32."""
+    from puzzle.lora_config import target_shapes
+    from tests.distributed.worlds.foundation import LORA, LORA_ARCH
+
+    shapes = target_shapes(LORA_ARCH)
+    per_layer = sum(shapes[t][0] for t in ("linear_qkv", "linear_fc1")) + sum(shapes[t][1] for t in ("linear_proj", "linear_fc2"))
+    return LORA_ARCH.num_layers * per_layer * LORA.dim // 2 * 4
+
+
+def test_lora_switch_moves_only_adapter_bytes_after_the_first(lora_switch):
+    members = [r["lora_switch"] for r in lora_switch if r["lora_switch"]["member"]]
+    assert len(members) == 4
+    lacking = _split_adapter_bytes_lacking()
+    for res in members:
+        assert res["second_bytes"] == lacking > 0, (res, lacking)
+        assert res["first_bytes"] > 5 * lacking, res  # the first switch laid the base out too
+
+
+def test_lora_generation_copy_matches_the_training_model(lora_switch):
+    for res in (r["lora_switch"] for r in lora_switch if r["lora_switch"]["member"]):
+        assert res["tokens_equal"], res
+        assert res["logprob_diff"] < 1e-4 < 1e-2 < res["base_logprob_diff"], res  # the adapters count
+        assert res["base_restored"], res

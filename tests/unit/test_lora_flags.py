@@ -41,11 +41,6 @@ def test_bad_lora_input_names_the_flag(extra, flag, words):
     assert str(e.value).startswith(flag + ":") and words in str(e.value), str(e.value)
 
 
-def test_what_lora_cannot_do_yet_is_refused():
-    with pytest.raises(ArgumentError, match="^--lora-dim: the actor's generation layout .* the switch does not move"):
-        cfg("--lora-dim", "4", "--actor-gen-tensor-model-parallel-size", "2")
-
-
 def test_checkpoints_and_a_pretrained_base_are_accepted(tmp_path):
     assert cfg("--lora-dim", "4", "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt")).lora.dim == 4
 
@@ -59,6 +54,17 @@ def test_the_reference_of_a_lora_actor_is_its_base():
     assert cfg("--lora-dim", "4", "--kl-coef", "0", "--use-kl-loss").reference_is_actor_base
     with pytest.raises(ArgumentError, match="^--ref-num-layers: the run builds no ref model .*LoRA actor's base"):
         cfg("--lora-dim", "4", *kl, "--ref-num-layers", "2")
+
+
+def test_a_generation_layout_of_its_own_is_accepted():
+    run = cfg("--lora-dim", "4", "--actor-gen-tensor-model-parallel-size", "2")
+    assert run.lora.dim == 4 and run.roles["actor"].gen_plan != run.roles["actor"].plan
+
+
+def test_a_generation_pool_is_refused_for_now():
+    with pytest.raises(ArgumentError, match="^--actor-gen-rank-offset: a LoRA actor's generation pool"):
+        cfg("--lora-dim", "4", "--rl-desired-lag", "1", "--actor-gen-rank-offset", "2",
+            "--rl-inference-logprobs-is-correction")
 
 
 def test_rank_limit_is_the_target_layers_smaller_side():

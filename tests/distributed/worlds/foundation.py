@@ -1,5 +1,7 @@
 """4-rank world: models with different layouts side by side (foundation issue)."""
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -193,6 +195,42 @@ def check_lora():
     return out
 
 
+def check_lora_switch():
+    """The LoRA actor trained at (1,2,2) generates at (1,4,1) through the switch: the first switch
+    lays the base and the adapters out, the one overlapped with the next optimizer step moves only
+    the adapters (the bytes each rank lacks: half of every split adapter here); generation with the
+    merged adapters gives the training model's greedy tokens and log-probs (adapters unmerged, at
+    T=2), and the base comes back bit for bit after it. (Trainable engines cover the world: megatron's
+    optimizer gathers over it.)"""
+    from puzzle.dataflow.actor_switch import ActorSwitch
+    from puzzle.rollout import SamplingParams, generate
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    eng = ModelEngine("actor", LORA_ARCH, layout_for(ParallelPlan(1, 2, 2)), trainable=True,
+                      optim=OptimConfig(lr=1e-2), seed=7, lora=LORA)
+    switch = ActorSwitch(eng, ParallelPlan(1, 4, 1))
+    prompts, greedy = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(6, greedy=True)
+    gen = switch.generation_engine()  # the first switch: base and adapters (B zero: the base model)
+    res = {"member": gen.member, "first_bytes": switch.last_stats.bytes_received}
+    base_lp = generate(gen, prompts, greedy, seed=0).logprobs if gen.member else None
+    switch.release()
+    base = [p.clone() for p in gen.module.parameters()] if gen.member else []
+    mine = _lora_tokens(3)[eng.layout.d:eng.layout.d + 1]  # LB = 2 rows, one per DP rank
+    eng.forward_backward(lm_nll_step(LORA_ARCH.vocab_size), iter([mine]), 1, LS, 1, forward_only=False)
+    switch.optimizer_step_and_switch()  # the step (B moves) overlapped with the switch of the adapters
+    res["second_bytes"] = switch.last_stats.bytes_received
+    gen = switch.generation_engine()
+    if gen.member:
+        out, train = generate(gen, prompts, greedy, seed=0), generate(eng, prompts, greedy, seed=0)
+        res.update(tokens_equal=out.responses() == train.responses(),
+                   logprob_diff=(out.logprobs - train.logprobs).abs().max().item(),
+                   base_logprob_diff=(out.logprobs - base_lp).abs().max().item())
+        switch.release()
+        res["base_restored"] = all(torch.equal(a, b) for a, b in zip(base, gen.module.parameters()))
+    dist.barrier()
+    res["seconds"] = time.perf_counter() - t0
+    return res
 def _lora_reference_is_base(eng):
     """The scoring stage of the trained LoRA actor with a KL term: no reference engine; the reference
     log-probs (the actor, adapters off) equal the plain base model's bitwise, the actor's differ."""
@@ -288,4 +326,4 @@ def _assemble(ranks):
 
 if __name__ == "__main__":
     world_main([("layouts_agree", check_layouts_agree), ("two_layouts_train", check_two_layouts_train),
-                ("lora", check_lora)])
+                ("lora", check_lora), ("lora_switch", check_lora_switch)])
