@@ -1,7 +1,9 @@
 """The bundled task of the tiny tool run (examples/run_grpo_tiny_tool.sh): the last digit of a
 product of two two-digit numbers with a four-digit value, ``"85*91%10="`` (answer ``5``), which a
-tiny byte-level model does not learn to compute in minutes, but answers by calling the calculator
-(``--env calculator_tiny``) and reading the last digit of its result.
+tiny byte-level model answers by calling the calculator (``--env calculator_tiny``) and reading the
+last digit of its result. Alone it can only learn the table of the operands' last digits (100
+entries), more slowly: in the tiny tool run's 150 iterations it reaches a solved fraction of ~0.4
+without the tool, ~0.7-0.9 with it (docs/grpo.md).
 
 Each prompt asks the product's last digit and opens a tool call holding the product, in the byte
 calculator's syntax (``puzzle.reward_functions.environments.ByteCalculator``: ``[EXPR]``):
