@@ -44,9 +44,9 @@ def make_records(seed: int = 0) -> List[List[dict]]:
     observation is then always five bytes), shuffled with ``seed``: ``TRAIN_PER_DIGIT`` training
     and ``EVAL_PER_DIGIT`` eval records for each last digit 0..9, shuffled again.
 
-    Every answer digit is equally frequent: with the products' own mix (even digits far more
-    frequent than odd ones), GRPO first learns the most frequent digit, whatever the observation,
-    and the policy collapses on it before the copy is learned ("4", solved_fraction 0.19)."""
+    Every answer digit is equally frequent: with the products' own mix (0 in 26% of them, each odd
+    digit but 5 in 4%), GRPO first learns a few frequent digits, whatever the observation, and the
+    policy collapses on them before the copy is learned ("4" and "2", solved_fraction 0.19)."""
     rng = random.Random(seed)
     pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a * b >= 1000]
     rng.shuffle(pairs)
