@@ -303,7 +303,7 @@ class ByteCalculator(Calculator):
     tool run, examples/run_grpo_tiny_tool.sh; ``--env calculator_tiny``).
 
     A tool call is ``[EXPR]``, its close one byte; the call may open in the prompt (the bundled
-    task's prompts end in an open call holding the question's expression: ``23+45=[23+45``), so
+    task's prompts end in an open call holding the question's expression: ``85*91%10=[85*91``), so
     the call is read from the context and the turn together. The observation is ``=VALUE``. The
     rewards give credit in small steps, so that random sampling finds some of it:
     a final answer equal to the record's ``answer`` gets 1.0; after a call that evaluated, another

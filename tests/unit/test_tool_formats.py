@@ -144,6 +144,16 @@ def test_the_byte_calculator_credits_a_call_then_the_answer():
     assert episode(("x]", "88+88=[88+88"))[0].observation.startswith("=error")
 
 
+def test_the_byte_calculator_answers_the_bundled_last_digit_task():
+    calc = ByteCalculator()
+    calc.reset({"prompt": "85*91%10=[85*91", "answer": "5"})
+    assert calc.step(Turn("]", [], 0, "85*91%10=[85*91")) == StepResult("=7735", None, False)
+    assert calc.step(Turn("5", [], 1, "85*91%10=[85*91]=7735")) == StepResult("", 1.0, True)
+    calc.reset({"prompt": "85*91%10=[85*91", "answer": "5"})
+    calc.step(Turn("]", [], 0, "85*91%10=[85*91"))
+    assert calc.step(Turn("7", [], 1, "85*91%10=[85*91]=7735")).reward == pytest.approx(0.1 + 0.1)  # call, a digit
+
+
 def test_the_samples_log_shows_the_turns():
     from puzzle.dataflow.batch import RolloutBatch
     from puzzle.metrics import rollout_sample_rows
@@ -159,13 +169,20 @@ def test_the_samples_log_shows_the_turns():
     assert response_turns([5, 6], [True, True], tok) == [{"observation": "\x05\x06"}]
 
 
-def test_the_bundled_tool_sums_are_their_generators_and_held_out_apart():
+def test_the_bundled_tool_last_digits_are_their_generators_balanced_and_held_out_apart():
     import json
+    from collections import Counter
 
-    from puzzle.data.tool_sums import EVAL_PATH, PATH, make_records
+    from puzzle.data.tool_last_digits import EVAL_PATH, EVAL_PER_DIGIT, PATH, TRAIN_PER_DIGIT, make_records
 
     train, held_out = make_records()
     assert [json.loads(line) for line in PATH.read_text().splitlines()] == train
     assert [json.loads(line) for line in EVAL_PATH.read_text().splitlines()] == held_out
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
-    assert all(len(r["answer"]) == 3 and r["prompt"].endswith("[" + r["prompt"].split("=")[0]) for r in train)
+    assert Counter(r["answer"] for r in train) == {str(d): TRAIN_PER_DIGIT for d in range(10)}
+    assert Counter(r["answer"] for r in held_out) == {str(d): EVAL_PER_DIGIT for d in range(10)}
+    for r in train + held_out:
+        question, call = r["prompt"].split("%10=[")
+        a, b = map(int, call.split("*"))
+        assert question == call and 10 <= a <= 99 and 10 <= b <= 99 and a * b >= 1000
+        assert r["answer"] == str(a * b)[-1]
