@@ -58,8 +58,7 @@ def export():
 
 
 def test_exported_adapter_gives_puzzles_greedy_tokens_in_peft(export):
-    if "skipped" in export:
-        pytest.skip(export["skipped"])
+    assert "missing" not in export, export["missing"]  # peft is the test extra's: without it this fails
     assert export["peft"] == export["ours"], export  # the PEFT adapter directory on the HF base
     assert export["merged"] == export["ours"], export  # --merge-lora: the merged HF model
     assert export["base"] != export["ours"], export  # the adapters change the tokens: the check has teeth
