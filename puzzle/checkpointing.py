@@ -60,26 +60,25 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-import puzzle
 from puzzle.config import ROLES
 from puzzle.models.init import is_expert_param
 from puzzle.models.param_names import HEAD_LOCAL_NAME, drop_extra_state
 from puzzle.parallel.device import runtime
 from puzzle.checkpoint_errors import CheckpointError
+from puzzle.checkpoint_metadata import (FORMAT, base_fingerprint_problem, fingerprints_match, role_source, run_metadata,
+                                       run_problems)
 from puzzle.rng_state import capture_rng_state, read_rng_file, set_rng_state
 from puzzle.save_failures import SavePhases, first_line as _first_line, summarize as _summarize
 
-FORMAT = 1
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 TRAINER_STATE = "trainer_state.json"
-_FINGERPRINT_RTOL = 1e-6
 
 
 @dataclass
@@ -123,43 +122,6 @@ def read_tracker(root: str) -> Optional[int]:
 
 
 # ---- metadata (layout-free description of the run) -------------------------------------------
-def _plan_dict(plan) -> Optional[dict]:
-    return None if plan is None else {"P": plan.P, "D": plan.D, "T": plan.T,
-                                      "offset": getattr(plan, "offset", 0),
-                                      "E": getattr(plan, "E", 1), "ETP": getattr(plan, "ETP", plan.T)}
-
-
-def _role_source(cfg, role: str) -> dict:
-    """Where a model's initial weights come from (its Role: seed offset, HF or Megatron-LM checkpoint)."""
-    spec = cfg.roles[role]
-    source = {"hf_path": os.path.abspath(spec.hf_path) if spec.hf_path else None, "seed": spec.init_seed(cfg.seed)}
-    if spec.pretrained_checkpoint:
-        source["pretrained_checkpoint"] = os.path.abspath(spec.pretrained_checkpoint)
-    return source
-
-
-def _lora_dict(lora) -> dict:
-    return {"dim": lora.dim, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": list(lora.target_modules)}
-
-
-def run_metadata(cfg) -> dict:
-    roles = {}
-    for role, spec in cfg.roles.items():
-        roles[role] = {"arch": asdict(spec.arch), "plan": _plan_dict(spec.plan),
-                       "gen_plan": _plan_dict(spec.gen_plan), "trainable": bool(spec.trainable)}
-        if not spec.trainable:
-            roles[role]["source"] = _role_source(cfg, role)
-        elif role == "actor" and cfg.lora.enabled:  # the adapters; the base by reference (its fingerprint: save)
-            roles[role]["lora"] = _lora_dict(cfg.lora)
-            roles[role]["base"] = {"source": _role_source(cfg, role)}
-        elif spec.arch.is_moe:  # puzzle.engine.model_engine: the experts' optimizer apart at every E
-            roles[role]["experts_optimizer"] = EXPERTS_OWN_OPTIMIZER
-    return {"format": FORMAT, "puzzle_version": puzzle.__version__, "world_size": cfg.world_size,
-            "seed": cfg.seed, "roles": roles,
-            "optimizer": {"use_distributed_optimizer": bool(cfg.optim.use_distributed_optimizer),
-                          "bf16": bool(cfg.bf16), "fp16": bool(cfg.fp16)}}
-
-
 def _read_metadata(d: str) -> dict:
     path = os.path.join(d, METADATA)
     if not os.path.isfile(path):
@@ -260,70 +222,10 @@ def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optiona
         raise CheckpointError(f"checkpoint iteration {it} ({source}) is damaged: {problems[0]}"
                               + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
                               + f"; {_newest_other(root, it, lambda k: _complete(root, k))}")
-    problems = []
-    saved_roles = meta.get("roles", {})
-    for role, spec in cfg.roles.items():
-        if role not in saved_roles:
-            problems.append(f"role {role}: not in the checkpoint (it has {', '.join(saved_roles)})")
-            continue
-        saved = saved_roles[role]
-        mine = asdict(spec.arch)
-        diff = [f"{k}: checkpoint {saved['arch'].get(k)!r} vs this run {v!r}"
-                for k, v in mine.items() if saved["arch"].get(k) != v]
-        if diff:
-            problems.append(f"role {role} model shape differs: " + "; ".join(diff))
-        if bool(saved["trainable"]) != bool(spec.trainable):
-            problems.append(f"role {role}: trainable={saved['trainable']} in the checkpoint")
-        problems += _expert_optimizer_problems(cfg, role, saved)
-        problems += _lora_problems(cfg, role, saved)
-        if not spec.trainable and not cfg.finetune:  # --finetune: the frozen roles are this run's own
-            problems += _frozen_source_problems(cfg, role, saved.get("source", {}))
-    for role in saved_roles:
-        if role not in cfg.roles and not cfg.finetune:
-            problems.append(f"role {role}: in the checkpoint but not in this run")
+    problems = run_problems(cfg, meta)
     if problems:
         raise CheckpointError(f"cannot resume from {path}: " + " | ".join(problems))
     return it
-
-
-def _lora_problems(cfg, role: str, saved: dict) -> List[str]:
-    """A LoRA actor resumes adapters of the same rank on the same linears (alpha and dropout may change)."""
-    if role != "actor" or not cfg.roles[role].trainable:
-        return []
-    mine = _lora_dict(cfg.lora) if cfg.lora.enabled else None
-    theirs = saved.get("lora")
-    if mine is None and theirs is None:
-        return []
-    if mine is None or theirs is None:
-        what = lambda d: f"LoRA rank {d['dim']} adapters" if d else "full-parameter training"
-        return [f"role actor: the checkpoint holds {what(theirs)}, this run asks for {what(mine)}"]
-    diff = [f"{k}: checkpoint {theirs.get(k)!r} vs this run {mine[k]!r}" for k in ("dim", "target_modules")
-            if theirs.get(k) != mine[k]]
-    return ["role actor LoRA adapters differ: " + "; ".join(diff)] if diff else []
-
-
-def base_fingerprint_problem(meta: dict, role: str, now: list, source: dict) -> Optional[str]:
-    """The adapters of ``role`` were trained on a base whose fingerprint (sum and sum of squares of
-    its weights) differs from this run's base: a message naming both, else None."""
-    saved = (meta["roles"].get(role, {}).get("base") or {})
-    before = saved.get("fingerprint")
-    if before is None or _fingerprints_match(before, now):
-        return None
-    return (f"role {role}: its LoRA adapters were trained on the base {saved.get('source')} (fingerprint {before}), "
-            f"this run's base is {source} (fingerprint {now}): refusing to put them on another base")
-
-
-def _frozen_source_problems(cfg, role: str, src: dict) -> List[str]:
-    """A frozen role (saved by reference) whose source differs in this run."""
-    want = _role_source(cfg, role)
-    for key, what in (("hf_path", "hf_path"), ("pretrained_checkpoint", "Megatron-LM checkpoint")):
-        if src.get(key) != want.get(key):
-            return [f"role {role} (frozen, saved by reference): weights came from {what}={src.get(key)!r}, "
-                    f"this run uses {want.get(key)!r}"]
-    if want["hf_path"] is None and "pretrained_checkpoint" not in want and src.get("seed") != want["seed"]:
-        return [f"role {role} (frozen, saved by reference): weights were initialised from seed "
-                f"{src.get('seed')}, this run's --seed gives {want['seed']}"]
-    return []
 
 
 def _megatron_checkpoint(cfg, root: str):
@@ -339,28 +241,6 @@ def _megatron_checkpoint(cfg, root: str):
         return found
     raise CheckpointError(f"--load: {found.describe()} is a Megatron-LM checkpoint, not a puzzle run: read it "
                           f"with --finetune (the actor's and reference's weights) or --pretrained-checkpoint")
-
-
-#: run_metadata's mark of a MoE role whose experts' optimizer state is apart from the dense one at
-#: every E (checkpoints from before it kept the experts in the dense optimizer at E = 1)
-EXPERTS_OWN_OPTIMIZER = "own"
-
-
-def _expert_optimizer_problems(cfg, role: str, saved: dict) -> List[str]:
-    """Trained MoE models keep their experts' optimizer state in an optimizer of their own at
-    every E (puzzle.engine.model_engine), so it resumes at any E. Checkpoints saved at E = 1 before
-    that (no experts_optimizer mark) hold the experts in the dense optimizer: their optimizer state
-    does not resume, their weights do (--no-load-optim). At E > 1 megatron always kept experts apart."""
-    spec = cfg.roles[role]
-    if not (spec.trainable and spec.arch.is_moe and getattr(cfg, "load_optim", True)
-            and not getattr(cfg, "finetune", False)):
-        return []
-    was = (saved.get("plan") or {}).get("E", 1)
-    if was > 1 or saved.get("experts_optimizer") == EXPERTS_OWN_OPTIMIZER:
-        return []
-    return [f"role {role}: saved at E=1 with its experts' optimizer state inside the dense optimizer "
-            f"(an earlier puzzle); this run keeps the experts in an optimizer of their own at every E: "
-            f"resume the weights alone with --no-load-optim"]
 
 
 # ---- per-role sharded state dicts --------------------------------------------------------------
@@ -423,10 +303,6 @@ def weight_fingerprint(engine) -> list:
             acc += torch.stack([x.sum(), (x * x).sum()])
     dist.all_reduce(acc)
     return [float(v) for v in acc]
-
-
-def _fingerprints_match(a, b) -> bool:
-    return all(abs(x - y) <= _FINGERPRINT_RTOL * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b))
 
 
 # ---- save ------------------------------------------------------------------------------------------
@@ -680,7 +556,7 @@ def load_checkpoint(parts: "Checkpointed", root: str, *, load_optim: bool = True
             continue
         saved = meta.get("fingerprints", {}).get(role)
         now = weight_fingerprint(eng)
-        if saved is not None and not _fingerprints_match(saved, now):
+        if saved is not None and not fingerprints_match(saved, now):
             raise CheckpointError(f"{os.path.join(d, METADATA)}: frozen role {role} was rebuilt from "
                                   f"{meta['roles'][role]['source']} but its weights differ from the "
                                   f"saved run's (fingerprint {saved} vs {now})")
@@ -710,7 +586,7 @@ def _check_lora_bases(parts: "Checkpointed", meta: dict, path: str) -> None:
     for role, eng in parts.engines.items():
         if getattr(eng, "lora", None) is None:
             continue
-        problem = base_fingerprint_problem(meta, role, weight_fingerprint(eng), _role_source(parts.cfg, role))
+        problem = base_fingerprint_problem(meta, role, weight_fingerprint(eng), role_source(parts.cfg, role))
         if problem:
             raise CheckpointError(f"{path}: {problem}")
 

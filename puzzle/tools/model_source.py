@@ -119,7 +119,8 @@ def _load_lora_engine(source: str, role: str, plan, arch, meta: dict, *, step, b
     recorded (an HF or Megatron-LM checkpoint, else its seed), checked against the saved base
     fingerprint (another base is refused, naming both), then its adapters."""
     from puzzle.checkpoint_errors import CheckpointError
-    from puzzle.checkpointing import base_fingerprint_problem, load_role_weights, weight_fingerprint
+    from puzzle.checkpoint_metadata import base_fingerprint_problem
+    from puzzle.checkpointing import load_role_weights, weight_fingerprint
     from puzzle.engine.model_engine import ModelEngine
     from puzzle.lora_config import LoRAConfig
     from puzzle.parallel.groups import layout_for

@@ -9,9 +9,9 @@ hide an arrow. The layers, from the bottom:
        (flags' values, process layouts, bad input, the one model-shape type)
     1  models                                             (GPTModel builders, parameter layout/names)
     2  engine, rollout, pipeline, switch, algorithms, data  (model engines, generation, schedules, math)
-    3  dataflow, checkpointing, rng_state, save_failures, reward_functions, metrics, run_control, weight_sources
+    3  dataflow, checkpointing, checkpoint_metadata, rng_state, save_failures, reward_functions, metrics, run_control, weight_sources
        (dataflow: the trainer, the five stages, the rollout batch, micro-batching, evaluation)
-    4  cli, arguments, flag_checks, tools, bench, plan_search  (command line and tools)
+    4  cli, arguments, role_arch, flag_checks, tools, bench, plan_search  (command line and tools)
 
 A module may import its own layer or any layer below. Below the command line (layers 0-3) nothing
 reads the environment but the launcher's contract (``ENV_READERS``: torchrun's RANK, WORLD_SIZE,
@@ -38,8 +38,8 @@ LAYERS = [
      "lora_config", "memory_levers"},
     {"models"},
     {"engine", "rollout", "pipeline", "switch", "algorithms", "data"},
-    {"dataflow", "checkpointing", "rng_state", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},
-    {"cli", "arguments", "flag_checks", "tools", "bench", "plan_search"},
+    {"dataflow", "checkpointing", "checkpoint_metadata", "rng_state", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},
+    {"cli", "arguments", "role_arch", "flag_checks", "tools", "bench", "plan_search"},
 ]
 LAYER_OF = {part: i for i, parts in enumerate(LAYERS) for part in parts}
 

@@ -5,7 +5,7 @@ scoring), and adapters refused on another base."""
 import pytest
 
 from puzzle.arguments import parse_args, validate_args
-from puzzle.checkpointing import _lora_problems, base_fingerprint_problem
+from puzzle.checkpoint_metadata import _lora_problems, base_fingerprint_problem
 from puzzle.model_shape import lora_layer_params
 from puzzle.plan_search.command import memory_estimate, stage_estimate
 from puzzle.plan_search.cost_model import LLAMA_SHAPES, ModelRole, trained_params_on_stage

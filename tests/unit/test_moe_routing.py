@@ -117,7 +117,7 @@ def test_expert_optimizer_state_resumes_across_e1():
     --no-load-optim."""
     from types import SimpleNamespace
 
-    from puzzle.checkpointing import EXPERTS_OWN_OPTIMIZER, _expert_optimizer_problems, run_metadata
+    from puzzle.checkpoint_metadata import EXPERTS_OWN_OPTIMIZER, _expert_optimizer_problems, run_metadata
     from tests.unit.test_moe import _run_cfg
 
     def problems(saved, *flags, load_optim=True):
