@@ -11,7 +11,13 @@ reward (function or model) scores them. Metrics go under ``eval/`` into every me
 - with a reward function (a verifiable reward): ``eval/accuracy``, the fraction of samples scoring
   >= 1 (a correct answer, as ``solved_fraction`` counts it), and with N > 1 ``eval/pass@k``
   (the unbiased estimator of Chen et al. 2021) for k = 2, 4, ... and N;
-- ``time_eval`` (seconds, a machine field).
+- ``time_eval`` (seconds, a machine field);
+- multi-turn (``--env`` with ``--max-turns`` > 1): the eval samples are episodes run as training
+  runs them (the decode loop steps the environment, observations inserted), scored by their
+  episodes; also ``eval/env_turns_per_sample``, ``eval/env_tool_calls_per_sample``,
+  ``eval/env_observation_tokens_per_sample`` and the counts of step errors, timeouts, cuts and
+  truncated observations (``env_turns.EpisodeResults.metrics``; the counts include the fill rows
+  of a batch, which are generated like the others).
 
 The samples go to DIR/eval_samples.jsonl. Evaluation reads no training RNG and no training data:
 its sampling noise is keyed by its own seed (puzzle.rollout.sampling is counter-based), its prompts
@@ -84,6 +90,17 @@ def _padded(rows: int, unit: int) -> int:
     return -(-rows // unit) * unit
 
 
+def _turns_of(batch, b: int, tokenizer) -> dict:
+    """Row b's turns (``[{"model": text}, {"observation": text}, ...]``), tool calls (turns answered
+    by an observation) and observation tokens."""
+    from puzzle.dataflow.env_turns import response_turns
+
+    p, n = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
+    obs = (batch.loss_mask[b, :n] == 0).tolist()
+    turns = response_turns(batch.tokens[b, p:p + n].tolist(), obs, tokenizer)
+    return {"turns": turns, "tool_calls": sum(1 for t in turns if "observation" in t), "observation_tokens": sum(obs)}
+
+
 class Evaluator:
     """Evaluates the actor on ``dataset`` (a PromptDataset of the eval prompts) through the run's
     own stages: ``generation`` (its engine and layout, its sampling) and the scoring path
@@ -109,6 +126,8 @@ class Evaluator:
         t0 = time.perf_counter()
         engine = self.generation.engine()
         scores, lengths, bad, offset = [], [], 0, 0
+        multi_turn = self.rewards.multi_turn  # episodes of --env in the decode loop, as in training
+        counts, generated = {}, 0
         for rows in self.batches:
             ids = [self.dataset.prompts[i] for i in rows for _ in range(self.n)]
             records = [self.dataset.records[i] if self.dataset.records else {} for i in rows for _ in range(self.n)]
@@ -116,9 +135,16 @@ class Evaluator:
             ids = ids + [ids[0]] * (size - len(ids))  # rows to fill the layouts' shares, dropped after
             records = records + [records[0]] * (size - len(records))
             batch = self.generation.sample(engine, ids, seed=self.cfg.seed * 100003 + iteration + EVAL_SEED_OFFSET,
-                                           greedy=self.n == 1 or self.cfg.ppo.greedy, first_sample=offset)
+                                           greedy=self.n == 1 or self.cfg.ppo.greedy, first_sample=offset,
+                                           records=records if multi_turn else None)
             keep = len(rows) * self.n
-            batch_scores, batch_bad = self._score(batch, records, iteration, keep)
+            if multi_turn:
+                episodes = self.generation.episodes
+                batch_scores, batch_bad = self._episode_scores(episodes, iteration, keep)
+                counts = {k: counts.get(k, 0) + v for k, v in episodes.counts.items()}
+                generated += size
+            else:
+                batch_scores, batch_bad = self._score(batch, records, iteration, keep)
             scores.append(batch_scores.cpu())
             lengths.append(batch.response_lengths[:keep].cpu())
             bad += batch_bad
@@ -128,6 +154,10 @@ class Evaluator:
                             with_accuracy=self.rewards.function is not None)
         if bad:
             metrics["eval/bad_rewards"] = bad
+        if multi_turn:
+            from puzzle.dataflow.env_turns import EpisodeResults
+
+            metrics.update({"eval/" + k: v for k, v in EpisodeResults(None, None, counts).metrics(generated).items()})
         self.runtime.synchronize()
         metrics["time_eval"] = time.perf_counter() - t0
         return metrics
@@ -152,6 +182,15 @@ class Evaluator:
         scores = self.scoring.reward_model_scores(batch)[:keep]
         return self.rewards.check_model_scores(scores.float(), iteration, " (eval)")
 
+    def _episode_scores(self, episodes, iteration: int, keep: int):
+        """Multi-turn: the first ``keep`` rows' episode scores (``env_turns.EpisodeResults``), bad
+        ones replaced or refused as in training (the fill rows after them not counted)."""
+        from puzzle.dataflow.env_turns import EpisodeResults
+
+        kept = EpisodeResults(episodes.scores[:keep], episodes.bad[:keep], episodes.counts)
+        scores, bad = self.rewards.episode_scores(kept, iteration)
+        return scores.float(), bad
+
     def _write_samples(self, batch, records, prompt_indices, scores, iteration: int) -> None:
         if self.samples is None or self.samples.file is None:
             return
@@ -166,6 +205,8 @@ class Evaluator:
                        "response": s.response_text, "reward": float(scores[j * self.n + k])}
                 if "answer" in s.record:
                     row["answer"] = s.record["answer"]
+                if getattr(batch, "loss_mask", None) is not None:  # multi-turn: the turns, as training logs them
+                    row.update(_turns_of(batch, j * self.n + k, self.tokenizer))
                 rows.append(row)
         self.samples.write(rows)
 
