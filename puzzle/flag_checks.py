@@ -127,9 +127,6 @@ def check_partial_rollouts(args, spec) -> None:
     if args.filter_groups:
         fail("--rl-partial-rollouts", "not with --filter-groups (dynamic sampling over-generates in rounds "
                                       "of whole groups; the two would serve the same prompts twice)")
-    if getattr(args, "max_turns", 1) > 1:
-        fail("--rl-partial-rollouts", "not with --max-turns > 1 (an episode's environment state cannot be "
-                                      "carried to the next iteration yet)")
     if not args.rl_inference_logprobs_is_correction:
         fail("--rl-partial-rollouts", "needs --rl-inference-logprobs-is-correction: carried tokens were sampled "
                                       "under an older policy and the loss must weight them by the log-probs "
@@ -138,7 +135,9 @@ def check_partial_rollouts(args, spec) -> None:
 
 def check_partial_generation(gen) -> None:
     """--rl-partial-rollouts: the stop rule runs in continuous batching (P=1) and counts one
-    share's groups (the carried samples are the same on every rank)."""
+    share's groups (the carried samples are the same on every rank). Multi-turn samples (--max-turns
+    > 1) are carried mid-episode (puzzle/dataflow/partial_stage.py); their generation layout is
+    checked with --max-turns (P=1, T=1)."""
     if gen.P > 1:
         fail("--rl-partial-rollouts", f"needs an actor generation layout with P=1 (the quota stops continuous "
                                        f"batching; got P={gen.P})")

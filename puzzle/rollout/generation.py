@@ -57,7 +57,7 @@ import torch
 from puzzle.models.batch_invariant import batch_invariant_mode
 from puzzle.rollout.partial import GroupQuota, check_resume, check_sample_ids
 from puzzle.rollout.sampling import SamplingParams
-from puzzle.rollout.turns import TurnHandler, TurnTracker
+from puzzle.rollout.turns import TurnHandler, TurnResume, TurnTracker
 
 
 @dataclass
@@ -78,6 +78,7 @@ class GenerationOutput:
     # inserted (on the host), and the counts of turns, observation tokens and cut samples
     observation_mask: Optional[torch.Tensor] = None
     turn_counts: Optional[dict] = None
+    turn_states: Optional[List[TurnResume]] = None  # multi-turn: each row's turn bookkeeping at the end
 
     def responses(self) -> List[List[int]]:
         """The generated tokens of every row (up to and including EOS)."""
@@ -394,7 +395,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
              cuda_graphs: bool = False, compile_graphs: bool = False, batch_invariant: bool = False,
              progress: Optional[Callable[[int, int], None]] = None, stop: Optional[GroupQuota] = None,
              partial_tokens: Optional[List[List[int]]] = None, partial_logprobs=None,
-             sample_ids: Optional[List[int]] = None, turns: Optional[TurnHandler] = None) -> GenerationOutput:
+             sample_ids: Optional[List[int]] = None, turns: Optional[TurnHandler] = None,
+             partial_turns: Optional[List[Optional[TurnResume]]] = None) -> GenerationOutput:
     """Generate continuations of this DP rank's ``prompts`` with the actor ``engine``.
 
     Call on every rank of the engine's layout, with the same prompts on all TP/PP ranks of one
@@ -421,18 +423,22 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     Without these arguments the output is the same as before they existed, bit for bit.
 
     Multi-turn samples (puzzle/rollout/turns.py): ``turns`` answers each row's ended turns with
-    observation tokens, inserted into the row's response and KV cache (P=1, T=1; not with
-    ``stop``, partial rows or CUDA graphs); the output's ``observation_mask`` marks them.
+    observation tokens, inserted into the row's response and KV cache (P=1, T=1; not with CUDA
+    graphs); the output's ``observation_mask`` marks them. With ``stop`` a row left running has
+    its pending observation written whole into its response (``TurnTracker.flush``) and its turn
+    state in ``turn_states``; ``partial_turns`` gives a resumed row's (None: no observation in it,
+    no turn stepped).
     """
     from puzzle.rollout.pipelined_generation import run_schedule
 
     width = _check_inputs(engine, prompts, params, sample_offset)
     b = len(prompts)
     P = engine.layout.plan.P
-    resumed = check_resume(b, params, engine.arch.valid_vocab_size, partial_tokens, partial_logprobs)
+    _check_turns(turns, engine.layout.plan, stop, partial_tokens, cuda_graphs, partial_turns)
+    resumed = check_resume(b, params, engine.arch.valid_vocab_size, partial_tokens, partial_logprobs,
+                           None if partial_turns is None else [t and t.observation for t in partial_turns])
     rows_sample_ids = check_sample_ids(b, sample_offset, sample_ids)
     _check_stop(stop, b, P)
-    _check_turns(turns, engine.layout.plan, stop, partial_tokens, cuda_graphs)
     mbs = micro_batch_size if micro_batch_size is not None else math.ceil(b / P)
     if not isinstance(mbs, int) or mbs < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
@@ -449,6 +455,9 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     tracker = None
     if turns is not None:
         tracker = batches[0].turns = TurnTracker(turns, b, params.max_new_tokens)
+        for r, state in enumerate(partial_turns or []):
+            if rtok[r] or state is not None:
+                tracker.resume(r, rtok[r], state or TurnResume((False,) * len(rtok[r]), 0, 0))
     try:
         with _inference_model(model), torch.no_grad(), batch_invariant_mode(batch_invariant), \
                 _Hooks(model, width if graphs is None else graphs.width) as hooks, \
@@ -464,11 +473,32 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         if graphs is None:
             for sb in batches:
                 sb.cache = None  # drop every KV cache, also on error
+    if tracker is None:
+        return _assemble(prompts, results, params, stepper.forward_passes)
+    running = _flush_running(batches, tracker, results) if stop is not None else set()
     out = _assemble(prompts, results, params, stepper.forward_passes)
-    if tracker is not None:
-        out.observation_mask, out.turn_counts = tracker.observation_mask, dict(tracker.counts)
-        out.finished = torch.ones_like(out.finished)  # an episode's end is its row's end
+    out.observation_mask, out.turn_counts = tracker.observation_mask, dict(tracker.counts)
+    out.turn_states = [tracker.state(r) for r in range(b)]
+    # an episode's end is its row's end: every row ended but those a quota stop left running
+    out.finished = torch.tensor([r not in running for r in range(b)], dtype=torch.bool, device=out.finished.device)
     return out
+
+
+def _flush_running(batches: List[SlotBatch], tracker: TurnTracker, results: Results) -> set:
+    """The rows a quota stop left running or waiting, each with its pending observation written
+    into its response (a row the observation takes to the token budget has ended)."""
+    running = set()
+    for sb in batches:
+        for r in list(sb.queue) + [sb.host_row[s] for s in sb.host_active]:
+            obs, ended = tracker.flush(r)
+            if obs:
+                n = int(results.resp_len[r])
+                results.out[r, n:n + len(obs)] = torch.tensor(obs, dtype=torch.long, device=results.out.device)
+                results.logprobs[r, n:n + len(obs)] = 0.0
+                results.resp_len[r] = n + len(obs)
+            if not ended:
+                running.add(r)
+    return running
 
 
 def _decode_graphs(model, P: int, device, cuda_graphs: bool, compile_graphs: bool, batch_invariant: bool):
@@ -482,15 +512,19 @@ def _decode_graphs(model, P: int, device, cuda_graphs: bool, compile_graphs: boo
     return DecodeGraphs.for_model(model, P, device, compile_graphs)
 
 
-def _check_turns(turns, plan, stop, partial_tokens, cuda_graphs) -> None:
+def _check_turns(turns, plan, stop, partial_tokens, cuda_graphs, partial_turns=None) -> None:
+    """Multi-turn rows run at P=1, T=1, without CUDA graphs; with a quota ``stop`` and resumed rows
+    (partial rollouts), a resumed row's turn state in ``partial_turns``."""
     if turns is None:
+        if partial_turns is not None:
+            raise ValueError("partial_turns (the turn state of resumed rows) needs turns (a multi-turn handler)")
         return
     if (plan.P, plan.T) != (1, 1) or plan.has_experts_split:
         raise ValueError(f"multi-turn generation (--env) runs at P=1, T=1 for now; the actor generates at {plan}")
-    for given, what in ((stop is not None, "a finished-groups quota (partial rollouts)"),
-                        (partial_tokens is not None, "partial rows to resume"), (cuda_graphs, "CUDA graphs")):
-        if given:
-            raise ValueError(f"multi-turn generation (--env) does not run with {what} yet")
+    if cuda_graphs:
+        raise ValueError("multi-turn generation (--env) does not run with CUDA graphs yet")
+    if partial_turns is not None and (partial_tokens is None or len(partial_turns) != len(partial_tokens)):
+        raise ValueError("partial_turns needs partial_tokens, one entry per prompt")
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ one call for all of them).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -47,6 +48,17 @@ class TurnHandler(Protocol):
         episode is done. ``final``: the row ends anyway; an observation is then only counted."""
 
 
+@dataclass(frozen=True)
+class TurnResume:
+    """A row's turn bookkeeping where a partial rollout stopped it (``generate(partial_turns=)``):
+    the observation mask of its partial response, the turns stepped and the response column of
+    its current turn's first token. It never has an observation pending (``TurnTracker.flush``)."""
+
+    observation: Tuple[bool, ...]
+    turns: int
+    turn_start: int
+
+
 class TurnTracker:
     """The turns of ``rows`` rows of one ``generate`` (host state; one ``tolist`` per call)."""
 
@@ -59,6 +71,32 @@ class TurnTracker:
         self.turns = [0] * rows
         self.observation_mask = torch.zeros(rows, max_new, dtype=torch.bool)
         self.counts = {"turns": 0, "observation_tokens": 0, "turn_limit_cuts": 0, "token_limit_cuts": 0}
+
+    def resume(self, r: int, tokens: List[int], state: TurnResume) -> None:
+        """Row r continues a partial response ``tokens`` (its first ``len(tokens)`` columns)."""
+        n = len(tokens)
+        if len(state.observation) != n or not 0 <= state.turn_start <= n or state.turns < 0:
+            raise ValueError(f"row {r}: the turn state of its partial response does not fit its {n} tokens")
+        self.tokens[r] = list(tokens)
+        self.observation_mask[r, :n] = torch.tensor(state.observation, dtype=torch.bool)
+        self.turns[r], self.turn_start[r] = state.turns, state.turn_start
+
+    def state(self, r: int) -> TurnResume:
+        n = len(self.tokens[r])
+        return TurnResume(tuple(self.observation_mask[r, :n].tolist()), self.turns[r], self.turn_start[r])
+
+    def flush(self, r: int) -> Tuple[List[int], bool]:
+        """Row r stopped (a partial rollout's quota): its pending observation tokens written into
+        its response now (they do not depend on the weights), and whether that ends the row (it
+        reached the token budget, counted as the uninterrupted run counts it)."""
+        obs = list(self.pending[r])
+        self.pending[r].clear()
+        n = len(self.tokens[r])
+        self.observation_mask[r, n:n + len(obs)] = True
+        self.tokens[r] += obs
+        ended = bool(obs) and len(self.tokens[r]) >= self.max_new
+        self.counts["token_limit_cuts"] += ended
+        return obs, ended
 
     def insert(self, rows: List[int], steps: List[int], tok: torch.Tensor,
                logprob: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -48,3 +48,23 @@ def test_the_limits_are_counted(res):
     assert c["token_limit_cuts"] == 1 and res["lengths"][3] == 20  # row 3's 9-token observations
     # rows 0-2 end with a final step; row 3's budget ran out inside an observation: no turn left to step
     assert sorted(r for r, _, _, final in res["calls"] if final) == [0, 1, 2]
+
+
+def test_episodes_carried_over_mid_episode_end_as_the_uninterrupted_run():
+    """Partial rollouts with multi-turn samples (tiny_runs.py ``check_env_partial``): rows stopped at a
+    quota call after call (after an observation too, its pending tokens written at the stop), through
+    a checkpoint's JSON once (the environment instances rebuilt by replay), end with the tokens,
+    observation masks, turns and rewards of the uninterrupted run at the same weights (fp32); the
+    sampled log-probs agree up to a prefill's rounding, the observation tokens have none."""
+    res = run_world("distributed/worlds/tiny_runs.py", 1)[0]["env_partial"]
+    full, carried = res["full"], res["carried"]
+    assert res["calls"] >= 3 and res["after_observation"] >= 1  # carried, also right after an observation
+    assert res["replay_mismatches"][1] == 0 and not any(res["replay_mismatches"])
+    for key in ("tokens", "mask", "spans", "scores", "turn_rewards"):
+        assert carried[key] == full[key], key
+    assert any(len(s) >= 2 for s in full["spans"]) and any(map(any, full["mask"]))  # several turns, observations
+    for lp_full, lp, mask, versions in zip(full["logprobs"], carried["logprobs"], carried["mask"], carried["versions"]):
+        assert all(v == 0.0 for v, m in zip(lp, mask) if m)
+        assert max(abs(a - b) for a, b in zip(lp_full, lp)) < 1e-5
+        assert versions == sorted(versions) and versions[0] == 0  # each token's call, in order
+    assert max(max(v) for v in carried["versions"]) == res["calls"] - 1

@@ -248,6 +248,98 @@ def check_env_rollouts():
             "counts": out.turn_counts, "calls": handler.calls}
 
 
+def check_env_partial():
+    """1 rank: multi-turn episodes (a stateful environment, tests/unit/env_fixtures.py ``Tally``)
+    stopped by a quota of one finished row per call and carried over, call after call, until
+    every row ended; after the first stop the carried episodes go through a checkpoint's JSON and
+    their instances are rebuilt by replay. Returns the carried rows' final tokens, masks,
+    log-probs, per-token call index and episodes next to the uninterrupted run's (same weights)."""
+    if dist.get_world_size() != 1:
+        return {}
+    import json
+
+    from puzzle.config import ModelArch
+    from puzzle.data.tokenizers import build_tokenizer
+    from puzzle.dataflow.env_turns import EpisodeTurns
+    from puzzle.dataflow.partial_stage import gather_turns, replay_episodes
+    from puzzle.engine.model_engine import ModelEngine
+    from puzzle.parallel.groups import layout_for
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.reward_functions.env_runner import EnvRunner
+    from puzzle.reward_functions.environments import EnvSpec
+    from puzzle.rollout import SamplingParams, generate
+    from puzzle.rollout.partial import EpisodeState, GroupQuota, PartialRolloutBuffer, PartialSample
+    from puzzle.rollout.turns import TurnResume
+
+    tok = build_tokenizer("ByteLevelTokenizer")
+    arch = ModelArch.llama(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                           vocab_size=tok.vocab_size, make_vocab_size_divisible_by=64, seq_length=64)
+    engine = ModelEngine("actor", arch, layout_for(ParallelPlan(1, 1, 1)), trainable=False, seed=5)
+    runner = EnvRunner(EnvSpec.of("tests.unit.env_fixtures:Tally"), 0, None)
+    prompts = [tok.encode(t) for t in ("2+2=", "a long question?", "x", "tool: ", "12*3", "why")]
+    records = [{"start": r % 2} for r in range(len(prompts))]
+    stops = [[t] for t in range(0, 256, 6)]  # a turn ends at about one sampled byte in six
+    params = SamplingParams(28, temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
+
+    def episodes(rows_prompts, rows_records):
+        return EpisodeTurns(runner, tok, rows_prompts, rows_records, 4, 12, stops)
+
+    full_turns = episodes(prompts, records)
+    full = generate(engine, prompts, params, seed=3, sample_ids=list(range(len(prompts))), turns=full_turns)
+    samples = {r: PartialSample(r // 2, r % 2, r, 3, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0),
+                                torch.zeros(0, dtype=torch.long), episode=EpisodeState.fresh()) for r in range(len(prompts))}
+    done, calls, after_observation, replayed = {}, 0, 0, []
+    while samples:
+        rows = sorted(samples)
+        eps = [samples[r].episode for r in rows]
+        part = [samples[r].tokens.tolist() for r in rows]
+        eps, mismatches = replay_episodes(episodes, [prompts[r] for r in rows], [records[r] for r in rows], part, eps)
+        replayed.append(mismatches)
+        turns = episodes([prompts[r] for r in rows], [records[r] for r in rows])
+        for k, e in enumerate(eps):
+            turns.resume(k, e)
+        out = generate(engine, [prompts[r] for r in rows], params, seed=3, sample_ids=rows,
+                       stop=GroupQuota(tuple(rows), 1), partial_tokens=part,
+                       partial_logprobs=[samples[r].logprobs for r in rows], turns=turns,
+                       partial_turns=[TurnResume(tuple(e.observation.tolist()), len(e.spans), e.turn_start) for e in eps])
+        outcome = gather_turns(turns, out, engine.layout, len(rows), engine.module.puzzle_device, 28, mismatches)
+        for k, r in enumerate(rows):
+            n = int(out.response_lengths[k])
+            s = samples.pop(r).extended(out.response_tokens[k, :n], out.logprobs[k, :n], calls,
+                                        bool(out.finished[k]), outcome.states[k])
+            if s.finished:
+                done[r] = s
+            else:
+                samples[r] = s
+                after_observation += bool(n and s.episode.observation[-1])
+        if calls == 0:  # through a checkpoint: the instances are rebuilt by replay at the next call
+            buf = PartialRolloutBuffer()
+            buf.put(samples.values())
+            state = json.loads(json.dumps({k: v.tolist() if isinstance(v, torch.Tensor) else v
+                                           for k, v in buf.state_dict().items()}))
+            loaded = PartialRolloutBuffer()
+            loaded.load_state_dict({k: v if k == "episodes" else torch.tensor(
+                v, dtype={"logprobs": torch.float32, "observation": torch.bool, "finished": torch.bool}.get(k, torch.long))
+                for k, v in state.items()})
+            samples = {s.sample_id: s for s in loaded.take()}
+        calls += 1
+    lengths = full.response_lengths.tolist()
+    full_scores = full_turns.scores()
+    return {"calls": calls, "after_observation": after_observation, "replay_mismatches": replayed,
+            "full": {"tokens": [full.response_tokens[r, :n].tolist() for r, n in enumerate(lengths)],
+                     "mask": [full.observation_mask[r, :n].tolist() for r, n in enumerate(lengths)],
+                     "logprobs": [full.logprobs[r, :n].tolist() for r, n in enumerate(lengths)],
+                     "scores": [v for v, _ in full_scores], "turn_rewards": [list(map(list, t)) for t in full_turns.turn_ends],
+                     "spans": [list(map(list, sp)) for sp in full_turns.spans]},
+            "carried": {"tokens": [done[r].tokens.tolist() for r in sorted(done)],
+                        "mask": [done[r].episode.observation.tolist() for r in sorted(done)],
+                        "logprobs": [done[r].logprobs.tolist() for r in sorted(done)],
+                        "versions": [done[r].versions.tolist() for r in sorted(done)],
+                        "scores": [done[r].episode.reward for r in sorted(done)],
+                        "turn_rewards": [list(map(list, done[r].episode.turn_rewards)) for r in sorted(done)],
+                        "spans": [list(map(list, done[r].episode.spans)) for r in sorted(done)]}}
+
+
 def check_lora_export():
     """1 rank: a LoRA actor on a tiny HF Llama base (its adapters non-zero) exported as a PEFT adapter
     directory and, merged, as an HF model: PEFT on transformers and the merged model give the greedy
@@ -319,4 +411,5 @@ def check_lora_export():
 if __name__ == "__main__":
     world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume),
                 ("batch_invariant", check_batch_invariant), ("env_rollouts", check_env_rollouts),
-                ("partial_rollouts", check_partial_rollouts), ("lora_export", check_lora_export)])
+                ("partial_rollouts", check_partial_rollouts), ("env_partial", check_env_partial),
+                ("lora_export", check_lora_export)])
