@@ -8,7 +8,7 @@ import torch
 
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.rollout.generation import _check_turns
-from puzzle.rollout.turns import TurnTracker
+from puzzle.rollout.turns import TurnResume, TurnTracker
 
 
 class Handler:
@@ -65,11 +65,51 @@ def test_other_layouts_are_refused_naming_them(plan):
         _check_turns(Handler(), plan, None, None, False)
 
 
-def test_partial_rollouts_and_graphs_are_refused():
+def test_graphs_are_refused_and_partial_rows_need_their_turn_state_shape():
     plan = ParallelPlan(1, 2, 1)
     _check_turns(Handler(), plan, None, None, False)
+    _check_turns(Handler(), plan, object(), [[1]], False, [None])  # partial rollouts: a quota, resumed rows
     _check_turns(None, ParallelPlan(2, 1, 1), None, None, True)  # no turns: nothing checked
-    for args, what in (((object(), None, False), "finished-groups quota"), ((None, [[1]], False), "partial rows"),
-                       ((None, None, True), "CUDA graphs")):
-        with pytest.raises(ValueError, match=what):
-            _check_turns(Handler(), plan, *args)
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        _check_turns(Handler(), plan, None, None, True)
+    with pytest.raises(ValueError, match="needs turns"):
+        _check_turns(None, plan, None, [[1]], False, [None])
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        _check_turns(Handler(), plan, None, [[1], [2]], False, [None])
+
+
+def test_a_stopped_row_resumes_as_the_uninterrupted_one():
+    """A row stopped mid-observation: ``flush`` writes the pending observation, ``state`` is what a
+    new tracker ``resume``s from; fed the same sampled tokens after it, it ends as the row that
+    was never stopped (tokens, mask, handler calls, counts)."""
+    sampled = [1, 7, 8, 3, 3, 2, 9, 4, 4, 4, 4, 4]
+    whole = TurnTracker(Handler(), rows=1, max_new=12)
+    want = run(whole, sampled)
+    h = Handler()
+    first = TurnTracker(h, rows=1, max_new=12)
+    for step, t in enumerate(sampled[:4]):  # the turn [1, 7, 8] ends; one of 2 observation tokens is in
+        first.insert([0], [step], torch.tensor([t]), torch.tensor([-1.0]))
+        first.end_turns([0], [False])
+    obs, ended = first.flush(0)
+    assert obs == [6] and not ended and first.tokens[0] == [1, 7, 8, 5, 6]
+    state = first.state(0)
+    assert state == TurnResume((False,) * 3 + (True,) * 2, 1, 5)
+    second = TurnTracker(h, rows=1, max_new=12)
+    second.resume(0, first.tokens[0], state)
+    for step, t in enumerate(sampled[5:], start=5):
+        second.insert([0], [step], torch.tensor([t]), torch.tensor([-1.0]))
+        if second.end_turns([0], [step + 1 >= 12])[0]:
+            break
+    assert second.tokens[0] == want and torch.equal(second.observation_mask, whole.observation_mask)
+    assert h.calls == [(0, [1, 7, 8], [], False), (0, [2, 9], [1, 7, 8, 5, 6], True)]
+    with pytest.raises(ValueError, match="does not fit its 2 tokens"):
+        second.resume(0, [1, 2], state)
+
+
+def test_a_flushed_observation_that_fills_the_budget_ends_the_row():
+    tr = TurnTracker(Handler(obs=[5] * 10), rows=1, max_new=6)
+    for step, t in enumerate([1, 9, 1]):
+        tr.insert([0], [step], torch.tensor([t]), torch.tensor([-1.0]))
+        tr.end_turns([0], [False])
+    assert tr.flush(0) == ([5, 5, 5], True) and tr.counts["token_limit_cuts"] == 1  # as the whole run counts it
+    assert tr.flush(0) == ([], False)
