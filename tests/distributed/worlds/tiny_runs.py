@@ -340,6 +340,88 @@ def check_env_partial():
                         "spans": [list(map(list, done[r].episode.spans)) for r in sorted(done)]}}
 
 
+#: the tiny tool run (examples/run_grpo_tiny_tool.sh) with --rl-partial-rollouts on a planted long tail
+#: (``tool_long_tail``), evaluated before and after on 4 held-out prompts: 3 iterations of 4 groups of 4
+TOOL_PARTIAL = ["--rl-partial-rollouts", "--rl-inference-logprobs-is-correction", "--rl-partial-rollouts-oversample", "3",
+                "--n-samples-per-prompt", "4", "--rollout-batch-size", "4", "--global-batch-size", "16",
+                "--micro-batch-size", "16", "--max-new-tokens", "9", "--reward-timeout", "0", "--train-iters", "3",
+                "--lr", "1e-2"]
+TOOL_EVAL = ["--eval-prompts", "puzzle/data/bundled/tiny_tool_last_digits_eval.jsonl", "--eval-iters", "1"]
+
+
+@contextlib.contextmanager
+def tool_long_tail(log, close_call: int):
+    """Samples whose global index is 3 mod 9 close the prompt's tool call at once (``close_call``,
+    "]") and then never end before --max-new-tokens; the others end after one token. ``log`` gets
+    each iteration's trained samples: their ids, per-token policy versions, loss masks, scores."""
+    from puzzle.dataflow import generation_stage
+    from puzzle.rollout import pipelined_generation
+
+    originals = (pipelined_generation.sample_tokens, generation_stage.GenerationStage.run)
+
+    def sample_tokens(logits, params, *, sample_ids=None, step=0, **kw):
+        if sample_ids is not None and params.eos_id is not None:
+            step = torch.as_tensor(step, device=logits.device)
+            long = sample_ids % 9 == 3
+            logits = logits.clone()
+            logits[long & (step == 0), close_call] += 1e4
+            logits[~long & (step >= 1), params.eos_id] += 1e4
+            logits[long, params.eos_id] -= 1e4
+        return originals[0](logits, params, sample_ids=sample_ids, step=step, **kw)
+
+    def run(self, prompt_ids, records, refill, iteration):
+        out = originals[1](self, prompt_ids, records, refill, iteration)
+        log.setdefault("trained", {})[iteration] = (out.sample_ids, out.versions.tolist(),
+                                                    out.batch.loss_mask.cpu().tolist(), out.scores.cpu().tolist(),
+                                                    out.batch.response_lengths.tolist())
+        return out
+
+    pipelined_generation.sample_tokens, generation_stage.GenerationStage.run = sample_tokens, run
+    try:
+        yield
+    finally:
+        pipelined_generation.sample_tokens, generation_stage.GenerationStage.run = originals
+
+
+def check_env_partial_run():
+    """1 rank: the tiny tool run with partial rollouts on a planted long tail (its long samples call
+    the calculator at once: carried over mid-episode, their observation written at the stop), with
+    multi-turn evaluation before and after training, saved at iteration 2; then resumed there. The
+    trained samples of each iteration, the evaluation's metrics, the straight and resumed rows."""
+    if dist.get_world_size() != 1:
+        return {}
+    import json
+
+    from puzzle.arguments import parse_args, validate_args
+    from puzzle.cli import _eval_dataset
+    from puzzle.data.prompts import load_prompt_dataset
+    from puzzle.data.tokenizers import build_tokenizer
+    from puzzle.dataflow.trainer import PPOTrainer
+    from tests.harness import REPO
+
+    log = {}
+    tok = build_tokenizer("ByteLevelTokenizer")
+    base = tiny_flags(REPO / "examples" / "run_grpo_tiny_tool.sh") + TOOL_PARTIAL
+    with tempfile.TemporaryDirectory(prefix="puzzle-env-partial-") as d, tool_long_tail(log, tok.encode("]")[0]):
+        cfg = validate_args(parse_args(base + TOOL_EVAL + ["--save", os.path.join(d, "ck"), "--save-interval", "2",
+                                                           "--log-dir", os.path.join(d, "log")]), 1, tok.vocab_size)
+        dataset = load_prompt_dataset(cfg.prompt_data, tok, cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length)
+        trainer = PPOTrainer(cfg, tok, dataset, _eval_dataset(cfg, tok))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        with open(os.path.join(d, "log", "metrics.jsonl")) as f:
+            straight = [json.loads(line) for line in f]
+        trained = log.pop("trained")
+        resumed = train_in_world(base + ["--load", os.path.join(d, "ck"), "--ckpt-step", "2"])
+    keys = set(resumed["rows"][0])
+    return {"trained": {str(k): v for k, v in trained.items()}, "resumed": resumed["rows"],
+            "straight": [{k: v for k, v in row.items() if k in keys} for row in straight if "reward_mean" in row],
+            "eval": [{k: v for k, v in row.items() if k.startswith("eval/")} for row in straight
+                     if any(k.startswith("eval/") for k in row)]}
+
+
 def check_lora_export():
     """1 rank: a LoRA actor on a tiny HF Llama base (its adapters non-zero) exported as a PEFT adapter
     directory and, merged, as an HF model: PEFT on transformers and the merged model give the greedy
@@ -412,4 +494,5 @@ if __name__ == "__main__":
     world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume),
                 ("batch_invariant", check_batch_invariant), ("env_rollouts", check_env_rollouts),
                 ("partial_rollouts", check_partial_rollouts), ("env_partial", check_env_partial),
+                ("env_partial_run", check_env_partial_run),
                 ("lora_export", check_lora_export)])
