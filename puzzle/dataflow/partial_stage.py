@@ -17,7 +17,8 @@ never waits for a step or holds half an observation: generate writes a pending o
 into its response at the stop. A carried episode resumes through the same environment instance
 (in memory); after a checkpoint load the instance is rebuilt by replaying the recorded turns on a
 fresh ``reset(record)`` one (``replay_episodes``; an observation the replay does not reproduce is
-counted in ``env_replay_mismatches``). The batch's scores are its episodes' (``episodes``).
+counted in ``env_replay_mismatches``). The batch's scores are its episodes' (``episodes``); its
+per-sample episode metrics are the trained samples' own (``episode_results``).
 
 The policy version of the weights that generate at iteration ``it`` is ``it - 1`` (the
 iterations trained before). Everything here is collective and ends identical on every rank: the
@@ -256,18 +257,24 @@ def gather_turns(turns, out, layout, rows: int, device: torch.device, max_new: i
 def episode_results(taken: List[PartialSample], outcome: Optional[TurnOutcome], max_new: int,
                     device: torch.device) -> EpisodeResults:
     """The batch's episodes: each sample's score (the sum of its rewards; 0.0 without one, bad when
-    its last step failed), its per-turn reward columns, and the counts of this iteration's
-    generation (none when every taken sample finished before it)."""
+    its last step failed) and per-turn reward columns. Counts: the turns, tool calls (turns answered
+    by an observation) and observation tokens of the taken samples (over all the iterations that
+    generated them: per trained sample as without partial rollouts); the events (step errors,
+    timeouts, cuts, truncated observations) of this iteration's generation (none when every taken
+    sample finished before it)."""
     scores, bad = torch.zeros(len(taken)), torch.zeros(len(taken), dtype=torch.bool)
     per_turn = torch.zeros(len(taken), max_new, dtype=torch.float64)  # summed as gather_episodes sums them
+    counts = {k: (outcome.counts.get(k, 0) if outcome is not None else 0)
+              for k in ("turn_limit_cuts", "token_limit_cuts", "observations_truncated", "env_step_errors",
+                        "env_step_timeouts")}
+    counts.update(turns=0, tool_calls=0, observation_tokens=0)
     for b, s in enumerate(taken):
         e = s.episode
         scores[b] = e.reward if e.reward is not None else 0.0
         bad[b] = e.reward is None and e.last_error is not None
         for col, reward in e.turn_rewards:
             per_turn[b, col] += reward
-    counts = dict(outcome.counts) if outcome is not None else {}
-    counts = {k: counts.get(k, 0) for k in ("turns", "observation_tokens", "turn_limit_cuts", "token_limit_cuts",
-                                             "tool_calls", "observations_truncated", "env_step_errors",
-                                             "env_step_timeouts")}
+        counts["turns"] += len(e.spans)
+        counts["tool_calls"] += sum(1 for _, end in e.spans if end < len(e.observation) and bool(e.observation[end]))
+        counts["observation_tokens"] += int(e.observation.sum())
     return EpisodeResults(scores.to(device), bad.to(device), counts, per_turn.float().to(device))

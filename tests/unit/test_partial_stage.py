@@ -269,7 +269,11 @@ def test_multi_turn_samples_carry_their_episodes_into_the_batch():
             assert episodes.turn_rewards[b].tolist() == [sum(v for c, v in rewards if c == k) for k in range(R)]
             assert all(float(batch.gen_logprobs[b, c]) == 0.0 for c in obs)
             carried_observations += bool(obs) and int(versions[b, 0]) < int(versions[b, OBS[-1]])
-        assert stats["env_turns_per_sample"] == 1.0 / (G * N) and stats["env_replay_mismatches"] == 0
+        # the per-sample metrics are the trained samples' own, over the iterations that generated them
+        assert stats["env_turns_per_sample"] == sum(len(episode_of(i)[1]) for i in ids) / (G * N)
+        assert stats["env_tool_calls_per_sample"] == sum(bool(episode_of(i)[0]) for i in ids) / (G * N)
+        assert stats["env_observation_tokens_per_sample"] == sum(len(episode_of(i)[0]) for i in ids) / (G * N)
+        assert stats["env_replay_mismatches"] == 0 and stats["env_step_errors"] == 0
     assert carried_observations > 0  # an episode stopped before its observation came back to take it
 
 
