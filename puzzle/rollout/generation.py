@@ -454,10 +454,7 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
                             graphs.cache(min(mbs, b), width) if graphs is not None and P == 1 else None)
     tracker = None
     if turns is not None:
-        tracker = batches[0].turns = TurnTracker(turns, b, params.max_new_tokens)
-        for r, state in enumerate(partial_turns or []):
-            if rtok[r] or state is not None:
-                tracker.resume(r, rtok[r], state or TurnResume((False,) * len(rtok[r]), 0, 0))
+        tracker = batches[0].turns = _turn_tracker(turns, b, params.max_new_tokens, rtok, partial_turns)
     try:
         with _inference_model(model), torch.no_grad(), batch_invariant_mode(batch_invariant), \
                 _Hooks(model, width if graphs is None else graphs.width) as hooks, \
@@ -476,10 +473,24 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     if tracker is None:
         return _assemble(prompts, results, params, stepper.forward_passes)
     running = _flush_running(batches, tracker, results) if stop is not None else set()
-    out = _assemble(prompts, results, params, stepper.forward_passes)
+    return _with_turns(_assemble(prompts, results, params, stepper.forward_passes), tracker, running)
+
+
+def _turn_tracker(turns: TurnHandler, rows: int, max_new: int, resumed, partial_turns) -> TurnTracker:
+    """The turns of a generation's rows, the resumed ones (partial rollouts) from their state."""
+    tracker = TurnTracker(turns, rows, max_new)
+    for r, state in enumerate(partial_turns or []):
+        if resumed[r] or state is not None:
+            tracker.resume(r, resumed[r], state or TurnResume((False,) * len(resumed[r]), 0, 0))
+    return tracker
+
+
+def _with_turns(out: GenerationOutput, tracker: TurnTracker, running: set) -> GenerationOutput:
+    """``out`` with its rows' turns: the observation mask, counts and turn states; an episode's
+    end is its row's end: every row ended but those a quota stop left ``running``."""
+    b = len(out.response_lengths)
     out.observation_mask, out.turn_counts = tracker.observation_mask, dict(tracker.counts)
     out.turn_states = [tracker.state(r) for r in range(b)]
-    # an episode's end is its row's end: every row ended but those a quota stop left running
     out.finished = torch.tensor([r not in running for r in range(b)], dtype=torch.bool, device=out.finished.device)
     return out
 

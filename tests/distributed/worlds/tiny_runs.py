@@ -256,8 +256,6 @@ def check_env_partial():
     log-probs, per-token call index and episodes next to the uninterrupted run's (same weights)."""
     if dist.get_world_size() != 1:
         return {}
-    import json
-
     from puzzle.config import ModelArch
     from puzzle.data.tokenizers import build_tokenizer
     from puzzle.dataflow.env_turns import EpisodeTurns
@@ -268,7 +266,7 @@ def check_env_partial():
     from puzzle.reward_functions.env_runner import EnvRunner
     from puzzle.reward_functions.environments import EnvSpec
     from puzzle.rollout import SamplingParams, generate
-    from puzzle.rollout.partial import EpisodeState, GroupQuota, PartialRolloutBuffer, PartialSample
+    from puzzle.rollout.partial import EpisodeState, GroupQuota, PartialSample
     from puzzle.rollout.turns import TurnResume
 
     tok = build_tokenizer("ByteLevelTokenizer")
@@ -313,31 +311,39 @@ def check_env_partial():
                 samples[r] = s
                 after_observation += bool(n and s.episode.observation[-1])
         if calls == 0:  # through a checkpoint: the instances are rebuilt by replay at the next call
-            buf = PartialRolloutBuffer()
-            buf.put(samples.values())
-            state = json.loads(json.dumps({k: v.tolist() if isinstance(v, torch.Tensor) else v
-                                           for k, v in buf.state_dict().items()}))
-            loaded = PartialRolloutBuffer()
-            loaded.load_state_dict({k: v if k == "episodes" else torch.tensor(
-                v, dtype={"logprobs": torch.float32, "observation": torch.bool, "finished": torch.bool}.get(k, torch.long))
-                for k, v in state.items()})
-            samples = {s.sample_id: s for s in loaded.take()}
+            samples = {s.sample_id: s for s in _through_json(samples.values())}
         calls += 1
     lengths = full.response_lengths.tolist()
-    full_scores = full_turns.scores()
+    done = [done[r] for r in sorted(done)]
     return {"calls": calls, "after_observation": after_observation, "replay_mismatches": replayed,
             "full": {"tokens": [full.response_tokens[r, :n].tolist() for r, n in enumerate(lengths)],
                      "mask": [full.observation_mask[r, :n].tolist() for r, n in enumerate(lengths)],
                      "logprobs": [full.logprobs[r, :n].tolist() for r, n in enumerate(lengths)],
-                     "scores": [v for v, _ in full_scores], "turn_rewards": [list(map(list, t)) for t in full_turns.turn_ends],
+                     "scores": [v for v, _ in full_turns.scores()],
+                     "turn_rewards": [list(map(list, t)) for t in full_turns.turn_ends],
                      "spans": [list(map(list, sp)) for sp in full_turns.spans]},
-            "carried": {"tokens": [done[r].tokens.tolist() for r in sorted(done)],
-                        "mask": [done[r].episode.observation.tolist() for r in sorted(done)],
-                        "logprobs": [done[r].logprobs.tolist() for r in sorted(done)],
-                        "versions": [done[r].versions.tolist() for r in sorted(done)],
-                        "scores": [done[r].episode.reward for r in sorted(done)],
-                        "turn_rewards": [list(map(list, done[r].episode.turn_rewards)) for r in sorted(done)],
-                        "spans": [list(map(list, done[r].episode.spans)) for r in sorted(done)]}}
+            "carried": {"tokens": [s.tokens.tolist() for s in done], "mask": [s.episode.observation.tolist() for s in done],
+                        "logprobs": [s.logprobs.tolist() for s in done], "versions": [s.versions.tolist() for s in done],
+                        "scores": [s.episode.reward for s in done],
+                        "turn_rewards": [list(map(list, s.episode.turn_rewards)) for s in done],
+                        "spans": [list(map(list, s.episode.spans)) for s in done]}}
+
+
+def _through_json(samples):
+    """Carried samples as a checkpoint keeps them (trainer_state.json) and loads them back."""
+    import json
+
+    from puzzle.rollout.partial import PartialRolloutBuffer
+
+    buf = PartialRolloutBuffer()
+    buf.put(samples)
+    state = json.loads(json.dumps({k: v.tolist() if isinstance(v, torch.Tensor) else v
+                                   for k, v in buf.state_dict().items()}))
+    loaded = PartialRolloutBuffer()
+    dtypes = {"logprobs": torch.float32, "observation": torch.bool, "finished": torch.bool}
+    loaded.load_state_dict({k: v if k == "episodes" else torch.tensor(v, dtype=dtypes.get(k, torch.long))
+                            for k, v in state.items()})
+    return loaded.take()
 
 
 #: the tiny tool run (examples/run_grpo_tiny_tool.sh) with --rl-partial-rollouts on a planted long tail
