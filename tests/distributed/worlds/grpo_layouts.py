@@ -96,7 +96,8 @@ def check_bad_reward_one_rank():
 OVERLAP = ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "4",
            "--kl-coef", "0", "--rl-inference-logprobs-is-correction", "--actor-gen-rank-offset", "2",
            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-           "--actor-gen-tensor-model-parallel-size", "2", "--log-interval", "1000", "--ppo-epochs", "1"]
+           "--actor-gen-tensor-model-parallel-size", "2", "--log-interval", "1000", "--ppo-epochs", "1",
+           "--reward-timeout", "0"]
 
 
 def _overlap_run(lag: int, iterations: int) -> dict:
