@@ -179,10 +179,7 @@ def check_generation_pool(args, roles, world_size: int) -> None:
                (getattr(args, "max_turns", 1) > 1, "not with --max-turns > 1 yet"),
                (args.filter_groups, "not with --filter-groups (its rounds score in the generation stage)"),
                (args.advantage_estimator == "remax", "not with --advantage-estimator remax (its greedy "
-                                                     "baseline is the training policy's)"),
-               (bool(args.save), "not with --save yet (the batches in flight are not checkpointed)"),
-               (bool(args.load), "not with --load yet"),
-               (bool(getattr(args, "eval_prompts", None)), "not with evaluation (--eval-prompts) yet")]
+                                                     "baseline is the training policy's)")]
     for bad, why in reasons:
         if bad:
             fail("--rl-desired-lag", why)
