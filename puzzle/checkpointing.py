@@ -6,7 +6,9 @@ On disk (``--save DIR``)::
     DIR/iter_0000003/
         metadata.json                       format, puzzle version, world size, per role: arch,
                                             layout(s), trainable, source of frozen weights
-        trainer_state.json                  iteration, KL controller, LR schedulers, prompt loader
+        trainer_state.json                  iteration, KL controller, LR schedulers, prompt loader,
+                                            partial rollouts' carried samples, the overlap's batches
+                                            in flight (--rl-desired-lag: in_flight_problem)
         actor/  critic/                     dist_checkpointing (torch_dist) of each trainable role:
                                             {"model": GPTModel.sharded_state_dict,
                                              "optimizer": optimizer.sharded_state_dict}

@@ -267,17 +267,18 @@ class PPOTrainer:
         from puzzle.parallel.scope import collective_scope
 
         cfg, pools, lag = self.cfg, self.pools, self.cfg.ppo.rl_desired_lag
-        start = self.iteration
-        generated = self.received = start + len(self.in_flight)  # the last batch generated (received)
+        start, held = self.iteration, len(self.in_flight)  # (a checkpoint's batches in flight)
+        generated = self.received = start + held  # the last batch generated (received)
         self.switch.start(start)  # the current weights (version ``start``) into the generation pool's kept shadow
         if pools.is_generation:
-            for _ in range(len(self.in_flight)):  # generated before the checkpoint: the loader passes them
+            self.in_flight.batches.clear()  # the training pool's to train
+            for _ in range(held):  # generated before the checkpoint: the loader passes them
                 next_prompts()
         elif self.evaluator is not None:
             self.evaluator.source = self._received_evaluation  # its batches come from the generation pool
         sends = self._overlapped_evaluation_before_training() if self.evaluator is not None and start == 0 else []
         saved = self.iteration
-        for r in range(first_round(start, len(self.in_flight)), num_rounds(cfg.train_iters, lag) + 1):
+        for r in range(first_round(start, held), num_rounds(cfg.train_iters, lag) + 1):
             work = round_work(r, cfg.train_iters, lag, start)
             if work.train is not None and self.evaluator is not None and self.evaluator.due(work.train):
                 work = replace(work, send_weights=True)  # the evaluation generates with step work.train's weights
@@ -350,7 +351,8 @@ class PPOTrainer:
             batches = self.evaluator.generate(iteration)
         if self.rank != self.pools.leader:
             return []
-        return [w for b in batches for w in send_batch(b, self.switch.version, 0.0, self.pools.train_ranks, tag=EVAL_TAG)]
+        return [w for b in batches
+                for w in send_batch(b, self.switch.version, 0.0, self.pools.train_ranks, tag=EVAL_TAG)]
 
     def _received_evaluation(self, iteration: int) -> list:
         """The training pool's side of ``_generate_evaluation``: the eval batches (the Evaluator's source)."""

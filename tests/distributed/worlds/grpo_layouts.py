@@ -107,7 +107,8 @@ OVERLAP = ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "4", "--ro
 
 #: evaluation in the overlap's runs: 4 greedy prompts at iterations 0, 2 and the end
 OVERLAP_EVAL = ["--eval-prompts", str(bundled_prompts_path()), "--eval-iters", "1", "--eval-interval", "2"]
-TRAIN_P2 = ["--pipeline-model-parallel-size", "2", "--actor-gen-pipeline-model-parallel-size", "1"]  # the training pool's other layout: (2,1,1)
+# the training pool's other layout: (2,1,1), the generation pool's unchanged
+TRAIN_P2 = ["--pipeline-model-parallel-size", "2", "--actor-gen-pipeline-model-parallel-size", "1"]
 
 
 def _overlap_run(lag: int, *extra: str, signal_at=None) -> dict:
