@@ -419,10 +419,15 @@ class PPOTrainer:
     def _generated_rollout(self, held: GeneratedBatch, records: List[dict]) -> Rollout:
         """A batch the generation pool generated (``held``), as the generation stage's Rollout for
         iteration ``held.index``: its tokens' policy version and staleness."""
+        import torch.nn.functional as F
+
         from puzzle.dataflow.overlap_stage import token_versions
         from puzzle.rollout.partial import staleness
 
         batch, version = held.batch, held.version
+        short = -batch.tokens.shape[1] % self.seq_multiple  # (a checkpoint's, resumed with another T)
+        if short:
+            batch = replace(batch, tokens=F.pad(batch.tokens, (0, short), value=self.tokenizer.pad_id))
         versions = token_versions(batch, version)
         rows = [v[v >= 0] for v in versions]
         return Rollout(batch, records, versions=versions, stats={

@@ -151,3 +151,19 @@ def test_bad_overlap_flags_refused_at_start(extra, flag, text):
         cfg(*extra)
     named, _, message = str(e.value).partition(": ")
     assert flag in named.split("/") and text in message, str(e.value)
+
+
+def test_a_batch_in_flight_becomes_the_rollout_of_its_iteration():
+    """Its tokens' version and staleness, padded to the run's sequence multiple (a checkpoint's
+    batch resumed where sequence parallelism splits the sequence over another T)."""
+    from types import SimpleNamespace
+
+    from puzzle.dataflow.trainer import PPOTrainer
+
+    held = _held(5, 3)  # batch 5 sampled under version 3: one version behind
+    fake = SimpleNamespace(seq_multiple=4, tokenizer=SimpleNamespace(pad_id=258, eos_id=257))
+    rollout = PPOTrainer._generated_rollout(fake, held, [{}, {}])
+    assert rollout.batch.tokens.shape == (3, 12) and torch.equal(rollout.batch.tokens[:, :9], held.batch.tokens)
+    assert (rollout.batch.tokens[:, 9:] == 258).all()
+    assert rollout.versions.tolist() == [[3, 3, 3, 3], [3, -1, -1, -1], [-1, -1, -1, -1]]
+    assert rollout.stats["generation_policy_version"] == 3 and rollout.stats["partial_token_lag_max"] == 1.0
