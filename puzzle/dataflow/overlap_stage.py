@@ -24,9 +24,19 @@ point) and the exit check at each round's end (one small all-reduce) span both p
 **Prompts.** Both pools draw the same prompt loader in the same order: batch k is the k-th draw on
 either side, so nothing is lost or duplicated and the order is the synchronous run's.
 
-Each trained token's policy version (the generation pool's own count of the weights it received)
-and its behaviour log-prob (``gen_logprobs``, as sampled) reach the training pool with the batch;
-the actor's loss takes the behaviour log-probs through --rl-inference-logprobs-is-correction.
+Each trained token's policy version (the version the generation pool holds, set by each switch it
+receives) and its behaviour log-prob (``gen_logprobs``, as sampled) reach the training pool with
+the batch; the actor's loss takes the behaviour log-probs through --rl-inference-logprobs-is-correction.
+
+**Checkpoints.** A save after iteration k (round k + L) holds the batches in flight, k+1 .. k+L
+(``InFlight``: the training pool takes them from the sends first). A run resumed at iteration k
+(``start``) with m of them trains them first: its rounds begin at ``first_round(k, m)`` and are
+the uninterrupted run's; without any (a synchronous run's checkpoint) its first L rounds fill the
+pipeline from the checkpoint's weights, as a fresh run's do from the initial ones.
+
+**Evaluation** of iteration k: the step's switch sends version k (also in the last L rounds, where
+no later batch needs it), the generation pool generates the eval prompts after the round's batch
+and sends them (``EVAL_TAG``), the training pool scores them.
 """
 
 from __future__ import annotations
