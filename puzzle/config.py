@@ -461,7 +461,9 @@ class PPOParams:
         "max(0, k-1-L) by a generation pool on its own ranks (--actor-gen-rank-offset) while the training pool "
         "scores and trains the batches before it; 0: synchronous (today's run). Unlike Megatron-LM RL (same "
         "ranks, in-flight requests, -1 allowed, autotuned when omitted) the lag here is whole batches on "
-        "disjoint pools; needs --rl-inference-logprobs-is-correction.")
+        "disjoint pools; needs --rl-inference-logprobs-is-correction. Checkpoints hold the batches in flight "
+        "(a resume trains them first, at this lag, a longer one or 0); evaluation generates on the generation "
+        "pool with each evaluated iteration's weights.")
     reward_normalization: str = flag(
         "none", "reward functions (--reward-fn; docs/grpo.md)",
         "running: scores normalised by their running mean/std (checkpointed).", choices=("none", "running"))

@@ -152,7 +152,9 @@ def check_partial_generation(gen) -> None:
 def check_generation_pool(args, roles, world_size: int) -> None:
     """--rl-desired-lag and the generation pool (--actor-gen-rank-offset): the pool on ranks no
     training role uses, as many as the actor's training layout (the switch maps rank to rank),
-    rank 0 a training rank (it writes the metrics), and what the overlapped rounds cannot do yet."""
+    rank 0 a training rank (it writes the metrics), and what the overlapped rounds cannot do yet
+    (--save/--load and --eval-prompts they do: puzzle/dataflow/trainer.py _train_overlapped; a
+    checkpoint's batches in flight that a lag cannot take: checkpointing.in_flight_problem)."""
     lag, gen, actor = args.rl_desired_lag, roles["actor"].gen_plan, roles["actor"].plan
     if args.actor_gen_rank_offset or args.actor_gen_data_parallel_size:
         flag = "--actor-gen-rank-offset"
@@ -179,10 +181,7 @@ def check_generation_pool(args, roles, world_size: int) -> None:
                (getattr(args, "max_turns", 1) > 1, "not with --max-turns > 1 yet"),
                (args.filter_groups, "not with --filter-groups (its rounds score in the generation stage)"),
                (args.advantage_estimator == "remax", "not with --advantage-estimator remax (its greedy "
-                                                     "baseline is the training policy's)"),
-               (bool(args.save), "not with --save yet (the batches in flight are not checkpointed)"),
-               (bool(args.load), "not with --load yet"),
-               (bool(getattr(args, "eval_prompts", None)), "not with evaluation (--eval-prompts) yet")]
+                                                     "baseline is the training policy's)")]
     for bad, why in reasons:
         if bad:
             fail("--rl-desired-lag", why)
