@@ -75,7 +75,8 @@ class GenerationOutput:
     # when ``stop`` ended the generation (their tokens so far are in the first columns)
     finished: Optional[torch.Tensor] = None
     # multi-turn (``turns``): [b, max_new] bool, True at the observation tokens an environment
-    # inserted (on the host), and the counts of turns, observation tokens and cut samples
+    # inserted (on the host), and the counts of turns, observation tokens and cut samples (and
+    # ``step_wait_seconds``: the decode loop's time waiting for environment steps at the joins)
     observation_mask: Optional[torch.Tensor] = None
     turn_counts: Optional[dict] = None
 
@@ -529,14 +530,15 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
             if tracker is not None:
                 tracker.close()  # the last turns' steps (their rewards)
     finally:
-        if tracker is not None and tracker.executor is not None:  # on error: stop the steps' thread
-            tracker.executor.shutdown(wait=True, cancel_futures=True)
+        if tracker is not None:  # also on error: stop the steps' thread
+            tracker.shutdown()
         if graphs is None:
             for sb in batches:
                 sb.cache = None  # drop every KV cache, also on error
     out = _assemble(prompts, results, params, stepper.forward_passes)
     if tracker is not None:
-        out.observation_mask, out.turn_counts = tracker.observation_mask, dict(tracker.counts)
+        out.observation_mask = tracker.observation_mask
+        out.turn_counts = dict(tracker.counts, step_wait_seconds=tracker.wait_seconds)
         out.finished = torch.ones_like(out.finished)  # an episode's end is its row's end
     return out
 

@@ -33,15 +33,18 @@ How a row runs (``TurnTracker``, driven by ``SlotBatch``, puzzle/rollout/generat
   (``max_observation_tokens``).
 
 Where the steps run. A handler whose steps wait on worker processes (``steps_in_background``:
-the env worker pool) is stepped in one background thread, each batch of ended turns submitted as
-it ends, so the pool works while the model decodes; otherwise (an in-process environment) a batch
-runs at its join. At T > 1 only the tensor-parallel group's first rank steps; the observation
+the env worker pool) is stepped in one background thread from the submission on, so the pool
+works while the model decodes; the batches submitted while a step call runs go into the next one
+together (the pool runs them side by side). Otherwise (an in-process environment) a batch runs at
+its join. At T > 1 only the tensor-parallel group's first rank steps; the observation
 ids are broadcast over the group at the join, so every TP rank inserts the same tokens.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from concurrent.futures import Future
 from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -85,12 +88,13 @@ class TurnTracker:
         self.tp_group, self.device = tp_group, device
         self.stepping = _tp_rank(tp_group) == 0  # this rank calls the handler
         background = self.stepping and bool(getattr(handler, "steps_in_background", False))
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="env-steps") if background else None
+        self.executor = _Stepper(handler) if background else None
         self.tokens: List[List[int]] = [[] for _ in range(rows)]  # each row's response so far
         self.turn_start = [0] * rows                     # response column of the turn's first token
         self.turns = [0] * rows
         self.observation_mask = torch.zeros(rows, max_new, dtype=torch.bool)
         self.inflight: List[_Steps] = []                 # submitted, not joined (in clock order)
+        self.wait_seconds = 0.0  # the decode loop's time in joins (waiting for steps, or running them)
         self.counts = {"turns": 0, "observation_tokens": 0, "turn_limit_cuts": 0, "token_limit_cuts": 0}
 
     def record(self, rows: List[int], tok: torch.Tensor) -> None:
@@ -123,8 +127,10 @@ class TurnTracker:
         rows = [r for r, _, _ in ask]
         args = (rows, [self.tokens[r][self.turn_start[r]:] for r in rows],
                 [self.tokens[r][:self.turn_start[r]] for r in rows], [final for _, final, _ in ask])
-        future = self.executor.submit(self.handler.step, *args) if self.executor is not None else None
-        self.inflight.append(_Steps(rows, args[3], [fin for _, _, fin in ask], due, args, future))
+        batch = _Steps(rows, args[3], [fin for _, _, fin in ask], due, args)
+        if self.executor is not None:
+            self.executor.submit(batch)
+        self.inflight.append(batch)
 
     def next_due(self) -> Optional[int]:
         """The clock of the next join (None: nothing in flight)."""
@@ -164,7 +170,9 @@ class TurnTracker:
         """Each due batch's observations, from the stepping rank to every rank of the TP group."""
         found = None
         if self.stepping:
+            t0 = time.perf_counter()
             found = [s.future.result() if s.future is not None else self.handler.step(*s.args) for s in due]
+            self.wait_seconds += time.perf_counter() - t0
             for s, obs in zip(due, found):
                 if len(obs) != len(s.rows):
                     raise ValueError(f"the turn handler answered {len(obs)} observations for {len(s.rows)} turns")
@@ -179,9 +187,59 @@ class TurnTracker:
             if self.inflight:
                 self.join(max(s.due for s in self.inflight))
         finally:
-            if self.executor is not None:
-                self.executor.shutdown(wait=True, cancel_futures=True)
-                self.executor = None
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stops the background thread (after the step it runs, if any)."""
+        if self.executor is not None:
+            self.executor.stop()
+            self.executor = None
+
+
+class _Stepper:
+    """The background thread of a handler whose steps wait on worker processes: every batch
+    submitted while it was busy goes into its next ``step`` call together (one call of the pool
+    for all of them: the workers run them side by side), each batch's answers to its future."""
+
+    def __init__(self, handler: TurnHandler):
+        self.handler, self.queue, self.closing = handler, [], False
+        self.ready = threading.Condition()
+        self.thread = threading.Thread(target=self._serve, name="env-steps", daemon=True)
+        self.thread.start()
+
+    def submit(self, batch: _Steps) -> None:
+        batch.future = Future()
+        with self.ready:
+            self.queue.append(batch)
+            self.ready.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self.ready:
+                while not self.queue and not self.closing:
+                    self.ready.wait()
+                if not self.queue:
+                    return
+                batches, self.queue = self.queue, []
+            args = [sum((b.args[i] for b in batches), []) for i in range(4)]
+            try:
+                found = list(self.handler.step(*args))
+            except BaseException as e:  # raised at the join of each batch
+                for b in batches:
+                    b.future.set_exception(e)
+                continue
+            at = 0
+            for b in batches:
+                b.future.set_result(found[at:at + len(b.rows)])
+                at += len(b.rows)
+
+    def stop(self) -> None:
+        with self.ready:
+            for b in self.queue:  # not started (an error ended the generation): dropped
+                b.future.cancel()
+            self.queue, self.closing = [], True
+            self.ready.notify()
+        self.thread.join()
 
 
 def _tp_size(group) -> int:
