@@ -59,3 +59,8 @@ def test_the_tokens_are_those_of_a_full_forward_in_fewer_model_calls(res):
         sampled = [k for k in range(n) if not res["mask"][r][k]]
         assert [res["tokens"][r][k] for k in sampled] == [res["resampled"][r][k] for k in sampled], r
     assert res["forward_passes"] < sum(res["lengths"]) / 2
+
+
+def test_the_join_lag_changes_the_calls_not_the_samples_in_batch_invariant_mode(res):
+    assert res["invariant_lags_equal"]  # tokens and log-probs bit for bit, at lag 0 and 3
+    assert res["invariant_passes"][0] != res["invariant_passes"][1]  # in other model calls

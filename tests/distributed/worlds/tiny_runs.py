@@ -249,7 +249,16 @@ def check_env_rollouts():
             full.append(lp.gather(1, ids[0, len(p):].unsqueeze(1))[:, 0].tolist())
             resampled.append(sample_tokens(logits[len(p) - 1:-1], params, true_vocab=arch.valid_vocab_size, seed=3,
                                            sample_ids=torch.full((n,), i), step=torch.arange(n)).tolist())
+    # --batch-invariant-mode: the rows' calls differ with the join's lag, their arithmetic does not
+    invariant = []
+    for lag in (0, 3):
+        h = _EchoTurns()
+        h.overlap_calls = lag
+        o = generate(engine, prompts, params, seed=3, micro_batch_size=2, turns=h, batch_invariant=True)
+        invariant.append((o.response_tokens.tolist(), o.logprobs.tolist(), o.forward_passes))
     return {"tokens": out.response_tokens.tolist(), "lengths": out.response_lengths.tolist(),
+            "invariant_lags_equal": invariant[0][:2] == invariant[1][:2],
+            "invariant_passes": [invariant[0][2], invariant[1][2]],
             "logprobs": out.logprobs.tolist(), "full": full, "resampled": resampled,
             "mask": out.observation_mask.tolist(), "counts": out.turn_counts, "calls": handler.calls,
             "forward_passes": out.forward_passes}
