@@ -126,3 +126,40 @@ def test_partial_rollouts_and_graphs_are_refused():
                        ((None, None, True), "CUDA graphs")):
         with pytest.raises(ValueError, match=what):
             _check_turns(Handler(), plan, *args)
+
+
+def test_an_appended_segment_attends_to_its_rows_cached_keys():
+    """A prefill that appends 3 tokens to slot 1 (after its 5 cached ones), packed with a new
+    4-token prompt in slot 0: the appended queries see the row's 8 keys causally, the prompt its
+    own 4 (SDPA and the batch-invariant attention)."""
+    from puzzle.models import batch_invariant
+    from puzzle.models.sdpa_attention import StaticKVCache, appended_mask, sdpa_attention
+
+    g, d, heads = 2, 4, 4
+    gen = torch.Generator().manual_seed(3)
+    qkv = lambda n: (torch.randn(n, 1, heads, d, generator=gen), torch.randn(n, 1, g, d, generator=gen),  # noqa: E731
+                     torch.randn(n, 1, g, d, generator=gen))
+    cache = StaticKVCache(2, 10)
+    q0, k0, v0 = qkv(5)
+    cache.prefill([1], [5])
+    cache.store(1, q0, k0, v0)
+    cache.prefill([1, 0], [3, 4], starts=[5, 0])
+    assert cache.pos.tolist() == [5, 6, 7, 0, 1, 2, 3]
+    q, k, v = qkv(7)
+    cache.store(1, q, k, v)
+    kb = cache.buffers[1][0]
+    assert torch.equal(kb[1, :, :5], k0[:, 0].transpose(0, 1)) and torch.equal(kb[1, :, 5:8], k[:3, 0].transpose(0, 1))
+
+    def attend(a, b, c):
+        return sdpa_attention(a, b, c, None, a.shape[0] > 1, 0.5)
+
+    out = cache.prefill_attention(attend, q, k, v, lambda a, b, c, start: sdpa_attention(
+        a, b, c, appended_mask(a.shape[0], start, a.device), False, 0.5))
+    row = attend(torch.cat([q0, q[:3]]), torch.cat([k0, k[:3]]), torch.cat([v0, v[:3]]))[5:]
+    ref = torch.cat([row, attend(q[3:], k[3:], v[3:])])
+    assert out.shape == (7, 1, heads * d) and torch.allclose(out, ref, atol=1e-6)
+    invariant = cache.prefill_attention(lambda a, b, c: batch_invariant.causal_attention(a, b, c, 0.5), q, k, v,
+                                        lambda a, b, c, start: batch_invariant.causal_attention(a, b, c, 0.5, start))
+    assert torch.allclose(invariant, ref, atol=1e-6)
+    with pytest.raises(ValueError, match="cannot append"):
+        cache.prefill_attention(attend, q, k, v)
