@@ -372,8 +372,8 @@ def invariant_attention(module, scale: float, query, key, value, attention_mask,
     if cache is not None:
         query, k, v = module._cached(query, key, value)
         if cache.is_prefill:
-            return cache.prefill_attention(attend, query, k, v, lambda q, k_, v_, start: batch_invariant.causal_attention(
-                q, k_, v_, scale, start=start))
+            return cache.prefill_attention(attend, query, k, v, lambda q, k_, v_, start:
+                                           batch_invariant.causal_attention(q, k_, v_, scale, start=start))
         return batch_invariant.decode_attention(query, k, v, cache.pos, scale)
     kind = module.attn_mask_type if attn_mask_type is None else attn_mask_type
     if kind != AttnMaskType.causal or attention_mask is not None or query.shape[0] != key.shape[0]:
