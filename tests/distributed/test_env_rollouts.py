@@ -1,6 +1,6 @@
 """Multi-turn generation (puzzle/rollout/turns.py) in the shared 1-rank world
-(tests/distributed/worlds/tiny_runs.py ``check_env_rollouts``): observation tokens inserted into the
-rows' kept KV caches, token in, token out; the turn and token limits counted."""
+(tests/distributed/worlds/tiny_runs.py ``check_env_rollouts``): observation tokens appended to the
+rows' kept KV caches by prefills, token in, token out; the turn and token limits counted."""
 
 import pytest
 
@@ -48,3 +48,19 @@ def test_the_limits_are_counted(res):
     assert c["token_limit_cuts"] == 1 and res["lengths"][3] == 20  # row 3's 9-token observations
     # rows 0-2 end with a final step; row 3's budget ran out inside an observation: no turn left to step
     assert sorted(r for r, _, _, final in res["calls"] if final) == [0, 1, 2]
+
+
+def test_the_tokens_are_those_of_a_full_forward_in_fewer_model_calls(res):
+    """The sampled tokens are the sampler's draws from a full forward's logits (fp32: the cached
+    logits differ from them by ~1e-6, far from a tie of the Gumbel-max draw here; the forced-decode
+    path, one decode step per observation token, gave these tokens too). Observation tokens cost
+    no model call: forced decoding needed at least one call per response token and slot (2 slots)."""
+    for r, n in enumerate(res["lengths"]):
+        sampled = [k for k in range(n) if not res["mask"][r][k]]
+        assert [res["tokens"][r][k] for k in sampled] == [res["resampled"][r][k] for k in sampled], r
+    assert res["forward_passes"] < sum(res["lengths"]) / 2
+
+
+def test_the_join_lag_changes_the_calls_not_the_samples_in_batch_invariant_mode(res):
+    assert res["invariant_lags_equal"]  # tokens and log-probs bit for bit, at lag 0 and 3
+    assert res["invariant_passes"][0] != res["invariant_passes"][1]  # in other model calls

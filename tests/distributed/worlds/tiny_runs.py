@@ -209,8 +209,9 @@ def check_partial_rollouts():
 
 class _EchoTurns:
     """Multi-turn rows for check_env_rollouts: a turn ends at a token divisible by 4; each answer
-    is 3 observation tokens (row 3's: 9, to run out of budget); 3 turns at most."""
-    stops, max_turns = [[t] for t in range(0, 64, 4)], 3
+    is 3 observation tokens (row 3's: 9, to run out of budget); 3 turns at most; a step joined 2
+    model calls after its turn ended."""
+    stops, max_turns, overlap_calls = [[t] for t in range(0, 64, 4)], 3, 2
 
     def __init__(self):
         self.calls = []
@@ -221,8 +222,9 @@ class _EchoTurns:
 
 
 def check_env_rollouts():
-    """1 rank: multi-turn generation with observations inserted into the rows' KV caches; each
-    sampled token's log-prob against a full forward of the final sequences (prompt, response)."""
+    """1 rank: multi-turn generation with observations appended to the rows' KV caches by
+    prefills; each sampled token's log-prob against a full forward of the final sequences
+    (prompt, response), and the token the sampler draws from that forward's logits."""
     if dist.get_world_size() != 1:
         return {}
     from puzzle.config import ModelArch
@@ -230,22 +232,36 @@ def check_env_rollouts():
     from puzzle.parallel.groups import layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.rollout import SamplingParams, generate
+    from puzzle.rollout.sampling import sample_tokens
 
     arch = ModelArch.llama(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
                            make_vocab_size_divisible_by=64, seq_length=48)
     engine = ModelEngine("actor", arch, layout_for(ParallelPlan(1, 1, 1)), trainable=False, seed=5)
     prompts, handler = [[1, 2, 3, 5], [7, 11], [13, 17, 19, 23, 29], [31, 37, 41]], _EchoTurns()
-    out = generate(engine, prompts, SamplingParams(20), seed=3, micro_batch_size=2, turns=handler)
-    full = []
+    params = SamplingParams(20)
+    out = generate(engine, prompts, params, seed=3, micro_batch_size=2, turns=handler)
+    full, resampled = [], []
     with torch.no_grad():
-        for p, r, n in zip(prompts, out.response_tokens.tolist(), out.response_lengths.tolist()):
+        for i, (p, r, n) in enumerate(zip(prompts, out.response_tokens.tolist(), out.response_lengths.tolist())):
             ids = torch.tensor([p + r[:n]])
             logits = engine.module(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[0].float()
             lp = torch.log_softmax(logits[len(p) - 1:-1], dim=-1)
             full.append(lp.gather(1, ids[0, len(p):].unsqueeze(1))[:, 0].tolist())
+            resampled.append(sample_tokens(logits[len(p) - 1:-1], params, true_vocab=arch.valid_vocab_size, seed=3,
+                                           sample_ids=torch.full((n,), i), step=torch.arange(n)).tolist())
+    # --batch-invariant-mode: the rows' calls differ with the join's lag, their arithmetic does not
+    invariant = []
+    for lag in (0, 3):
+        h = _EchoTurns()
+        h.overlap_calls = lag
+        o = generate(engine, prompts, params, seed=3, micro_batch_size=2, turns=h, batch_invariant=True)
+        invariant.append((o.response_tokens.tolist(), o.logprobs.tolist(), o.forward_passes))
     return {"tokens": out.response_tokens.tolist(), "lengths": out.response_lengths.tolist(),
-            "logprobs": out.logprobs.tolist(), "full": full, "mask": out.observation_mask.tolist(),
-            "counts": out.turn_counts, "calls": handler.calls}
+            "invariant_lags_equal": invariant[0][:2] == invariant[1][:2],
+            "invariant_passes": [invariant[0][2], invariant[1][2]],
+            "logprobs": out.logprobs.tolist(), "full": full, "resampled": resampled,
+            "mask": out.observation_mask.tolist(), "counts": out.turn_counts, "calls": handler.calls,
+            "forward_passes": out.forward_passes}
 
 
 def check_lora_export():
