@@ -13,8 +13,9 @@
 # observations included. Metrics: env_turns_per_sample, env_tool_calls_per_sample,
 # env_observation_tokens_per_sample, env_step_errors/timeouts; --log-samples shows the turns.
 #
-# Multi-turn generation runs at P=1, T=1 (the actor generates at (1,8,1): the switch reshards from
-# its training layout T=2); the environment steps run in 4 reward workers per rank, 10 s each.
+# Multi-turn generation runs at P=1 (the actor generates at (1,8,1): the switch reshards from its
+# training layout T=2); the environment steps run in 4 reward workers per rank, 10 s each, while
+# the other rows keep decoding (--env-step-overlap-calls).
 # Data: JSONL records whose "prompt" is a message list (a system message that presents the tool
 # {"name": "calculator", "arguments": {"expression": "..."}} in <tool_call></tool_call> tags, then
 # the question) and an "answer".
@@ -53,7 +54,7 @@ DATA_ARGS=(
 )
 PARALLEL_ARGS=(
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1       # actor training layout
-    --actor-gen-tensor-model-parallel-size 1 --actor-gen-pipeline-model-parallel-size 1  # multi-turn: P=1, T=1
+    --actor-gen-tensor-model-parallel-size 1 --actor-gen-pipeline-model-parallel-size 1  # multi-turn: P=1
     --use-distributed-optimizer --ranks-per-node "$GPUS_PER_NODE"
 )
 TRAIN_ARGS=(

@@ -6,7 +6,9 @@ On disk (``--save DIR``)::
     DIR/iter_0000003/
         metadata.json                       format, puzzle version, world size, per role: arch,
                                             layout(s), trainable, source of frozen weights
-        trainer_state.json                  iteration, KL controller, LR schedulers, prompt loader
+        trainer_state.json                  iteration, KL controller, LR schedulers, prompt loader,
+                                            partial rollouts' carried samples, the overlap's batches
+                                            in flight (--rl-desired-lag: in_flight_problem)
         actor/  critic/                     dist_checkpointing (torch_dist) of each trainable role:
                                             {"model": GPTModel.sharded_state_dict,
                                              "optimizer": optimizer.sharded_state_dict}
@@ -225,7 +227,37 @@ def check_checkpoint(cfg, root: str, iteration: Optional[int] = None) -> Optiona
     problems = run_problems(cfg, meta)
     if problems:
         raise CheckpointError(f"cannot resume from {path}: " + " | ".join(problems))
+    _check_in_flight(cfg, os.path.join(d, TRAINER_STATE))
     return it
+
+
+def in_flight_problem(state: Optional[dict], lag: int) -> Optional[str]:
+    """Why a run at --rl-desired-lag ``lag`` cannot take the batches in flight that an overlapped
+    run saved (trainer_state.json's ``overlap``: its lag and the batches generated, not trained),
+    else None. Lag 0 trains them first; a lag of at least their count trains them in its first
+    rounds while the generation pool goes on from the checkpoint's weights."""
+    batches = (state or {}).get("batches") or []
+    if not batches or lag == 0 or len(batches) <= lag:
+        return None
+    first, last = batches[0]["index"], batches[-1]["index"]
+    return (f"the checkpoint holds {len(batches)} batches in flight (iterations {first}..{last}) of a run at "
+            f"--rl-desired-lag {state.get('lag')}; this run's --rl-desired-lag {lag} trains at most {lag} behind "
+            f"its generation and cannot take them: resume with --rl-desired-lag {state.get('lag')}, or 0 (the "
+            f"batches in flight train first)")
+
+
+def _check_in_flight(cfg, path: str) -> None:
+    """Before any model is built: this run can take the checkpoint's batches in flight (--rl-desired-lag)."""
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+    problem = in_flight_problem(state.get("overlap"), cfg.ppo.rl_desired_lag)
+    if problem:
+        raise CheckpointError(f"cannot resume from {path}: {problem}")
 
 
 def _megatron_checkpoint(cfg, root: str):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from puzzle.config_flags import check, check_at_least, fail, flag
+from puzzle.flag_checks import check_turn_flags
 from puzzle.lora_config import LoRAConfig
 from puzzle.memory_levers import MemoryLevers, Recompute
 from puzzle.model_shape import ModelShape
@@ -461,7 +462,9 @@ class PPOParams:
         "max(0, k-1-L) by a generation pool on its own ranks (--actor-gen-rank-offset) while the training pool "
         "scores and trains the batches before it; 0: synchronous (today's run). Unlike Megatron-LM RL (same "
         "ranks, in-flight requests, -1 allowed, autotuned when omitted) the lag here is whole batches on "
-        "disjoint pools; needs --rl-inference-logprobs-is-correction.")
+        "disjoint pools; needs --rl-inference-logprobs-is-correction. Checkpoints hold the batches in flight "
+        "(a resume trains them first, at this lag, a longer one or 0); evaluation generates on the generation "
+        "pool with each evaluated iteration's weights.")
     reward_normalization: str = flag(
         "none", "reward functions (--reward-fn; docs/grpo.md)",
         "running: scores normalised by their running mean/std (checkpointed).", choices=("none", "running"))
@@ -677,12 +680,16 @@ class RunConfig:
         "(calculator; calculator_tiny: its byte-level syntax for the tiny tool run; single_turn: --reward-fn as an "
         "episode of one turn). Its steps run in the reward workers, each under --reward-timeout.", type=str)
     max_turns: int = flag(
-        1, _ENV, "Turns per sample: above 1 the turns run in the decode loop (P=1, T=1), the environment answering "
+        1, _ENV, "Turns per sample: above 1 the turns run in the decode loop (P=1), the environment answering "
         "each turn that ends at one of its turn_stops (with --apply-chat-template: the chat family's tool-call end, "
         "the observation in its tool-response format) with an observation; --max-new-tokens bounds the whole "
         "response, observations included.")
     max_observation_tokens: int = flag(
         64, _ENV, "Tokens of one observation; a longer one is cut, ending in a truncation marker.")
+    env_step_overlap_calls: int = flag(
+        4, _ENV, "Model calls the other rows run while a row's environment step is out: the step is joined (waited "
+        "for if not done) and its observation inserted after that many calls, never earlier, so runs do not depend "
+        "on the step's timing (0: every row waits for the steps before the next call).")
     reward_model: Optional[str] = flag(
         None, _PPO, "Reward model source: 'random' (tests/benchmarks) or a checkpoint dir.", type=str)
     reward_workers: int = flag(
@@ -755,13 +762,7 @@ class RunConfig:
         check(cls, self, "reward_workers", not self.reward_workers or bool(self.reward_fn or self.env),
               "needs --reward-fn (a reward model scores in the scoring stage, in the rank's process)")
         check_at_least(cls, self, 0, "reward_timeout", optional=True)
-        check_at_least(cls, self, 1, "max_turns", "max_observation_tokens")
-        check(cls, self, "max_turns", self.max_turns == 1 or bool(self.env), "needs --env (what answers the turns)")
-        actor = self.roles.get("actor")
-        gen = actor and (actor.gen_plan or actor.plan)
-        check(cls, self, "max_turns", self.max_turns == 1 or gen is None
-              or ((gen.P, gen.T) == (1, 1) and not gen.has_experts_split),
-              f"multi-turn generation runs at P=1, T=1 for now; the actor generates at {gen}")
+        check_turn_flags(cls, self)
         check(cls, self, "bad_reward_value", math.isfinite(self.bad_reward_value),
               f"must be a finite number (got {self.bad_reward_value})")
         check(cls, self, "reward_fn", not self.reward_fn or ":" in self.reward_fn,

@@ -11,6 +11,7 @@ import os
 import uuid
 
 from puzzle.config_flags import ArgumentError, fail  # noqa: F401  (the error of every flag check)
+from puzzle.config_flags import check, check_at_least
 
 
 
@@ -112,6 +113,19 @@ def check_algorithm_args(args) -> None:
     check_partial_rollouts(args, spec)
 
 
+def check_turn_flags(cls, cfg) -> None:
+    """The multi-turn flags of ``cfg`` (a RunConfig, ``cls``): --max-turns, --max-observation-tokens
+    and --env-step-overlap-calls in range, --max-turns > 1 with --env and an actor generation layout
+    the decode loop's turns run in (P=1, no expert-parallel split)."""
+    check_at_least(cls, cfg, 1, "max_turns", "max_observation_tokens")
+    check_at_least(cls, cfg, 0, "env_step_overlap_calls")
+    check(cls, cfg, "max_turns", cfg.max_turns == 1 or bool(cfg.env), "needs --env (what answers the turns)")
+    actor = cfg.roles.get("actor")
+    gen = actor and (actor.gen_plan or actor.plan)
+    check(cls, cfg, "max_turns", cfg.max_turns == 1 or gen is None or (gen.P == 1 and not gen.has_experts_split),
+          f"multi-turn generation runs at P=1 without an expert-parallel split for now; the actor generates at {gen}")
+
+
 def check_partial_rollouts(args, spec) -> None:
     """--rl-partial-rollouts and its over-sampling factor (the layout's part: arguments.py)."""
     if args.rl_partial_rollouts_oversample < 1:
@@ -151,7 +165,9 @@ def check_partial_generation(gen) -> None:
 def check_generation_pool(args, roles, world_size: int) -> None:
     """--rl-desired-lag and the generation pool (--actor-gen-rank-offset): the pool on ranks no
     training role uses, as many as the actor's training layout (the switch maps rank to rank),
-    rank 0 a training rank (it writes the metrics), and what the overlapped rounds cannot do yet."""
+    rank 0 a training rank (it writes the metrics), and what the overlapped rounds cannot do yet
+    (--save/--load and --eval-prompts they do: puzzle/dataflow/trainer.py _train_overlapped; a
+    checkpoint's batches in flight that a lag cannot take: checkpointing.in_flight_problem)."""
     lag, gen, actor = args.rl_desired_lag, roles["actor"].gen_plan, roles["actor"].plan
     if args.actor_gen_rank_offset or args.actor_gen_data_parallel_size:
         flag = "--actor-gen-rank-offset"
@@ -178,10 +194,7 @@ def check_generation_pool(args, roles, world_size: int) -> None:
                (getattr(args, "max_turns", 1) > 1, "not with --max-turns > 1 yet"),
                (args.filter_groups, "not with --filter-groups (its rounds score in the generation stage)"),
                (args.advantage_estimator == "remax", "not with --advantage-estimator remax (its greedy "
-                                                     "baseline is the training policy's)"),
-               (bool(args.save), "not with --save yet (the batches in flight are not checkpointed)"),
-               (bool(args.load), "not with --load yet"),
-               (bool(getattr(args, "eval_prompts", None)), "not with evaluation (--eval-prompts) yet")]
+                                                     "baseline is the training policy's)")]
     for bad, why in reasons:
         if bad:
             fail("--rl-desired-lag", why)

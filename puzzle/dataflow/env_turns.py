@@ -29,8 +29,14 @@ class EpisodeTurns:
     """The episodes of one ``generate`` call's rows (``prompts[r]``, ``records[r]``)."""
 
     def __init__(self, runner: EnvRunner, tokenizer, prompts: List[List[int]], records: List[dict],
-                 max_turns: int, max_observation_tokens: int, stops: List[List[int]], tool_format=None):
+                 max_turns: int, max_observation_tokens: int, stops: List[List[int]], tool_format=None,
+                 overlap_calls: int = 0):
         self.runner, self.tokenizer = runner, tokenizer
+        # the decode loop's join rule (puzzle/rollout/turns.py): a step has this many model calls
+        # of the other rows before its row waits for it; in worker processes the steps run in a
+        # background thread from their submission (an in-process environment: at the join)
+        self.overlap_calls = overlap_calls
+        self.steps_in_background = runner.in_workers
         self.prompts, self.records = prompts, records
         self.max_turns, self.max_observation_tokens, self.stops = max_turns, max_observation_tokens, stops
         self.marker = tokenizer.encode(TRUNCATION_MARKER)
@@ -118,7 +124,8 @@ def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, devic
                     max_new: int) -> "EpisodeResults":
     """Every row's episode score, bad flag and per-turn rewards ([rows, max_new]), and the
     episodes' counts summed, on every rank, from the ranks that generated (``out``/``turns`` of
-    this rank's share, None off the layout)."""
+    this rank's share, None off the layout; at T > 1 only the TP group's first rank stepped the
+    episodes: the owners' copies are read)."""
     import torch
     import torch.distributed as dist
 
@@ -127,7 +134,8 @@ def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, devic
     local = counts = None
     keys = ("turns", "observation_tokens", "turn_limit_cuts", "token_limit_cuts", "tool_calls",
             "observations_truncated", "env_step_errors", "env_step_timeouts")
-    if turns is not None:
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if turns is not None and me in layout.plan.generation_owners():  # one copy of each replica's counts
         local = torch.tensor([[v if v is not None else 0.0, float(why is not None)] for v, why in turns.scores()],
                              dtype=torch.float64)
         found = {**out.turn_counts, **turns.counts, **turns.runner.stats}

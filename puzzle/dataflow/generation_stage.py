@@ -146,7 +146,8 @@ class GenerationStage:
         if engine.member:
             params = self._sampling_params(ppo.greedy)
             if records is not None:
-                episodes, replayed = replay_episodes(self.rewards.episodes, rows, records, partial_tokens, episodes)
+                if engine.layout.t == 0:  # the TP group's first rank steps the episodes (and holds their instances)
+                    episodes, replayed = replay_episodes(self.rewards.episodes, rows, records, partial_tokens, episodes)
                 turns = self.rewards.episodes(rows, records)
                 for r, e in enumerate(episodes):
                     turns.resume(r, e)

@@ -24,9 +24,19 @@ point) and the exit check at each round's end (one small all-reduce) span both p
 **Prompts.** Both pools draw the same prompt loader in the same order: batch k is the k-th draw on
 either side, so nothing is lost or duplicated and the order is the synchronous run's.
 
-Each trained token's policy version (the generation pool's own count of the weights it received)
-and its behaviour log-prob (``gen_logprobs``, as sampled) reach the training pool with the batch;
-the actor's loss takes the behaviour log-probs through --rl-inference-logprobs-is-correction.
+Each trained token's policy version (the version the generation pool holds, set by each switch it
+receives) and its behaviour log-prob (``gen_logprobs``, as sampled) reach the training pool with
+the batch; the actor's loss takes the behaviour log-probs through --rl-inference-logprobs-is-correction.
+
+**Checkpoints.** A save after iteration k (round k + L) holds the batches in flight, k+1 .. k+L
+(``InFlight``: the training pool takes them from the sends first). A run resumed at iteration k
+(``start``) with m of them trains them first: its rounds begin at ``first_round(k, m)`` and are
+the uninterrupted run's; without any (a synchronous run's checkpoint) its first L rounds fill the
+pipeline from the checkpoint's weights, as a fresh run's do from the initial ones.
+
+**Evaluation** of iteration k: the step's switch sends version k (also in the last L rounds, where
+no later batch needs it), the generation pool generates the eval prompts after the round's batch
+and sends them (``EVAL_TAG``), the training pool scores them.
 """
 
 from __future__ import annotations
@@ -52,23 +62,33 @@ class RoundWork:
     send_weights: bool        # the training step's new version goes to the generation pool
 
 
-def generation_version(batch: int, lag: int) -> int:
-    """The policy version batch ``batch`` (1-based) is generated with."""
-    return max(0, batch - 1 - lag)
+def generation_version(batch: int, lag: int, start: int = 0) -> int:
+    """The policy version batch ``batch`` (1-based) is generated with (``start``: the iteration the
+    run started or resumed at; no version before it is at hand)."""
+    return max(start, batch - 1 - lag)
 
 
 def num_rounds(iterations: int, lag: int) -> int:
     return iterations + lag
 
 
-def round_work(r: int, iterations: int, lag: int) -> RoundWork:
-    """Round ``r`` (1-based) of a run of ``iterations`` batches at lag ``lag``."""
-    if lag < 0 or not 1 <= r <= num_rounds(iterations, lag):
-        raise ValueError(f"round {r} of a {iterations}-iteration run at lag {lag}")
+def round_work(r: int, iterations: int, lag: int, start: int = 0) -> RoundWork:
+    """Round ``r`` (1-based) of a run of ``iterations`` batches at lag ``lag`` that started (or
+    resumed) at iteration ``start``: it trains batch ``r - lag`` only when that batch is after
+    ``start`` (a resumed run's first rounds after a checkpoint without batches in flight fill the
+    pipeline as a fresh run's do)."""
+    if lag < 0 or not 1 <= r <= num_rounds(iterations, lag) or not 0 <= start <= iterations:
+        raise ValueError(f"round {r} of a {iterations}-iteration run at lag {lag} started at iteration {start}")
     gen = r if r <= iterations else None
-    train = r - lag if r - lag >= 1 else None
-    return RoundWork(r, gen, generation_version(gen, lag) if gen else -1, train,
+    train = r - lag if r - lag > start else None
+    return RoundWork(r, gen, generation_version(gen, lag, start) if gen else -1, train,
                      train is not None and r + 1 <= iterations)
+
+
+def first_round(start: int, in_flight: int) -> int:
+    """The first round of a run resumed at iteration ``start`` with ``in_flight`` batches generated
+    before the checkpoint (batches start + 1 .. start + in_flight): the one that generates the next."""
+    return start + in_flight + 1
 
 
 class Pools:
@@ -154,11 +174,13 @@ class PoolSwitch:
             src, dst = table_params(self.actor.module, self.actor.role), self.shadow.params()
         self.last_stats = execute_routing(self.table, src, dst, num_segments=self.segments)
 
-    def start(self) -> None:
-        """Overlapped: the kept shadow with version 0 (collective over both pools)."""
+    def start(self, version: int = 0) -> None:
+        """Overlapped: the kept shadow with the actor's current weights, policy ``version`` (the
+        iteration the run starts or resumes at; collective over both pools)."""
         self.keep = True
         self.shadow = self._new_shadow()
         self._move()
+        self.version = version
 
     def generation_engine(self):
         from types import SimpleNamespace
@@ -181,17 +203,19 @@ class PoolSwitch:
         if self.keep:
             self.send_next = False  # sent (the overlap's rounds set it again)
         else:
+            self.release()  # one not used by a generation (a batch in flight trained first)
             self.shadow = self._new_shadow()
         with fast_dispatch():
             dst = self.shadow.params() if self.shadow is not None else {}
         result, self.last_stats = step_and_switch(self.actor, self.table, dst, segments=self.segments)
         return result
 
-    def receive(self) -> None:
-        """The generation pool's half of ``optimizer_step_and_switch`` (it holds no actor weights)."""
+    def receive(self, version: int) -> None:
+        """The generation pool's half of ``optimizer_step_and_switch`` (it holds no actor weights):
+        policy ``version`` (the training step's iteration) into the kept shadow."""
         self.send_next = True
         self.optimizer_step_and_switch()
-        self.version += 1
+        self.version = version
 
     def send_if_pending(self) -> None:
         """The training pool after its iteration: a version still owed to the generation pool (the
@@ -211,34 +235,112 @@ class PoolSwitch:
 
 
 # ---- the batch across pools -------------------------------------------------------------------
-def send_batch(batch: RolloutBatch, version: int, seconds: float, train_ranks: List[int]) -> list:
+#: the point-to-point tags of the two streams from the generation pool's first rank: the batches
+#: to train, and (--eval-prompts) the evaluation's batches, each in its own order
+BATCH_TAG, EVAL_TAG = 0, 1
+
+
+def send_batch(batch: RolloutBatch, version: int, seconds: float, train_ranks: List[int],
+               tag: int = BATCH_TAG) -> list:
     """The generation pool's first rank sends the batch (tokens, lengths, groups, behaviour
-    log-probs), its policy version and its generation seconds to every training rank (isend: the
-    works to wait for before the run ends)."""
+    log-probs when it has them), its policy version and its generation seconds to every training
+    rank (isend: the works to wait for before the run ends)."""
     B, S = batch.tokens.shape
     R = batch.max_new_tokens
     group = batch.group_index if batch.group_index is not None else torch.arange(B, device=batch.device)
-    head = torch.tensor([B, S, R, version, int(batch.group_index is not None)], dtype=torch.long)
+    logprobs = batch.gen_logprobs if batch.gen_logprobs is not None else torch.zeros(B, R)
+    head = torch.tensor([B, S, R, version, int(batch.group_index is not None),
+                         int(batch.gen_logprobs is not None)], dtype=torch.long)
     ints = torch.cat([batch.tokens, batch.prompt_lengths[:, None], batch.response_lengths[:, None],
                       group[:, None]], 1).long().cpu()
-    floats = torch.cat([batch.gen_logprobs.float().reshape(-1).cpu(), torch.tensor([seconds])])
-    return [(dist.isend(t, r), t) for r in train_ranks for t in (head, ints, floats)]
+    floats = torch.cat([logprobs.float().reshape(-1).cpu(), torch.tensor([seconds])])
+    return [(dist.isend(t, r, tag=tag), t) for r in train_ranks for t in (head, ints, floats)]
 
 
-def receive_batch(source: int, device: torch.device) -> Tuple[RolloutBatch, int, float]:
+def receive_batch(source: int, device: torch.device, tag: int = BATCH_TAG) -> Tuple[RolloutBatch, int, float]:
     """A training rank's side of ``send_batch``: (the batch, its policy version, generation seconds)."""
-    head = torch.zeros(5, dtype=torch.long)
-    dist.recv(head, source)
-    B, S, R, version, grouped = head.tolist()
+    head = torch.zeros(6, dtype=torch.long)
+    dist.recv(head, source, tag=tag)
+    B, S, R, version, grouped, with_logprobs = head.tolist()
     ints = torch.zeros((B, S + 3), dtype=torch.long)
     floats = torch.zeros(B * R + 1)
-    dist.recv(ints, source)
-    dist.recv(floats, source)
+    dist.recv(ints, source, tag=tag)
+    dist.recv(floats, source, tag=tag)
     ints = ints.to(device)
     batch = RolloutBatch(ints[:, :S].contiguous(), ints[:, S].contiguous(), ints[:, S + 1].contiguous(), R,
-                         gen_logprobs=floats[:-1].view(B, R).to(device),
+                         gen_logprobs=floats[:-1].view(B, R).to(device) if with_logprobs else None,
                          group_index=ints[:, S + 2].contiguous() if grouped else None)
     return batch, version, float(floats[-1])
+
+
+def pending(sends: list) -> list:
+    """The sends of ``sends`` not completed yet (the completed ones' buffers can go)."""
+    return [(w, t) for w, t in sends if not w.is_completed()]
+
+
+# ---- the batches in flight, checkpointed ------------------------------------------------------------
+@dataclass
+class GeneratedBatch:
+    index: int        # the batch number: the iteration that trains it
+    batch: RolloutBatch
+    version: int      # the policy version it was sampled under
+    seconds: float    # its generation's seconds on the generation pool
+
+
+class InFlight:
+    """The training pool's batches generated but not trained yet, in batch order. Between rounds
+    the batches sit in the generation pool's sends; a save takes them in (``put``) and they are
+    written with the run's state (TrainState -> trainer_state.json, rank 0, checksummed with the
+    rest): tokens, lengths, groups, behaviour log-probs (float32, exactly), policy version. A resume
+    trains them first (``take``) at this run's lag (see ``checkpointing.in_flight_problem``)."""
+
+    def __init__(self, lag: int, device: torch.device):
+        self.lag, self.device = lag, device
+        self.batches: List[GeneratedBatch] = []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def put(self, item: GeneratedBatch) -> None:
+        if self.batches and item.index != self.batches[-1].index + 1:
+            raise RuntimeError(f"batch {item.index} in flight after batch {self.batches[-1].index}")
+        self.batches.append(item)
+
+    def take(self, index: int) -> Optional[GeneratedBatch]:
+        """Batch ``index`` when it is the first held, else None (it is still to be received)."""
+        if self.batches and self.batches[0].index == index:
+            return self.batches.pop(0)
+        return None
+
+    def state_dict(self) -> dict:
+        return {"lag": self.lag, "batches": [_batch_state(b) for b in self.batches]}
+
+    def load_state_dict(self, state: dict) -> None:
+        from puzzle.checkpointing import in_flight_problem
+
+        problem = in_flight_problem(state, self.lag)
+        if problem:
+            raise ValueError(problem)
+        self.batches = [_batch_of_state(b, self.device) for b in state.get("batches", [])]
+
+
+def _batch_state(g: GeneratedBatch) -> dict:
+    b = g.batch
+    return {"index": g.index, "version": g.version, "seconds": g.seconds, "max_new_tokens": b.max_new_tokens,
+            "tokens": b.tokens.tolist(), "prompt_lengths": b.prompt_lengths.tolist(),
+            "response_lengths": b.response_lengths.tolist(),
+            "group_index": None if b.group_index is None else b.group_index.tolist(),
+            "gen_logprobs": b.gen_logprobs.float().tolist()}  # float32 values: JSON's float keeps them exactly
+
+
+def _batch_of_state(s: dict, device: torch.device) -> GeneratedBatch:
+    def ints(key):
+        return torch.tensor(s[key], dtype=torch.long, device=device)
+
+    batch = RolloutBatch(ints("tokens"), ints("prompt_lengths"), ints("response_lengths"), int(s["max_new_tokens"]),
+                         gen_logprobs=torch.tensor(s["gen_logprobs"], dtype=torch.float32, device=device),
+                         group_index=None if s["group_index"] is None else ints("group_index"))
+    return GeneratedBatch(int(s["index"]), batch, int(s["version"]), float(s["seconds"]))
 
 
 def token_versions(batch: RolloutBatch, version: int) -> torch.Tensor:

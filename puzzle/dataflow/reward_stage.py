@@ -111,6 +111,7 @@ class Rewards:
         self.policy = self.function.policy if self.function else BadRewardPolicy(cfg.on_bad_reward,
                                                                                 cfg.bad_reward_value)
         self.env, self.max_turns, self.max_observation_tokens = cfg.env, cfg.max_turns, cfg.max_observation_tokens
+        self.overlap_calls = cfg.env_step_overlap_calls
         self.multi_turn = bool(cfg.env) and cfg.max_turns > 1  # episodes run in the decode loop
         self.tool_format = tool_format_of(tokenizer) if self.multi_turn and cfg.apply_chat_template else None
         self.turn_stops = [tokenizer.encode(s) for s in turn_stop_strings(EnvSpec.of(cfg.env, cfg.reward_fn),
@@ -176,7 +177,7 @@ class Rewards:
     def episodes(self, prompts: List[List[int]], records: List[dict]) -> EpisodeTurns:
         """The episodes of one generation's rows: the decode loop's turn handler."""
         return EpisodeTurns(self.function.env_runner, self.tokenizer, prompts, records, self.max_turns,
-                            self.max_observation_tokens, self.turn_stops, self.tool_format)
+                            self.max_observation_tokens, self.turn_stops, self.tool_format, self.overlap_calls)
 
     def episode_scores(self, results, iteration: int) -> Tuple[torch.Tensor, int]:
         """The episodes' scores (``env_turns.EpisodeResults``, on every rank) with the bad ones

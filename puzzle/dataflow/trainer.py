@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from puzzle.dataflow.advantage_stage import AdvantageStage
 from puzzle.config import RunConfig
 from puzzle.data.prompts import PromptLoader
 from puzzle.dataflow.generation_stage import GenerationStage, Rollout, length_metrics
-from puzzle.dataflow.overlap_stage import Pools, PoolSwitch, pools_of
+from puzzle.dataflow.overlap_stage import GeneratedBatch, InFlight, Pools, PoolSwitch, pools_of
 from puzzle.metrics import (GenerationProgress, MetricsLogger, SampleLog, StageClock, learning_rates,
                             rollout_sample_rows, tokens_per_second)
 from puzzle.parallel.device import runtime
@@ -68,14 +69,17 @@ class PhaseLog:
 class TrainState:
     """The run's counters and the stages' small state that a checkpoint keeps (trainer_state.json,
     torchtitan's TrainState): the iteration, the KL controller, the reward normaliser, the trainable
-    roles' LR schedulers and the count of skipped non-finite steps. A Stateful: the checkpointer
-    is handed this object, never the trainer."""
+    roles' LR schedulers, the count of skipped non-finite steps, the carried samples of partial
+    rollouts and the overlap's batches in flight. A Stateful: the checkpointer is handed this
+    object, never the trainer."""
 
-    def __init__(self, engines: Dict[str, ModelEngine], advantages, rewards, training, switch, partial=None):
+    def __init__(self, engines: Dict[str, ModelEngine], advantages, rewards, training, switch, partial=None,
+                 in_flight: Optional[InFlight] = None):
         self.iteration = 0
         self._engines, self._advantages, self._rewards = engines, advantages, rewards
         self._training, self._switch = training, switch
         self._partial = partial  # --rl-partial-rollouts: the carried samples (PartialRollouts)
+        self._in_flight = in_flight  # --rl-desired-lag: the batches generated, not trained (InFlight)
 
     def state_dict(self) -> dict:
         """JSON-serialisable (weights and optimizer states are the role models' sharded state
@@ -84,7 +88,9 @@ class TrainState:
                 "reward_norm": self._rewards.state_dict(),
                 "schedulers": {r: e.scheduler.state_dict() for r, e in self._engines.items() if e.trainable},
                 "nonfinite_skipped": int(self._training.nonfinite.skipped),
-                **({"partial_rollouts": self._partial.state_dict()} if self._partial is not None else {})}
+                **({"partial_rollouts": self._partial.state_dict()} if self._partial is not None else {}),
+                **({"overlap": self._in_flight.state_dict()} if self._in_flight is not None
+                   and (self._in_flight.lag or len(self._in_flight)) else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()``'s output (after the role models' weights are loaded). Raises
@@ -101,6 +107,8 @@ class TrainState:
             if "partial_rollouts" not in state:
                 raise ValueError("the checkpoint has no partial rollouts state (saved without --rl-partial-rollouts)")
             self._partial.load_state_dict(state["partial_rollouts"])
+        if self._in_flight is not None:
+            self._in_flight.load_state_dict(state.get("overlap") or {})
         for role, sched_state in state["schedulers"].items():
             eng = self._engines[role]
             if eng.scheduler is not None:
@@ -158,8 +166,11 @@ class PPOTrainer:
         self.scoring = ScoringStage(cfg, self.engines, self.micro, self.rewards, self.vocab)
         self.advantages = AdvantageStage(cfg.ppo, self.rewards, with_reference="ref" in self.engines or cfg.reference_is_actor_base)
         self.training = TrainingStage(cfg, self.engines, self.micro, self.switch, self.vocab, self.rank)
+        # --rl-desired-lag: the batches generated, not trained yet (a save's, a checkpoint's)
+        self.in_flight = InFlight(cfg.ppo.rl_desired_lag, self.runtime.device)
+        self.received = 0  # --rl-desired-lag (training pool): the last batch received or held
         self.state = TrainState(self.engines, self.advantages, self.rewards, self.training, self.switch,
-                                self.generation.partial)
+                                self.generation.partial, self.in_flight)
         self.progress = progress or (lambda iteration, phase: None)  # run_control.Progress: where this rank is
         self.phase = phase or PhaseLog(self.rank)  # rank 0's timed phase lines
         self.exit_control, self.resume_step = exit_control, resume_step
@@ -213,18 +224,18 @@ class PPOTrainer:
                 checkpointing.load_checkpoint(self.checkpoint, cfg.load, load_optim=cfg.load_optim,
                                               load_rng=cfg.load_rng, iteration=self.resume_step)
         self._open_run_logs()
-        if self.evaluator is not None and self.iteration == 0:  # before training (a resumed run has its own)
-            self.progress(0, "evaluation")
-            with self.phase("evaluation (before training)"):
-                before = self.evaluator(0)
-            self.logger.log({"iteration": 0, **before})
 
         def next_prompts():  # token ids and the records' other fields (ground truth for rewards)
             pb = next(loader)
             return pb.prompts, [self.prompts.records[i] if self.prompts.records else {} for i in pb.indices]
 
-        if self.pools is not None:  # --rl-desired-lag >= 1
+        if self.pools is not None:  # --rl-desired-lag >= 1 (its own evaluation before training)
             return self._train_overlapped(next_prompts)
+        if self.evaluator is not None and self.iteration == 0:  # before training (a resumed run has its own)
+            self.progress(0, "evaluation")
+            with self.phase("evaluation (before training)"):
+                before = self.evaluator(0)
+            self.logger.log({"iteration": 0, **before})
         saved = self.iteration
         while self.iteration < cfg.train_iters:
             batch, metrics = self._iteration(*next_prompts(), refill=next_prompts)
@@ -246,46 +257,118 @@ class PPOTrainer:
     def _train_overlapped(self, next_prompts: Callable) -> None:
         """--rl-desired-lag L >= 1: the rounds of puzzle/dataflow/overlap_stage.py, the generation
         pool generating batch r while the training pool trains batch r - L. Both pools draw the
-        prompts in the same order (batch k: the k-th draw). An exit before the last round drops
-        the batches in flight (generated, not trained); --save is refused with a lag."""
-        from puzzle.dataflow.overlap_stage import num_rounds, receive_batch, round_work
+        prompts in the same order (batch k: the k-th draw). A run resumed at iteration k with a
+        checkpoint's batches in flight trains them first while the generation pool goes on from
+        the checkpoint's weights (version k) with the next batch. A save (--save-interval, an exit,
+        the end) takes the batches in flight into the checkpoint; an exit without --save drops them.
+        The evaluation (--eval-prompts) of iteration k generates on the generation pool with the
+        training pool's weights of iteration k (sent after step k) and is scored on the training pool."""
+        from puzzle.dataflow.overlap_stage import first_round, num_rounds, pending, round_work
         from puzzle.parallel.scope import collective_scope
 
         cfg, pools, lag = self.cfg, self.pools, self.cfg.ppo.rl_desired_lag
-        self.switch.start()  # version 0 into the generation pool's kept shadow
-        sends, generated = [], 0
-        for r in range(1, num_rounds(cfg.train_iters, lag) + 1):
-            work = round_work(r, cfg.train_iters, lag)
+        start, held = self.iteration, len(self.in_flight)  # (a checkpoint's batches in flight)
+        generated = self.received = start + held  # the last batch generated (received)
+        self.switch.start(start)  # the current weights (version ``start``) into the generation pool's kept shadow
+        if pools.is_generation:
+            self.in_flight.batches.clear()  # the training pool's to train
+            for _ in range(held):  # generated before the checkpoint: the loader passes them
+                next_prompts()
+        elif self.evaluator is not None:
+            self.evaluator.source = self._received_evaluation  # its batches come from the generation pool
+        sends = self._overlapped_evaluation_before_training() if self.evaluator is not None and start == 0 else []
+        saved = self.iteration
+        for r in range(first_round(start, held), num_rounds(cfg.train_iters, lag) + 1):
+            work = round_work(r, cfg.train_iters, lag, start)
+            if work.train is not None and self.evaluator is not None and self.evaluator.due(work.train):
+                work = replace(work, send_weights=True)  # the evaluation generates with step work.train's weights
             if pools.is_generation:
-                sends += self._generation_round(work, next_prompts)
+                sends = pending(sends) + self._generation_round(work, next_prompts)
             elif work.train is not None:
                 with collective_scope(pools.train):
                     batch, metrics = self._training_round(work, next_prompts)
                     self._run_metrics(batch, metrics)
                 self.logger.log(metrics)
-            generated += work.generate is not None
-            self.iteration = max(0, r - lag)  # the batches trained (the same count on both pools)
+            generated = work.generate or generated
+            if work.train is None:
+                continue  # no iteration ended (the first rounds fill the pipeline)
+            self.iteration = work.train  # the batches trained (the same count on both pools)
+            if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
+                self._save_overlapped(generated)
+                saved = self.iteration
             self.progress(self.iteration, "exit check")
             reason = self.exit_control.reason_to_exit(self.iteration) if self.exit_control else None
             if reason:
                 if self.rank == 0:
                     print(f"exiting after iteration {self.iteration}: {reason}; the {generated - self.iteration} "
-                          "generated batch(es) in flight are dropped (not trained)", flush=True)
+                          "generated batch(es) in flight are " + ("saved with the checkpoint" if cfg.save
+                                                                  else "dropped (no --save)"), flush=True)
                 break
+        if cfg.save and saved != self.iteration:  # the final state, as Megatron-LM does
+            self._save_overlapped(generated)
         if not pools.is_generation:
-            for _ in range(generated - self.iteration):  # the dropped ones
-                receive_batch(pools.leader, self.runtime.device)
+            self._receive_in_flight(generated)  # an exit's batches in flight (saved, or dropped)
         for work, _ in sends:
             work.wait()
+
+    def _receive_in_flight(self, generated: int) -> None:
+        """The training pool takes in every batch generated up to ``generated`` not received yet."""
+        from puzzle.dataflow.overlap_stage import receive_batch
+
+        while self.received < generated:
+            batch, version, seconds = receive_batch(self.pools.leader, self.runtime.device)
+            self.received += 1
+            self.in_flight.put(GeneratedBatch(self.received, batch, version, seconds))
+
+    def _save_overlapped(self, generated: int) -> None:
+        """A save in the overlap (both pools): the batches in flight go with the training pool's state."""
+        if not self.pools.is_generation:
+            self._receive_in_flight(generated)
+        self._save()
+
+    def _overlapped_evaluation_before_training(self) -> list:
+        """Iteration 0's evaluation: generated by the generation pool (version 0), scored and
+        logged by the training pool. Returns the generation pool's sends."""
+        from puzzle.parallel.scope import collective_scope
+
+        if self.pools.is_generation:
+            return self._generate_evaluation(0)
+        with collective_scope(self.pools.train):
+            self.progress(0, "evaluation")
+            with self.phase("evaluation (before training; generated by the generation pool)"):
+                before = self.evaluator(0)
+        self.logger.log({"iteration": 0, **before})
+        return []
+
+    def _generate_evaluation(self, iteration: int) -> list:
+        """The generation pool's part of the evaluation of ``iteration`` (with the weights it holds:
+        that iteration's): the eval batches, sent to every training rank (isend: the works)."""
+        from puzzle.dataflow.overlap_stage import EVAL_TAG, send_batch
+        from puzzle.parallel.scope import collective_scope
+
+        self.progress(iteration, "evaluation")
+        with collective_scope(self.pools.gen):
+            batches = self.evaluator.generate(iteration)
+        if self.rank != self.pools.leader:
+            return []
+        return [w for b in batches
+                for w in send_batch(b, self.switch.version, 0.0, self.pools.train_ranks, tag=EVAL_TAG)]
+
+    def _received_evaluation(self, iteration: int) -> list:
+        """The training pool's side of ``_generate_evaluation``: the eval batches (the Evaluator's source)."""
+        from puzzle.dataflow.overlap_stage import EVAL_TAG, receive_batch
+
+        return [receive_batch(self.pools.leader, self.runtime.device, tag=EVAL_TAG)[0] for _ in self.evaluator.batches]
 
     def _generation_round(self, work, next_prompts: Callable) -> list:
         """The generation pool's round: batch ``work.generate`` with the weights it holds, then the
         training step's new weights (when sent), then the batch to the training pool (isend:
-        the generation goes on while the training pool has not taken it yet)."""
+        the generation goes on while the training pool has not taken it yet), then the
+        evaluation when due."""
         from puzzle.dataflow.overlap_stage import send_batch
         from puzzle.parallel.scope import collective_scope
 
-        rollout = None
+        rollout, sends = None, []
         if work.generate is not None:
             prompt_ids, records = next_prompts()
             t0, version = time.perf_counter(), self.switch.version
@@ -296,17 +379,18 @@ class PPOTrainer:
                 rollout = self.generation.run(prompt_ids, records, None, work.generate)
             seconds = time.perf_counter() - t0
         if work.send_weights:
-            self.switch.receive()
-        if rollout is None or self.rank != self.pools.leader:
-            return []
-        return send_batch(rollout.batch, version, seconds, self.pools.train_ranks)
+            self.switch.receive(work.train)
+        if rollout is not None and self.rank == self.pools.leader:
+            sends = send_batch(rollout.batch, version, seconds, self.pools.train_ranks)
+        if work.train is not None and self.evaluator is not None and self.evaluator.due(work.train):
+            sends += self._generate_evaluation(work.train)
+        return sends
 
     def _training_round(self, work, next_prompts: Callable) -> Tuple[RolloutBatch, dict]:
-        """The training pool's round: batch ``work.train`` from the generation pool (the wait is
-        the clock's "generate" stage), its rewards, scoring and training; the actor's step sends
-        its weights to the generation pool when ``work.send_weights``."""
-        from puzzle.dataflow.overlap_stage import receive_batch, token_versions
-        from puzzle.rollout.partial import staleness
+        """The training pool's round: batch ``work.train`` (held in flight from a checkpoint, else
+        from the generation pool: the wait is the clock's "generate" stage), its rewards, scoring and
+        training; the actor's step sends its weights to the generation pool when ``work.send_weights``."""
+        from puzzle.dataflow.overlap_stage import receive_batch
 
         prompt_ids, records = next_prompts()
         self.iteration = it = work.train
@@ -318,13 +402,12 @@ class PPOTrainer:
 
         self.switch.send_next = work.send_weights
         with clock.stage("generate", "generation"):  # (in the training pool's scope: _train_overlapped)
-            with phase("generation (waiting for the generation pool)"):
-                batch, version, gen_seconds = receive_batch(self.pools.leader, self.runtime.device)
-            versions = token_versions(batch, version)
-            rows = [v[v >= 0] for v in versions]
-            rollout = Rollout(batch, records, versions=versions, stats={
-                **length_metrics(batch, self.tokenizer.eos_id), **staleness(rows, it - 1),
-                "generation_pool_seconds": gen_seconds, "generation_policy_version": version})
+            held = self.in_flight.take(it)
+            if held is None:
+                with phase("generation (waiting for the generation pool)"):
+                    held = GeneratedBatch(it, *receive_batch(self.pools.leader, self.runtime.device))
+                self.received = it
+            rollout = self._generated_rollout(held, records)
             with phase("reward"):
                 rewarded, reward_stats = self.rewards.score_rollout(rollout, it)
                 stats = {**rollout.stats, **reward_stats}
@@ -332,6 +415,24 @@ class PPOTrainer:
         out = self._train_rollout(rollout, rewarded, stats, clock, phase)
         self.switch.send_if_pending()
         return out
+
+    def _generated_rollout(self, held: GeneratedBatch, records: List[dict]) -> Rollout:
+        """A batch the generation pool generated (``held``), as the generation stage's Rollout for
+        iteration ``held.index``: its tokens' policy version and staleness."""
+        import torch.nn.functional as F
+
+        from puzzle.dataflow.overlap_stage import token_versions
+        from puzzle.rollout.partial import staleness
+
+        batch, version = held.batch, held.version
+        short = -batch.tokens.shape[1] % self.seq_multiple  # (a checkpoint's, resumed with another T)
+        if short:
+            batch = replace(batch, tokens=F.pad(batch.tokens, (0, short), value=self.tokenizer.pad_id))
+        versions = token_versions(batch, version)
+        rows = [v[v >= 0] for v in versions]
+        return Rollout(batch, records, versions=versions, stats={
+            **length_metrics(batch, self.tokenizer.eos_id), **staleness(rows, held.index - 1),
+            "generation_pool_seconds": held.seconds, "generation_policy_version": version})
 
     def _open_run_logs(self) -> None:
         """The evaluator, --log-samples' file and a progress bar of each generation on a terminal
@@ -387,9 +488,11 @@ class PPOTrainer:
             return self.phase(f"iteration {it} {name}", show=shown)
 
         self.offload.before("generation")
+        held = self.in_flight.take(it)  # a checkpoint's batch in flight (resumed at lag 0): trained first
         with clock.stage("generate", "generation"):
-            with phase("generation"):
-                rollout = self.generation.run(prompt_ids, records, refill, it)
+            with phase("generation" if held is None else "generation (a batch in flight in the checkpoint)"):
+                rollout = (self.generation.run(prompt_ids, records, refill, it) if held is None else
+                           self._generated_rollout(held, records if records is not None else [{} for _ in prompt_ids]))
             with phase("reward"):
                 rewarded, reward_stats = self.rewards.score_rollout(rollout, it)
                 stats = {**rollout.stats, **reward_stats}

@@ -253,15 +253,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     return out.view(b, g, Q, d).to(q.dtype)
 
 
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of b sequences from their first position: query [s, b, h, d], key/value
-    [s, b, g, d] -> [s, b, h * d]."""
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     start: int = 0) -> torch.Tensor:
+    """Causal attention of b sequences: query [s, b, h, d] at positions start..start + s - 1,
+    key/value [start + s, b, g, d] from the first position -> [s, b, h * d]."""
     s, b, h, d = query.shape
     g = key.shape[2]
     r = h // g
     q = query.permute(1, 2, 0, 3).reshape(b, g, r * s, d)
     k, v = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
-    pos = torch.arange(s, device=query.device).repeat(r).unsqueeze(0).expand(b, r * s)
+    pos = (start + torch.arange(s, device=query.device)).repeat(r).unsqueeze(0).expand(b, r * s)
     out = _attend(q, k, v, pos, scale)  # [b, g, r * s, d]
     return out.view(b, h, s, d).permute(2, 0, 1, 3).reshape(s, b, h * d)
 

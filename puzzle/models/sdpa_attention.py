@@ -44,11 +44,13 @@ class StaticKVCache:
 
     Buffers are [slots, g, width, d] per layer (megatron's layer_number, global over pipeline
     stages), allocated at the first write with the key's dtype and device. Before each model call
-    generation sets the call: ``prefill(slots, lengths)`` (prompts packed into one sequence, no
-    padding: prompt i fills slot ``slots[i]`` at positions 0..lengths[i]-1 and attends causally
-    over its own keys) or ``decode(n, pos, key_len)`` (slots 0..n-1, one new token per row
-    written at ``pos`` [n]; a row attends to its positions <= pos over the first ``key_len``
-    positions). Writes are one ``index_copy_`` per buffer, at flat indices computed once per call.
+    generation sets the call: ``prefill(slots, lengths, starts=None)`` (segments packed into one
+    sequence, no padding: segment i fills slot ``slots[i]`` at positions starts[i]..starts[i] +
+    lengths[i] - 1 and attends causally over its own keys and, when it starts past 0 (tokens
+    appended to a kept row: a multi-turn observation), over the slot's cached keys before it) or
+    ``decode(n, pos, key_len)`` (slots 0..n-1, one new token per row written at ``pos`` [n]; a
+    row attends to its positions <= pos over the first ``key_len`` positions). Writes are one
+    ``index_copy_`` per buffer, at flat indices computed once per call.
     """
 
     def __init__(self, slots: int, width: int):
@@ -62,32 +64,39 @@ class StaticKVCache:
         self.bias: Optional[torch.Tensor] = None    # the same as an additive mask (lowest value)
         self.rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (cos, sin) of the call
         self.write_index: Optional[torch.Tensor] = None  # flat rows the call writes
-        self.segments: List[Tuple[int, int]] = []    # prefill: (offset, length) of each prompt
+        self.segments: List[Tuple[int, int]] = []    # prefill: (offset, length) of each segment
+        self.starts: List[int] = []                  # prefill: cache position of each segment's first token
+        self.slot_list: List[int] = []               # prefill: the slot of each segment
+        self.layer_buffers = None                    # prefill: (keys, values) of the layer being run
         self._token_slot: Optional[torch.Tensor] = None  # prefill: [T] slot of each token
         #: prefill attention as one batched call over the prompts padded to the longest (the
         #: default on CUDA, where it runs flash kernels) instead of one call per prompt (CPU)
         self.batch_prefill: Optional[bool] = None
         self._padded: Optional[torch.Tensor] = None
 
-    def prefill(self, slots: List[int], lengths: List[int], device=None) -> None:
-        """Prompts of ``lengths`` tokens, packed in that order, into ``slots`` (built on the host
-        and copied once: no device reads)."""
-        if max(lengths) > self.width:
-            raise ValueError(f"prompt of {max(lengths)} tokens exceeds the cache width {self.width}")
-        self.n, self.key_len = 0, max(lengths)
+    def prefill(self, slots: List[int], lengths: List[int], device=None, starts: Optional[List[int]] = None) -> None:
+        """Segments of ``lengths`` tokens, packed in that order, into ``slots`` from cache
+        positions ``starts`` (default 0: new prompts) (built on the host and copied once: no
+        device reads)."""
+        starts = list(starts) if starts is not None else [0] * len(lengths)
+        end = max(s + n for s, n in zip(starts, lengths))
+        if end > self.width:
+            raise ValueError(f"prompt of {end} tokens exceeds the cache width {self.width}")
+        self.n, self.key_len, self.starts = 0, max(lengths), starts
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
         self.segments = list(zip(offsets[:-1], lengths))
         z = dict(dtype=torch.long, device=device)
         self.rows = torch.tensor(slots, **z)
+        self.slot_list = list(slots)
         self._token_slot = torch.tensor([s for s, n in zip(slots, lengths) for _ in range(n)], **z)
-        self.pos = torch.tensor([p for n in lengths for p in range(n)], **z)
+        self.pos = torch.tensor([s + p for s, n in zip(starts, lengths) for p in range(n)], **z)
         self.write_index = None
         self._padded = None  # [T] place of each packed token in the prompts padded to the longest
         batched = self.batch_prefill if self.batch_prefill is not None else \
             torch.device(device or "cpu").type == "cuda"
-        if batched and len(lengths) > 1:
+        if batched and len(lengths) > 1 and not any(starts):
             longest = max(lengths)
             self._padded = torch.tensor([i * longest + p for i, n in enumerate(lengths) for p in range(n)], **z)
 
@@ -111,15 +120,27 @@ class StaticKVCache:
             self.write_index = (rows * self.width + self.pos.unsqueeze(1)).view(-1)
         return self.write_index
 
-    def prefill_attention(self, attend, query, key, value) -> torch.Tensor:
-        """Causal attention of every packed prompt over its own keys: ``attend(q, k, v)`` on one
-        prompt's [l, 1, heads, d] slices -> [l, 1, h * d]; concatenated -> [T, 1, h * d]."""
-        if len(self.segments) == 1:
-            return attend(query, key, value)
-        if self._padded is not None:
-            return self._batched_prefill_attention(attend, query, key, value)
-        return torch.cat([attend(query[o:o + n], key[o:o + n], value[o:o + n])
-                          for o, n in self.segments], dim=0)
+    def prefill_attention(self, attend, query, key, value, attend_after=None) -> torch.Tensor:
+        """Causal attention of every packed segment: ``attend(q, k, v)`` on a new prompt's
+        [l, 1, heads, d] slices -> [l, 1, h * d]; ``attend_after(q, k, v, start)`` on an appended
+        segment's queries [l, 1, h, d] and its slot's cached keys/values [start + l, 1, g, d]
+        (query i sees keys 0..start + i); concatenated -> [T, 1, h * d]."""
+        if not any(self.starts):
+            if len(self.segments) == 1:
+                return attend(query, key, value)
+            if self._padded is not None:
+                return self._batched_prefill_attention(attend, query, key, value)
+        if any(self.starts) and attend_after is None:
+            raise ValueError("this attention cannot append tokens to a kept KV-cache row")
+        out = []
+        for (o, n), start, slot in zip(self.segments, self.starts, self.slot_list):
+            if not start:
+                out.append(attend(query[o:o + n], key[o:o + n], value[o:o + n]))
+                continue
+            kb, vb = self.layer_buffers  # [slots, g, width, d]: the row's keys, the new ones written
+            k, v = (b[slot, :, :start + n].transpose(0, 1).unsqueeze(1) for b in (kb, vb))
+            out.append(attend_after(query[o:o + n], k, v, start))
+        return torch.cat(out, dim=0)
 
     def _batched_prefill_attention(self, attend, query, key, value) -> torch.Tensor:
         """The packed prompts scattered into a [longest, prompts] batch (zeros after each
@@ -193,8 +214,16 @@ class StaticKVCache:
             kb.view(-1, d).index_copy_(0, index, key.reshape(-1, d))
             vb.view(-1, d).index_copy_(0, index, value.reshape(-1, d))
         if self.is_prefill:
+            self.layer_buffers = (kb, vb)
             return query, key, value
         return query, kb[:self.n, :, :self.key_len], vb[:self.n, :, :self.key_len]
+
+
+def appended_mask(queries: int, start: int, device) -> torch.Tensor:
+    """[1, 1, queries, start + queries] bool, True = masked: query i (at position start + i) sees
+    keys 0..start + i."""
+    keys = torch.arange(start + queries, device=device)
+    return (keys.unsqueeze(0) > (start + torch.arange(queries, device=device)).unsqueeze(1))[None, None]
 
 
 class KVCacheMixin:
@@ -321,8 +350,9 @@ def cached_sdpa(module, query, key, value):
     cache = module.kv_cache
     if cache.is_prefill:
         return cache.prefill_attention(
-            lambda q, k_, v_: sdpa_attention(q, k_, v_, None, q.shape[0] > 1, module.scale),
-            query, k, v)
+            lambda q, k_, v_: sdpa_attention(q, k_, v_, None, q.shape[0] > 1, module.scale), query, k, v,
+            lambda q, k_, v_, start: sdpa_attention(q, k_, v_, appended_mask(q.shape[0], start, q.device), False,
+                                                   module.scale))
     return sdpa_decode(query, k, v, cache.decode_bias(query.dtype), module.scale)
 
 
@@ -342,7 +372,8 @@ def invariant_attention(module, scale: float, query, key, value, attention_mask,
     if cache is not None:
         query, k, v = module._cached(query, key, value)
         if cache.is_prefill:
-            return cache.prefill_attention(attend, query, k, v)
+            return cache.prefill_attention(attend, query, k, v, lambda q, k_, v_, start:
+                                           batch_invariant.causal_attention(q, k_, v_, scale, start=start))
         return batch_invariant.decode_attention(query, k, v, cache.pos, scale)
     kind = module.attn_mask_type if attn_mask_type is None else attn_mask_type
     if kind != AttnMaskType.causal or attention_mask is not None or query.shape[0] != key.shape[0]:
@@ -375,7 +406,7 @@ class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
                                    packed_seq_params=packed_seq_params)
         query, k, v = self._cached(query, key, value)
         if cache.is_prefill:
-            return cache.prefill_attention(self._causal, query, k, v)
+            return cache.prefill_attention(self._causal, query, k, v, self._after)
         k = k.permute(2, 0, 1, 3).contiguous()
         v = v.permute(2, 0, 1, 3).contiguous()
         return super().forward(query, k, v, cache.masked, attn_mask_type=AttnMaskType.padding)
@@ -385,6 +416,12 @@ class UnfusedCoreAttention(KVCacheMixin, DotProductAttention):
         (made contiguous: megatron views them as [s, b * heads, d])."""
         query, key, value = (t.contiguous() for t in (query, key, value))
         return super().forward(query, key, value, None, attn_mask_type=AttnMaskType.causal)
+
+    def _after(self, query, key, value, start: int):
+        """Appended tokens [l, 1, h, d] over their row's cached keys [start + l, 1, g, d]."""
+        mask = appended_mask(query.shape[0], start, query.device)
+        return super().forward(query.contiguous(), key.contiguous(), value.contiguous(), mask,
+                               attn_mask_type=AttnMaskType.padding)
 
     def _causal(self, query, key, value):
         s = query.shape[0]

@@ -31,6 +31,12 @@ class EnvRunner:
         self.pool = RewardScorer(EnvFactory(spec), workers, timeout, load=load_env_factory, call=call_steps)
         self.stats: Counter = Counter()
 
+    @property
+    def in_workers(self) -> bool:
+        """Whether the steps run in worker processes (the caller may then wait on them from a
+        background thread while it works; in-process steps run in the caller's thread)."""
+        return self.pool.processes > 0
+
     def step(self, calls: Sequence[EnvCall]) -> List[Result]:
         """``(EnvOutcome, None)`` or ``(None, why)`` for each call, in order."""
         results = self.pool.score(list(calls))

@@ -75,7 +75,8 @@ class GenerationOutput:
     # when ``stop`` ended the generation (their tokens so far are in the first columns)
     finished: Optional[torch.Tensor] = None
     # multi-turn (``turns``): [b, max_new] bool, True at the observation tokens an environment
-    # inserted (on the host), and the counts of turns, observation tokens and cut samples
+    # inserted (on the host), and the counts of turns, observation tokens and cut samples (and
+    # ``step_wait_seconds``: the decode loop's time waiting for environment steps at the joins)
     observation_mask: Optional[torch.Tensor] = None
     turn_counts: Optional[dict] = None
     turn_states: Optional[List[TurnResume]] = None  # multi-turn: each row's turn bookkeeping at the end
@@ -138,10 +139,13 @@ class SlotBatch:
         self.call_slots: List[int] = []        # host copy of call.slots
         self.done = False
         self.turns: Optional[TurnTracker] = None  # multi-turn rows (puzzle/rollout/turns.py)
+        self.paused: List[int] = []            # multi-turn: slots whose row waits for its step
+        self.appends: List[tuple] = []         # multi-turn: (slot, tokens) the next prefill appends
+        self.clock = 0                         # multi-turn: model calls run (the joins' clock)
 
     # -- the next model call -----------------------------------------------------------------
     def next_call(self) -> Call:
-        if self.queue and self.free:
+        if (self.queue and self.free) or self.appends:
             self.call = self._prefill_call()
         else:
             act = self.host_active
@@ -157,25 +161,40 @@ class SlotBatch:
         return self.call
 
     def _prefill_call(self) -> Call:
+        """New prompts into free slots, packed after the segments appended to kept rows (a
+        multi-turn row's last sampled token and its observation, at the slot's length)."""
         k = min(len(self.free), len(self.queue))
         slots, self.free = self.free[:k], self.free[k:]
         rows = [self.queue.popleft() for _ in range(k)]
         seqs = [self.prefill_tokens(r) for r in rows]
         done = [len(q) - len(self.prompts[r]) for r, q in zip(rows, seqs)]  # tokens resumed
         lens = [len(q) for q in seqs]
-        packed = [t for q in seqs for t in q]
-        ids = torch.tensor([packed], dtype=torch.long, device=self.device)  # [1, T]
-        slots_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        lens_t = torch.tensor(lens, dtype=torch.long, device=self.device)
-        self.row[slots_t] = torch.tensor(rows, dtype=torch.long, device=self.device)
-        self.lens[slots_t] = lens_t
-        self.count[slots_t] = torch.tensor(done, dtype=torch.long, device=self.device)
+        z = dict(dtype=torch.long, device=self.device)
+        if k:
+            slots_t = torch.tensor(slots, **z)
+            self.row[slots_t] = torch.tensor(rows, **z)
+            self.lens[slots_t] = torch.tensor(lens, **z)
+            self.count[slots_t] = torch.tensor(done, **z)
         for s, n, c, r in zip(slots, lens, done, rows):
             self.host_lens[s], self.host_count[s], self.host_row[s] = n, c, r
+        appends, self.appends = self.appends, []
+        starts = [self.host_lens[s] for s, _ in appends] + [0] * k
+        seqs = [q for _, q in appends] + seqs
+        slots = [s for s, _ in appends] + slots
+        sizes = [len(q) for q in seqs]
+        if appends:
+            a_slots = torch.tensor([s for s, _ in appends], **z)
+            a_lens = [b + len(q) for b, (_, q) in zip(starts, appends)]
+            self.lens[a_slots] = torch.tensor(a_lens, **z)
+            for (s, _), n in zip(appends, a_lens):
+                self.host_lens[s] = n
+        packed = [t for q in seqs for t in q]
+        ids = torch.tensor([packed], **z)  # [1, T]
         self.call_slots = slots
-        self.cache.prefill(slots, lens, self.device)
+        self.cache.prefill(slots, sizes, self.device, starts)
         pos = self.cache.pos.unsqueeze(0)
-        return Call(True, 1, len(packed), ids, pos, slots_t, lens_t.cumsum(0) - 1)
+        return Call(True, 1, len(packed), ids, pos, torch.tensor(slots, **z),
+                    torch.tensor(sizes, **z).cumsum(0) - 1)
 
     def prefill_tokens(self, r: int) -> List[int]:
         """Row r's prefill: its prompt, then the partial response it resumes (if any)."""
@@ -206,9 +225,8 @@ class SlotBatch:
             self.lens[sl] += 1
             for s in slots:
                 self.host_lens[s] += 1
-        if self.turns is not None:  # observation tokens in place of the sampled ones
-            tok, logprob = self.turns.insert([self.host_row[s] for s in slots], [self.host_count[s] for s in slots],
-                                             tok, logprob)
+        if self.turns is not None:
+            self.turns.record([self.host_row[s] for s in slots], tok)
         rows, step = self.row[sl], self.count[sl]
         self.results.out[rows, step] = tok
         self.results.logprobs[rows, step] = logprob
@@ -220,16 +238,74 @@ class SlotBatch:
         fin = [self.host_count[s] >= self.max_new for s in slots]
         if self.stop_ids.numel():
             fin = [f or e for f, e in zip(fin, torch.isin(tok, self.stop_ids).tolist())]
+        paused = []
         if self.turns is not None:
-            fin = self.turns.end_turns([self.host_row[s] for s in slots], fin)
+            self.clock += 1
+            status = self.turns.end_turns([self.host_row[s] for s in slots], fin, self.clock)
+            fin = [st == "end" for st in status]
+            paused = [s for s, st in zip(slots, status) if st == "pause"]
         gone = [s for s, f in zip(slots, fin) if f]
         self.finished_rows = [self.host_row[s] for s in gone]
-        if gone:
-            self.active[torch.tensor(gone, dtype=torch.long, device=self.device)] = False
-            self.host_active = [s for s in self.host_active if s not in gone]
+        if gone or paused:  # out of the decode calls; a paused row keeps its slot and cache
+            self.active[torch.tensor(gone + paused, dtype=torch.long, device=self.device)] = False
+            self.host_active = [s for s in self.host_active if s not in gone and s not in paused]
             self.free = sorted(self.free + gone)
+            self.paused += paused
+        if self.paused:
+            self._join_turns()
         self.call = None
-        self.done = not self.queue and not self.host_active
+        self.done = not self.queue and not self.host_active and not self.paused and not self.appends
+
+    def _join_turns(self) -> None:
+        """The paused rows whose steps are due at the clock joined: their observations written
+        into the results and queued for the next prefill, or their slots freed; when no row
+        could run the next call, the clock jumps to the next join."""
+        while True:
+            joined = self.turns.join(self.clock)
+            if joined:
+                self._resume(joined)
+            if not self.paused or self.host_active or self.appends or (self.queue and self.free):
+                return
+            due = self.turns.next_due()
+            if due is None:
+                raise RuntimeError("multi-turn generation: rows are paused but no step is in flight")
+            self.clock = max(self.clock, due)
+
+    def _resume(self, joined) -> None:
+        slot_of = {self.host_row[s]: s for s in self.paused}
+        rows, cols, vals, ends = [], [], [], []
+        for r, obs, goes_on in joined:
+            s = slot_of[r]
+            self.paused.remove(s)
+            n = self.host_count[s]
+            rows += [r] * len(obs)
+            cols += range(n, n + len(obs))
+            vals += obs
+            ends.append((r, n + len(obs)))
+            if goes_on:  # the turn's last sampled token (not yet in the cache), then the observation
+                self.appends.append((s, [self.turns.tokens[r][n - 1]] + list(obs)))
+                self.host_count[s] = n + len(obs)
+            else:
+                self.free = sorted(self.free + [s])
+                self.finished_rows.append(r)
+        z = dict(dtype=torch.long, device=self.device)
+        if vals:
+            self.results.out[torch.tensor(rows, **z), torch.tensor(cols, **z)] = torch.tensor(vals, **z)
+        row_t = torch.tensor([r for r, _ in ends], **z)
+        self.results.resp_len[row_t] = torch.tensor([n for _, n in ends], **z)
+        going = [(s, self.host_count[s]) for s, _ in self.appends]
+        if going:
+            self.count[torch.tensor([s for s, _ in going], **z)] = torch.tensor([c for _, c in going], **z)
+
+    def flush_turns(self) -> List[int]:
+        """The end of the loop (a quota stop, or every row ended): every step still in flight
+        joined (``TurnTracker.flush``), the observations written into the rows' responses, and the
+        rows left running: queued, decoding, or with an observation written and not yet prefilled
+        (a row the observation ends, its episode done or its budget spent, has finished)."""
+        joined = self.turns.flush()
+        if joined:
+            self._resume(joined)
+        return list(self.queue) + [self.host_row[s] for s in self.host_active + [s for s, _ in self.appends]]
 
     def sync_host(self) -> None:
         """Host copies from the device state (after steps that updated it on the device)."""
@@ -423,25 +499,18 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
     Without these arguments the output is the same as before they existed, bit for bit.
 
     Multi-turn samples (puzzle/rollout/turns.py): ``turns`` answers each row's ended turns with
-    observation tokens, inserted into the row's response and KV cache (P=1, T=1; not with CUDA
-    graphs); the output's ``observation_mask`` marks them. With ``stop`` a row left running has
-    its pending observation written whole into its response (``TurnTracker.flush``) and its turn
-    state in ``turn_states``; ``partial_turns`` gives a resumed row's (None: no observation in it,
-    no turn stepped).
+    observation tokens, appended to the row's response and kept KV cache by a prefill while the
+    other rows go on decoding (P=1, any D and T; not with CUDA graphs); the output's
+    ``observation_mask`` marks them. At a ``stop`` the steps in flight are joined, their
+    observations written (``SlotBatch.flush_turns``); each row's turn state: ``turn_states``;
+    ``partial_turns`` gives a resumed row's (None: no observation in it, no turn stepped).
     """
     from puzzle.rollout.pipelined_generation import run_schedule
 
-    width = _check_inputs(engine, prompts, params, sample_offset)
-    b = len(prompts)
-    P = engine.layout.plan.P
-    _check_turns(turns, engine.layout.plan, stop, partial_tokens, cuda_graphs, partial_turns)
-    resumed = check_resume(b, params, engine.arch.valid_vocab_size, partial_tokens, partial_logprobs,
-                           None if partial_turns is None else [t and t.observation for t in partial_turns])
-    rows_sample_ids = check_sample_ids(b, sample_offset, sample_ids)
-    _check_stop(stop, b, P)
-    mbs = micro_batch_size if micro_batch_size is not None else math.ceil(b / P)
-    if not isinstance(mbs, int) or mbs < 1:
-        raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
+    b, P = len(prompts), engine.layout.plan.P
+    width, resumed, rows_sample_ids, mbs = _checked_arguments(
+        engine, prompts, params, sample_offset, micro_batch_size, cuda_graphs, stop,
+        (partial_tokens, partial_logprobs, sample_ids), turns, partial_turns)
     model = engine.module
     device = model.puzzle_device
     graphs = _decode_graphs(model, P, device, cuda_graphs, compile_graphs, batch_invariant)
@@ -452,9 +521,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         _write_partial(results, *resumed)
     batches = _slot_batches(prompts, prefills, rtok, params, mbs, P, results, device,
                             graphs.cache(min(mbs, b), width) if graphs is not None and P == 1 else None)
-    tracker = None
-    if turns is not None:
-        tracker = batches[0].turns = _turn_tracker(turns, b, params.max_new_tokens, rtok, partial_turns)
+    tracker = batches[0].turns = _turn_tracker(turns, b, params.max_new_tokens, rtok, partial_turns,
+                                               engine.layout.tp_group, device)
     try:
         with _inference_model(model), torch.no_grad(), batch_invariant_mode(batch_invariant), \
                 _Hooks(model, width if graphs is None else graphs.width) as hooks, \
@@ -466,19 +534,45 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
                          stop.tracker() if stop is not None else None)
             if progress is not None:
                 progress(b - sum(len(sb.queue) + len(sb.host_active) for sb in batches), b)
+            if tracker is not None:  # the steps still in flight joined (a quota stop: the paused rows')
+                running = {r for sb in batches for r in sb.flush_turns()}
+                tracker.close()
     finally:
+        if tracker is not None:  # also on error: stop the steps' thread
+            tracker.shutdown()
         if graphs is None:
             for sb in batches:
                 sb.cache = None  # drop every KV cache, also on error
-    if tracker is None:
-        return _assemble(prompts, results, params, stepper.forward_passes)
-    running = _flush_running(batches, tracker, results) if stop is not None else set()
-    return _with_turns(_assemble(prompts, results, params, stepper.forward_passes), tracker, running)
+    out = _assemble(prompts, results, params, stepper.forward_passes)
+    return out if tracker is None else _with_turns(out, tracker, running)
 
 
-def _turn_tracker(turns: TurnHandler, rows: int, max_new: int, resumed, partial_turns) -> TurnTracker:
-    """The turns of a generation's rows, the resumed ones (partial rollouts) from their state."""
-    tracker = TurnTracker(turns, rows, max_new)
+def _checked_arguments(engine, prompts, params, sample_offset, micro_batch_size, cuda_graphs, stop,
+                       partial, turns, partial_turns):
+    """generate's arguments checked (one ValueError naming the problem; ``partial``: its
+    partial_tokens, partial_logprobs and sample_ids): the cache width, the resumed rows' (tokens,
+    log-probs) or None, each row's sample id and the micro-batch size."""
+    partial_tokens, partial_logprobs, sample_ids = partial
+    width = _check_inputs(engine, prompts, params, sample_offset)
+    b, P = len(prompts), engine.layout.plan.P
+    _check_turns(turns, engine.layout.plan, stop, partial_tokens, cuda_graphs, partial_turns)
+    resumed = check_resume(b, params, engine.arch.valid_vocab_size, partial_tokens, partial_logprobs,
+                           None if partial_turns is None else [t and t.observation for t in partial_turns])
+    rows_sample_ids = check_sample_ids(b, sample_offset, sample_ids)
+    _check_stop(stop, b, P)
+    mbs = micro_batch_size if micro_batch_size is not None else math.ceil(b / P)
+    if not isinstance(mbs, int) or mbs < 1:
+        raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
+    return width, resumed, rows_sample_ids, mbs
+
+
+def _turn_tracker(turns: TurnHandler, rows: int, max_new: int, resumed, partial_turns, tp_group,
+                  device) -> Optional[TurnTracker]:
+    """The turns of a generation's rows (None without ``turns``), the resumed ones (partial
+    rollouts) from their state."""
+    if turns is None:
+        return None
+    tracker = TurnTracker(turns, rows, max_new, tp_group, device)
     for r, state in enumerate(partial_turns or []):
         if resumed[r] or state is not None:
             tracker.resume(r, resumed[r], state or TurnResume((False,) * len(resumed[r]), 0, 0))
@@ -489,27 +583,11 @@ def _with_turns(out: GenerationOutput, tracker: TurnTracker, running: set) -> Ge
     """``out`` with its rows' turns: the observation mask, counts and turn states; an episode's
     end is its row's end: every row ended but those a quota stop left ``running``."""
     b = len(out.response_lengths)
-    out.observation_mask, out.turn_counts = tracker.observation_mask, dict(tracker.counts)
+    out.observation_mask = tracker.observation_mask
+    out.turn_counts = dict(tracker.counts, step_wait_seconds=tracker.wait_seconds)
     out.turn_states = [tracker.state(r) for r in range(b)]
     out.finished = torch.tensor([r not in running for r in range(b)], dtype=torch.bool, device=out.finished.device)
     return out
-
-
-def _flush_running(batches: List[SlotBatch], tracker: TurnTracker, results: Results) -> set:
-    """The rows a quota stop left running or waiting, each with its pending observation written
-    into its response (a row the observation takes to the token budget has ended)."""
-    running = set()
-    for sb in batches:
-        for r in list(sb.queue) + [sb.host_row[s] for s in sb.host_active]:
-            obs, ended = tracker.flush(r)
-            if obs:
-                n = int(results.resp_len[r])
-                results.out[r, n:n + len(obs)] = torch.tensor(obs, dtype=torch.long, device=results.out.device)
-                results.logprobs[r, n:n + len(obs)] = 0.0
-                results.resp_len[r] = n + len(obs)
-            if not ended:
-                running.add(r)
-    return running
 
 
 def _decode_graphs(model, P: int, device, cuda_graphs: bool, compile_graphs: bool, batch_invariant: bool):
@@ -530,8 +608,9 @@ def _check_turns(turns, plan, stop, partial_tokens, cuda_graphs, partial_turns=N
         if partial_turns is not None:
             raise ValueError("partial_turns (the turn state of resumed rows) needs turns (a multi-turn handler)")
         return
-    if (plan.P, plan.T) != (1, 1) or plan.has_experts_split:
-        raise ValueError(f"multi-turn generation (--env) runs at P=1, T=1 for now; the actor generates at {plan}")
+    if plan.P != 1 or plan.has_experts_split:
+        raise ValueError(f"multi-turn generation (--env) runs at P=1 without an expert-parallel split for now; "
+                         f"the actor generates at {plan}")
     if cuda_graphs:
         raise ValueError("multi-turn generation (--env) does not run with CUDA graphs yet")
     if partial_turns is not None and (partial_tokens is None or len(partial_turns) != len(partial_tokens)):
@@ -608,7 +687,7 @@ def _progress_report(progress, batches: List[SlotBatch], rows: int):
         return None
 
     def report():
-        pending = sum(len(sb.queue) + len(sb.host_active)
+        pending = sum(len(sb.queue) + len(sb.host_active) + len(sb.paused) + len(sb.appends)
                       + (len(sb.call_slots) if sb.call is not None and sb.call.prefill else 0) for sb in batches)
         progress(rows - pending, rows)
 
@@ -620,7 +699,8 @@ def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[i
     Python call per torch call). megatron's unfused attention takes its score buffer from
     megatron's global memory buffer, allocated on the "cuda" device when it grows: it is grown
     first, with the mode on, to the largest scores of this generation (a decode step over a
-    whole cache, a prefill's longest prompt), so the loop never allocates it. In
+    whole cache, a prefill's longest prompt, a multi-turn row's appended tokens), so the loop
+    never allocates it. In
     ``batch_invariant`` generation (whose attention uses no such buffer) the device-mapping mode
     is taken off the torch-function stack, leaving the batch-invariant mode working."""
     import megatron_patches
@@ -641,7 +721,9 @@ def _fast_dispatch(hooks: _Hooks, batches: List[SlotBatch], prompts: List[List[i
 
         heads = max(a.num_attention_heads_per_partition for a in unfused)
         longest = max(len(p) for p in prompts)
-        scores = heads * max(max(sb.slots * sb.cache.width for sb in batches), longest * longest)
+        # a multi-turn row's appended tokens attend to its cached keys: up to width x width scores
+        appended = max(sb.cache.width ** 2 if sb.turns is not None else 0 for sb in batches)
+        scores = heads * max(max(sb.slots * sb.cache.width for sb in batches), longest * longest, appended)
         dtype = hooks.model.config.params_dtype
         parallel_state.get_global_memory_buffer().get_tensor((scores,), dtype, "mpu")
     from megatron_patches import cpu_backend

@@ -1,6 +1,6 @@
 """Multi-turn generation (puzzle/rollout/turns.py) in the shared 1-rank world
-(tests/distributed/worlds/tiny_runs.py ``check_env_rollouts``): observation tokens inserted into the
-rows' kept KV caches, token in, token out; the turn and token limits counted."""
+(tests/distributed/worlds/tiny_runs.py ``check_env_rollouts``): observation tokens appended to the
+rows' kept KV caches by prefills, token in, token out; the turn and token limits counted."""
 
 import pytest
 
@@ -50,15 +50,33 @@ def test_the_limits_are_counted(res):
     assert sorted(r for r, _, _, final in res["calls"] if final) == [0, 1, 2]
 
 
+def test_the_tokens_are_those_of_a_full_forward_in_fewer_model_calls(res):
+    """The sampled tokens are the sampler's draws from a full forward's logits (fp32: the cached
+    logits differ from them by ~1e-6, far from a tie of the Gumbel-max draw here; the forced-decode
+    path, one decode step per observation token, gave these tokens too). Observation tokens cost
+    no model call: forced decoding needed at least one call per response token and slot (2 slots)."""
+    for r, n in enumerate(res["lengths"]):
+        sampled = [k for k in range(n) if not res["mask"][r][k]]
+        assert [res["tokens"][r][k] for k in sampled] == [res["resampled"][r][k] for k in sampled], r
+    assert res["forward_passes"] < sum(res["lengths"]) / 2
+
+
+def test_the_join_lag_changes_the_calls_not_the_samples_in_batch_invariant_mode(res):
+    assert res["invariant_lags_equal"]  # tokens and log-probs bit for bit, at lag 0 and 3
+    assert res["invariant_passes"][0] != res["invariant_passes"][1]  # in other model calls
+
+
 def test_episodes_carried_over_mid_episode_end_as_the_uninterrupted_run():
     """Partial rollouts with multi-turn samples (tiny_runs.py ``check_env_partial``): rows stopped at a
-    quota call after call (after an observation too, its pending tokens written at the stop), through
-    a checkpoint's JSON once (the environment instances rebuilt by replay), end with the tokens,
+    quota call after call (also paused with their steps in flight: joined at the stop, the
+    observation written into the response), through a checkpoint's JSON once (the environment
+    instances rebuilt by replay), end with the tokens,
     observation masks, turns and rewards of the uninterrupted run at the same weights (fp32); the
     sampled log-probs agree up to a prefill's rounding, the observation tokens have none."""
     res = run_world("distributed/worlds/tiny_runs.py", 1)[0]["env_partial"]
     full, carried = res["full"], res["carried"]
     assert res["calls"] >= 3 and res["after_observation"] >= 1  # carried, also right after an observation
+    assert res["in_flight"] >= 1  # a row paused with its step in flight at a stop: joined there
     assert res["replay_mismatches"][1] == 0 and not any(res["replay_mismatches"])
     for key in ("tokens", "mask", "spans", "scores", "turn_rewards"):
         assert carried[key] == full[key], key

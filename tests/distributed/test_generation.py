@@ -220,3 +220,13 @@ def test_partial_rollouts_stop_at_group_quota_and_resume(world):
     pipe = res["pipelined_resume"]
     assert pipe["tokens_equal"] and pipe["kept_logprobs_equal"], pipe
     assert pipe["logprob_max_diff"] < 1e-5, pipe
+
+
+def test_multi_turn_at_t2_inserts_the_broadcast_observations_on_every_tp_rank(world):
+    res = world[0]["multi_turn"]
+    ref = res["reference"]
+    assert ref["counts"]["turns"] > 4 and ref["counts"]["observation_tokens"] > 0
+    for r in res["t2"]:  # two replicas (D=2) of 2 prompts each, both TP ranks
+        rows = slice(2 * r["d"], 2 * r["d"] + 2)
+        assert r["tokens"] == ref["tokens"][rows] and r["mask"] == ref["mask"][rows], r
+        assert r["calls"] == (r["counts"]["turns"] if r["t"] == 0 else 0)  # only TP rank 0 steps

@@ -116,5 +116,10 @@ def test_multi_turn_flags_are_checked_at_start():
                               "one reward source")]:
         with pytest.raises(ArgumentError, match=f"{flag}.*{why}"):
             cfg(*extra, world=1)
-    with pytest.raises(ArgumentError, match=r"--max-turns.*P=1, T=1 for now; the actor generates at \(P=1, D=1, T=2\)"):
-        cfg(*GRPO, "--env", "calculator", "--max-turns", "2", "--tensor-model-parallel-size", "2", world=2)
+    assert cfg(*GRPO, "--env", "calculator", "--max-turns", "2", "--tensor-model-parallel-size", "2",
+               world=2).max_turns == 2  # T > 1 generates multi-turn samples
+    with pytest.raises(ArgumentError, match=r"--max-turns.*P=1 without an expert-parallel split for now; the actor "
+                                            r"generates at \(P=2, D=1, T=1\)"):
+        cfg(*GRPO, "--env", "calculator", "--max-turns", "2", "--pipeline-model-parallel-size", "2", world=2)
+    with pytest.raises(ArgumentError, match="--env-step-overlap-calls.*>= 0"):
+        cfg(*GRPO, "--env", "calculator", "--max-turns", "2", "--env-step-overlap-calls", "-1", world=1)

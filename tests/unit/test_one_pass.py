@@ -28,7 +28,7 @@ def _cfg(reward_fn="puzzle.reward_functions.builtin:lowercase_fraction", normali
                           overlong_penalty_factor=0.5, reward_normalization=normalization)
     return SimpleNamespace(ppo=ppo, reward_fn=reward_fn, reward_workers=0, reward_timeout=None,
                            on_bad_reward=on_bad, bad_reward_value=-1.0, reward_model="rm" if not reward_fn else None,
-                           env=None, max_turns=1, max_observation_tokens=64)
+                           env=None, max_turns=1, max_observation_tokens=64, env_step_overlap_calls=4)
 
 
 def test_generation_output_is_in_response_coordinates():

@@ -80,19 +80,29 @@ def test_the_calculator_answers_the_families_json_calls():
 
 
 def run_rows(tracker, sampled, stop_ids):
-    """Feed each row's sampled tokens (one call per step, every row together) until all end at a
-    stop id or the budget, as the decode loop does."""
+    """Feed each row's sampled tokens (one call per step, every running row together) until all
+    end at a stop id or the budget, pausing a row whose turn ended until its step's join, as the
+    decode loop does."""
     rows = list(range(len(sampled)))
-    ended = [False] * len(rows)
-    for step in range(tracker.max_new):
-        live = [r for r in rows if not ended[r]]
-        if not live:
-            break
-        tok = torch.tensor([sampled[r][step] if step < len(sampled[r]) else 0 for r in live])
-        tok, _ = tracker.insert(live, [step] * len(live), tok, torch.zeros(len(live)))
-        finished = [t in stop_ids or step + 1 >= tracker.max_new for t in tok.tolist()]
-        for r, done in zip(live, tracker.end_turns(live, finished)):
-            ended[r] = ended[r] or done
+    ended, paused, clock = [False] * len(rows), set(), 0
+    left = [list(s) for s in sampled]
+    while not all(ended):
+        live = [r for r in rows if not ended[r] and r not in paused]
+        if live:
+            tok = torch.tensor([left[r].pop(0) for r in live])
+            tracker.record(live, tok)
+            clock += 1
+            finished = [t in stop_ids or len(tracker.tokens[r]) >= tracker.max_new for r, t in zip(live, tok.tolist())]
+            for r, status in zip(live, tracker.end_turns(live, finished, clock)):
+                ended[r] = status == "end"
+                if status == "pause":
+                    paused.add(r)
+        else:
+            clock = tracker.next_due()
+        for r, _, goes_on in tracker.join(clock):
+            paused.discard(r)
+            ended[r] = not goes_on
+    tracker.close()
     return [tracker.tokens[r] for r in rows]
 
 
@@ -118,7 +128,7 @@ def test_token_in_token_out_with_the_familys_tool_response(tmp_path, family):
     tracker = TurnTracker(type("H", (), {"stops": stops, "max_turns": 2, "step": episodes.step})(), 1, 200)
     observation = ids(fmt.response_open) + ids("=42") + ids(fmt.response_close)
     stop_ids = set(tok.eos_ids) - {s[0] for s in stops if len(s) == 1}  # Llama's <|eom_id|> continues
-    out, = run_rows(tracker, [call + [0] * len(observation) + answer], stop_ids)
+    out, = run_rows(tracker, [call + answer], stop_ids)
     assert out == call + observation + answer  # the trained sequence: sampled tokens + inserted ones
     assert tracker.observation_mask[0, :len(out)].tolist() == [False] * len(call) + [True] * len(observation) \
         + [False] * len(answer)

@@ -511,9 +511,43 @@ def check_partial_rollouts():
     return res
 
 
+class _ScriptedTurns:
+    """Multi-turn rows for check_multi_turn: a turn ends at a token divisible by 4; each answer is
+    3 observation tokens (depending on the history's length); 3 turns at most; the steps joined 2
+    calls after their turns ended."""
+    stops, max_turns, overlap_calls = [[t] for t in range(0, 200, 4)], 3, 2
+
+    def __init__(self):
+        self.calls = []
+
+    def step(self, rows, turns, histories, final):
+        self.calls += [(r, h, t, f) for r, h, t, f in zip(rows, histories, turns, final)]
+        return [[100 + len(h) % 50] * 3 for h in histories]
+
+
+def check_multi_turn():
+    """Multi-turn generation at T=2 (every rank of the world at (1,2,2): two replicas of two TP
+    ranks) against (1,1,1): the same tokens and observations; only each TP group's first rank
+    steps the episodes (the other inserts the observations it broadcast)."""
+    prm = SamplingParams(16)
+    res = {}
+    eng = _engine(ParallelPlan(1, 1, 1))
+    if eng.member:
+        out = generate(eng, PROMPTS, prm, seed=SEED, turns=_ScriptedTurns())
+        res["reference"] = {"tokens": out.response_tokens.tolist(), "mask": out.observation_mask.tolist(),
+                            "forward_passes": out.forward_passes, "counts": out.turn_counts}
+    eng = _engine(ParallelPlan(1, 2, 2))
+    lay, handler = eng.layout, _ScriptedTurns()
+    out = generate(eng, PROMPTS[lay.d * 2:lay.d * 2 + 2], prm, seed=SEED, sample_offset=lay.d * 2, turns=handler)
+    res["t2"] = _gather({"d": lay.d, "t": lay.t, "tokens": out.response_tokens.tolist(),
+                         "mask": out.observation_mask.tolist(), "calls": len(handler.calls),
+                         "counts": out.turn_counts})
+    return res
+
+
 if __name__ == "__main__":
     world_main([("reference", check_reference), ("layouts", check_layouts),
                 ("eos_and_limits", check_eos_and_limits), ("errors", check_errors),
                 ("fast_loop", check_fast_loop), ("lean_decode", check_lean_decode),
                 ("moe_static_decode", check_moe_static_decode), ("batch_invariant_t4", check_batch_invariant_t4),
-                ("partial_rollouts", check_partial_rollouts)])
+                ("partial_rollouts", check_partial_rollouts), ("multi_turn", check_multi_turn)])

@@ -3,8 +3,11 @@ loss aggregation, overlong shaping, dynamic sampling, running reward normalisati
 iteration at two layouts -- all roles (1,4,1) sequential, and actor/ref (2,1,2) time-shared with
 the actor generating at (1,2,2) through the switch -- and reports its metrics; plus the bad-reward
 policy with a reward function that fails on one rank only; plus --rl-desired-lag 1 on a training
-pool (ranks 0-1) and a generation pool (ranks 2-3), and lag 0 on the same pools.
+pool (ranks 0-1) and a generation pool (ranks 2-3) with evaluation, lag 0 on the same pools, and
+the lag-1 run preempted, saved with its batch in flight and resumed (check_overlap).
 """
+
+import json
 
 import torch
 
@@ -96,23 +99,38 @@ def check_bad_reward_one_rank():
 OVERLAP = ["--advantage-estimator", "grpo", "--n-samples-per-prompt", "4", "--rollout-batch-size", "4",
            "--kl-coef", "0", "--rl-inference-logprobs-is-correction", "--actor-gen-rank-offset", "2",
            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-           "--actor-gen-tensor-model-parallel-size", "2", "--log-interval", "1000", "--ppo-epochs", "1"]
+           "--actor-gen-tensor-model-parallel-size", "2", "--log-interval", "1000", "--ppo-epochs", "1",
+           "--reward-timeout", "0", "--micro-batch-size", "8"]
+# (rewards in the rank's own process: no worker pool to start per run; one micro-batch of 8 rows per
+# DP rank, so that the training pool's (1,2,1) and (2,1,1) sum the same gradients in the same order)
 
 
-def _overlap_run(lag: int, iterations: int) -> dict:
-    """One run on 2 training + 2 generation ranks at ``lag``: each iteration's metrics (rank 0's),
-    and per batch what the generation pool sampled (rows and log-probs), and what the training
-    pool trained (rows, the behaviour log-probs the loss read, the current policy's, the token
-    versions)."""
+#: evaluation in the overlap's runs: 4 greedy prompts at iterations 0, 2 and the end
+OVERLAP_EVAL = ["--eval-prompts", str(bundled_prompts_path()), "--eval-iters", "1", "--eval-interval", "2"]
+# the training pool's other layout: (2,1,1), the generation pool's unchanged
+TRAIN_P2 = ["--pipeline-model-parallel-size", "2", "--actor-gen-pipeline-model-parallel-size", "1"]
+
+
+def _overlap_run(lag: int, *extra: str, signal_at=None) -> dict:
+    """One run (PPOTrainer.for_run + train(), the CLI's path) on 2 training + 2 generation ranks at
+    ``lag``: each logged row (rank 0's), and per batch what the generation pool sampled (rows and
+    log-probs), and what the training pool trained (rows, the behaviour log-probs the loss read,
+    the current policy's, the token versions). ``signal_at``: rank 3 (generation pool) gets a
+    SIGTERM while it generates that batch (a preemption under --exit-signal-handler)."""
+    import os
+    import signal
+
     tok = build_tokenizer("ByteLevelTokenizer", None)
-    argv = MODEL + OVERLAP + ["--rl-desired-lag", str(lag), "--train-iters", str(iterations)]
+    argv = MODEL + OVERLAP + OVERLAP_EVAL + ["--rl-desired-lag", str(lag), "--train-iters", "4", *extra]
     cfg = validate_args(parse_args(argv), torch.distributed.get_world_size(), tok.vocab_size)
     ds = load_prompt_dataset(bundled_prompts_path(), tok, max_prompt_len=cfg.ppo.max_prompt_length)
-    trainer = PPOTrainer(cfg, tok, ds)
+    trainer = PPOTrainer.for_run(cfg, tok, ds, ds, progress=lambda iteration, phase: None)
     sampled, trained, rows = {}, {}, []
     generate, train = trainer.generation.run, trainer.training.run
 
     def generation_run(prompt_ids, records, refill, it):
+        if it == signal_at and torch.distributed.get_rank() == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
         out = generate(prompt_ids, records, refill, it)
         if trainer.engines["actor"].member is False:  # the generation pool's own record
             sampled[it] = (out.batch.tokens.tolist(), out.batch.gen_logprobs.tolist())
@@ -137,12 +155,35 @@ def _overlap_run(lag: int, iterations: int) -> dict:
 
 
 def check_overlap():
-    """--rl-desired-lag 1 on 2 + 2 ranks for 3 iterations, and lag 0 on the same pools for 1
-    (the synchronous path), timed."""
+    """--rl-desired-lag 1 on 2 + 2 ranks for 4 iterations with evaluation; lag 0 on the same pools
+    (the synchronous path) stopped after 2; the lag-1 run preempted (SIGTERM) while it generates
+    batch 3, so saved at iteration 2 with batch 3 in flight, then resumed at lag 1 with the training
+    pool at (2,1,1), and at lag 0 for one iteration; timed."""
+    import os
+    import shutil
+    import tempfile
     import time
 
+    from puzzle.parallel.device import runtime
+
     t0 = time.perf_counter()
-    out = {"lag1": _overlap_run(1, 3), "lag0": _overlap_run(0, 1)}
+    out = {"lag1": _overlap_run(1), "lag0": _overlap_run(0, "--exit-interval", "2")}
+    rank = torch.distributed.get_rank()
+    d = runtime().broadcast_object(tempfile.mkdtemp(prefix="puzzle-overlap-") if rank == 0 else None)
+    ck = os.path.join(d, "ck")
+    try:
+        out["preempted"] = _overlap_run(1, "--save", ck, "--exit-signal-handler", signal_at=3)
+        with open(os.path.join(ck, "iter_0000002", "trainer_state.json")) as f:
+            held = json.load(f).get("overlap", {})
+        out["in_flight"] = {"lag": held.get("lag"), "batches": [(b["index"], b["version"], b["tokens"])
+                                                                for b in held.get("batches", [])]}
+        out["resumed"] = _overlap_run(1, "--load", ck)
+        out["resumed_p2"] = _overlap_run(1, "--load", ck, *TRAIN_P2)
+        out["resumed_lag0"] = _overlap_run(0, "--load", ck, "--exit-interval", "3")
+    finally:
+        torch.distributed.barrier()
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
     out["seconds"] = time.perf_counter() - t0
     return out
 

@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import tempfile
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -209,8 +210,9 @@ def check_partial_rollouts():
 
 class _EchoTurns:
     """Multi-turn rows for check_env_rollouts: a turn ends at a token divisible by 4; each answer
-    is 3 observation tokens (row 3's: 9, to run out of budget); 3 turns at most."""
-    stops, max_turns = [[t] for t in range(0, 64, 4)], 3
+    is 3 observation tokens (row 3's: 9, to run out of budget); 3 turns at most; a step joined 2
+    model calls after its turn ended."""
+    stops, max_turns, overlap_calls = [[t] for t in range(0, 64, 4)], 3, 2
 
     def __init__(self):
         self.calls = []
@@ -221,8 +223,9 @@ class _EchoTurns:
 
 
 def check_env_rollouts():
-    """1 rank: multi-turn generation with observations inserted into the rows' KV caches; each
-    sampled token's log-prob against a full forward of the final sequences (prompt, response)."""
+    """1 rank: multi-turn generation with observations appended to the rows' KV caches by
+    prefills; each sampled token's log-prob against a full forward of the final sequences
+    (prompt, response), and the token the sampler draws from that forward's logits."""
     if dist.get_world_size() != 1:
         return {}
     from puzzle.config import ModelArch
@@ -230,22 +233,36 @@ def check_env_rollouts():
     from puzzle.parallel.groups import layout_for
     from puzzle.parallel.plan import ParallelPlan
     from puzzle.rollout import SamplingParams, generate
+    from puzzle.rollout.sampling import sample_tokens
 
     arch = ModelArch.llama(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=64,
                            make_vocab_size_divisible_by=64, seq_length=48)
     engine = ModelEngine("actor", arch, layout_for(ParallelPlan(1, 1, 1)), trainable=False, seed=5)
     prompts, handler = [[1, 2, 3, 5], [7, 11], [13, 17, 19, 23, 29], [31, 37, 41]], _EchoTurns()
-    out = generate(engine, prompts, SamplingParams(20), seed=3, micro_batch_size=2, turns=handler)
-    full = []
+    params = SamplingParams(20)
+    out = generate(engine, prompts, params, seed=3, micro_batch_size=2, turns=handler)
+    full, resampled = [], []
     with torch.no_grad():
-        for p, r, n in zip(prompts, out.response_tokens.tolist(), out.response_lengths.tolist()):
+        for i, (p, r, n) in enumerate(zip(prompts, out.response_tokens.tolist(), out.response_lengths.tolist())):
             ids = torch.tensor([p + r[:n]])
             logits = engine.module(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[0].float()
             lp = torch.log_softmax(logits[len(p) - 1:-1], dim=-1)
             full.append(lp.gather(1, ids[0, len(p):].unsqueeze(1))[:, 0].tolist())
+            resampled.append(sample_tokens(logits[len(p) - 1:-1], params, true_vocab=arch.valid_vocab_size, seed=3,
+                                           sample_ids=torch.full((n,), i), step=torch.arange(n)).tolist())
+    # --batch-invariant-mode: the rows' calls differ with the join's lag, their arithmetic does not
+    invariant = []
+    for lag in (0, 3):
+        h = _EchoTurns()
+        h.overlap_calls = lag
+        o = generate(engine, prompts, params, seed=3, micro_batch_size=2, turns=h, batch_invariant=True)
+        invariant.append((o.response_tokens.tolist(), o.logprobs.tolist(), o.forward_passes))
     return {"tokens": out.response_tokens.tolist(), "lengths": out.response_lengths.tolist(),
-            "logprobs": out.logprobs.tolist(), "full": full, "mask": out.observation_mask.tolist(),
-            "counts": out.turn_counts, "calls": handler.calls}
+            "invariant_lags_equal": invariant[0][:2] == invariant[1][:2],
+            "invariant_passes": [invariant[0][2], invariant[1][2]],
+            "logprobs": out.logprobs.tolist(), "full": full, "resampled": resampled,
+            "mask": out.observation_mask.tolist(), "counts": out.turn_counts, "calls": handler.calls,
+            "forward_passes": out.forward_passes}
 
 
 def check_env_partial():
@@ -279,43 +296,44 @@ def check_env_partial():
     stops = [[t] for t in range(0, 256, 6)]  # a turn ends at about one sampled byte in six
     params = SamplingParams(28, temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
 
-    def episodes(rows_prompts, rows_records):
-        return EpisodeTurns(runner, tok, rows_prompts, rows_records, 4, 12, stops)
+    def episodes(rows_prompts, rows_records):  # steps joined 2 calls after their turns: some in flight at a stop
+        return EpisodeTurns(runner, tok, rows_prompts, rows_records, 4, 12, stops, overlap_calls=2)
 
     full_turns = episodes(prompts, records)
     full = generate(engine, prompts, params, seed=3, sample_ids=list(range(len(prompts))), turns=full_turns)
     samples = {r: PartialSample(r // 2, r % 2, r, 3, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0),
                                 torch.zeros(0, dtype=torch.long), episode=EpisodeState.fresh()) for r in range(len(prompts))}
     done, calls, after_observation, replayed = {}, 0, 0, []
-    while samples:
-        rows = sorted(samples)
-        eps = [samples[r].episode for r in rows]
-        part = [samples[r].tokens.tolist() for r in rows]
-        eps, mismatches = replay_episodes(episodes, [prompts[r] for r in rows], [records[r] for r in rows], part, eps)
-        replayed.append(mismatches)
-        turns = episodes([prompts[r] for r in rows], [records[r] for r in rows])
-        for k, e in enumerate(eps):
-            turns.resume(k, e)
-        out = generate(engine, [prompts[r] for r in rows], params, seed=3, sample_ids=rows,
-                       stop=GroupQuota(tuple(rows), 1), partial_tokens=part,
-                       partial_logprobs=[samples[r].logprobs for r in rows], turns=turns,
-                       partial_turns=[TurnResume(tuple(e.observation.tolist()), len(e.spans), e.turn_start) for e in eps])
-        outcome = gather_turns(turns, out, engine.layout, len(rows), engine.module.puzzle_device, 28, mismatches)
-        for k, r in enumerate(rows):
-            n = int(out.response_lengths[k])
-            s = samples.pop(r).extended(out.response_tokens[k, :n], out.logprobs[k, :n], calls,
-                                        bool(out.finished[k]), outcome.states[k])
-            if s.finished:
-                done[r] = s
-            else:
-                samples[r] = s
-                after_observation += bool(n and s.episode.observation[-1])
-        if calls == 0:  # through a checkpoint: the instances are rebuilt by replay at the next call
-            samples = {s.sample_id: s for s in _through_json(samples.values())}
-        calls += 1
+    with _counting_flush() as in_flight:
+        while samples:
+            rows = sorted(samples)
+            eps = [samples[r].episode for r in rows]
+            part = [samples[r].tokens.tolist() for r in rows]
+            recs = [records[r] for r in rows]
+            eps, mismatches = replay_episodes(episodes, [prompts[r] for r in rows], recs, part, eps)
+            replayed.append(mismatches)
+            turns = episodes([prompts[r] for r in rows], recs)
+            for k, e in enumerate(eps):
+                turns.resume(k, e)
+            out = generate(engine, [prompts[r] for r in rows], params, seed=3, sample_ids=rows,
+                           stop=GroupQuota(tuple(rows), 1), partial_tokens=part,
+                           partial_logprobs=[samples[r].logprobs for r in rows], turns=turns,
+                           partial_turns=[TurnResume(tuple(e.observation.tolist()), len(e.spans), e.turn_start)
+                                          for e in eps])
+            outcome = gather_turns(turns, out, engine.layout, len(rows), engine.module.puzzle_device, 28, mismatches)
+            for k, r in enumerate(rows):
+                n = int(out.response_lengths[k])
+                s = samples.pop(r).extended(out.response_tokens[k, :n], out.logprobs[k, :n], calls,
+                                            bool(out.finished[k]), outcome.states[k])
+                (done if s.finished else samples)[r] = s
+                after_observation += not s.finished and bool(n and s.episode.observation[-1])
+            if calls == 0:  # through a checkpoint: the instances are rebuilt by replay at the next call
+                samples = {s.sample_id: s for s in _through_json(samples.values())}
+            calls += 1
     lengths = full.response_lengths.tolist()
     done = [done[r] for r in sorted(done)]
-    return {"calls": calls, "after_observation": after_observation, "replay_mismatches": replayed,
+    return {"calls": calls, "after_observation": after_observation, "in_flight": len(in_flight),
+            "replay_mismatches": replayed,
             "full": {"tokens": [full.response_tokens[r, :n].tolist() for r, n in enumerate(lengths)],
                      "mask": [full.observation_mask[r, :n].tolist() for r, n in enumerate(lengths)],
                      "logprobs": [full.logprobs[r, :n].tolist() for r, n in enumerate(lengths)],
@@ -327,6 +345,23 @@ def check_env_partial():
                         "scores": [s.episode.reward for s in done],
                         "turn_rewards": [list(map(list, s.episode.turn_rewards)) for s in done],
                         "spans": [list(map(list, s.episode.spans)) for s in done]}}
+
+
+@contextlib.contextmanager
+def _counting_flush():
+    """A list of the paused rows whose steps were still in flight at a quota stop (joined by
+    ``TurnTracker.flush`` there), filled while the block runs."""
+    from puzzle.rollout.turns import TurnTracker
+
+    flush, rows = TurnTracker.flush, []
+
+    def counted(tracker):
+        joined = flush(tracker)
+        rows.extend(r for r, _, _ in joined)
+        return joined
+
+    with mock.patch.object(TurnTracker, "flush", counted):
+        yield rows
 
 
 def _through_json(samples):
