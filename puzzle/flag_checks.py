@@ -150,8 +150,8 @@ def check_partial_rollouts(args, spec) -> None:
 def check_partial_generation(gen) -> None:
     """--rl-partial-rollouts: the stop rule runs in continuous batching (P=1) and counts one
     share's groups (the carried samples are the same on every rank). Multi-turn samples (--max-turns
-    > 1) are carried mid-episode (puzzle/dataflow/partial_stage.py); their generation layout is
-    checked with --max-turns (P=1, T=1)."""
+    > 1) are carried mid-episode (puzzle/dataflow/partial_stage.py), at any T (the TP group's first
+    rank steps the episodes and holds their instances)."""
     if gen.P > 1:
         fail("--rl-partial-rollouts", f"needs an actor generation layout with P=1 (the quota stops continuous "
                                        f"batching; got P={gen.P})")

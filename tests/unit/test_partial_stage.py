@@ -165,11 +165,13 @@ def test_partial_generation_layouts():
     assert cfg(*PARTIAL, "--actor-gen-tensor-model-parallel-size", "2", world=2).ppo.rl_partial_rollouts
 
 
-def test_multi_turn_partial_rollouts_run_where_one_rank_generates():
+def test_multi_turn_partial_rollouts_run_in_one_generating_share():
     env = ["--env", "calculator", "--max-turns", "2"]
     assert cfg(*PARTIAL, *env).ppo.rl_partial_rollouts
-    with pytest.raises(ArgumentError, match="^--max-turns: multi-turn generation runs at P=1, T=1"):
-        cfg(*PARTIAL, *env, "--actor-gen-tensor-model-parallel-size", "2", world=2)
+    # T = 2, D = 1: the TP group's first rank steps the episodes and holds their instances
+    assert cfg(*PARTIAL, *env, "--actor-gen-tensor-model-parallel-size", "2", world=2).max_turns == 2
+    with pytest.raises(ArgumentError, match="--rl-partial-rollouts: the actor generates in 2 data-parallel"):
+        cfg(*PARTIAL, *env, world=2)
 
 
 def test_train_state_keeps_the_buffer_and_refuses_to_drop_it():
