@@ -7,6 +7,11 @@ the adapter is scaled by alpha / dim), ``dropout`` (on the adapter's input, Brid
 leaves the model unchanged. Its parameters are named as Bridge names them:
 ``<linear>.adapter.linear_in.weight`` (A, [dim, in]) and ``<linear>.adapter.linear_out.weight``
 (B, [out, dim]). puzzle/models/lora.py builds them.
+
+In a mixture-of-experts layer linear_fc1 and linear_fc2 name every expert's linears, as in Bridge
+(its ``is_expert_linear``: the expert linears of megatron's SequentialMLP match the same target
+names): each expert gets adapters of its own, held by the ranks that hold the expert (split over
+E) and split over the expert-tensor-parallel ranks (ETP) like the expert's weights.
 """
 
 from __future__ import annotations
@@ -76,9 +81,29 @@ def target_shapes(arch) -> dict:
             "linear_fc1": ((2 if arch.swiglu else 1) * ffn, h), "linear_fc2": (h, ffn)}
 
 
+def expert_target_shapes(arch) -> dict:
+    """(out, in) of each expert's linear_fc1 and linear_fc2 in a MoE layer of ``arch``."""
+    ffn = arch.moe_ffn_hidden_size or arch.ffn_hidden_size or 4 * arch.hidden_size
+    return {"linear_fc1": ((2 if arch.swiglu else 1) * ffn, arch.hidden_size), "linear_fc2": (arch.hidden_size, ffn)}
+
+
+def _present_shapes(arch) -> list:
+    """(name, (out, in)) of the target linears ``arch`` has: attention's, the dense MLPs' (when a
+    layer is dense) and the experts' (when a layer is a MoE layer)."""
+    dense = target_shapes(arch)
+    layers = range(arch.num_layers)
+    has_dense_mlp = not arch.is_moe or any(not arch.is_moe_layer(i) for i in layers)
+    out = [(m, dense[m]) for m in ("linear_qkv", "linear_proj")]
+    if has_dense_mlp:
+        out += [(m, dense[m]) for m in ("linear_fc1", "linear_fc2")]
+    if arch.is_moe:
+        out += [(f"an expert's {m}", shape) for m, shape in expert_target_shapes(arch).items()]
+    return out
+
+
 def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_plans=()) -> None:
     """Refuse LoRA the actor cannot have, naming the flag: a rank larger than a target linear's smaller
-    side; not yet: MoE experts, transformer_engine layers (TE fuses the layernorm into linear_qkv and
+    side (the experts' linears too); not yet: transformer_engine layers (TE fuses the layernorm into linear_qkv and
     linear_fc1, whose input is then not the adapter's; sequence parallelism, which needs TE, is not
     handled by the adapters either). Checkpoints hold the adapters (puzzle.checkpointing). A generation
     layout other than training's on the same ranks is fine: the switch moves the adapters and generation
@@ -89,15 +114,10 @@ def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_pl
             if value != default:
                 fail(name, "needs --lora-dim")
         return
-    shapes = target_shapes(arch)
-    for module in lora.target_modules:
-        if lora.dim > min(shapes[module]):
-            fail("--lora-dim", f"{lora.dim} is larger than {module}'s smaller side {min(shapes[module])} "
-                               f"(its weight is {shapes[module][0]} x {shapes[module][1]})")
-    mlp = [m for m in lora.target_modules if m in ("linear_fc1", "linear_fc2")]
-    if arch.is_moe and mlp:
-        fail("--lora-target-modules", f"{','.join(mlp)} on a MoE model: LoRA on MoE experts is not supported yet "
-                                      "(adapt linear_qkv,linear_proj only)")
+    for module, (out, inp) in _present_shapes(arch):
+        if module.rsplit(" ", 1)[-1] in lora.target_modules and lora.dim > min(out, inp):
+            fail("--lora-dim", f"{lora.dim} is larger than {module}'s smaller side {min(out, inp)} "
+                               f"(its weight is {out} x {inp})")
     if transformer_impl != "local":
         fail("--lora-dim", f"needs --transformer-impl local for now (got {transformer_impl}): LoRA on transformer_engine "
                            "layers is not supported yet")
