@@ -118,6 +118,10 @@ def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_pl
         if module.rsplit(" ", 1)[-1] in lora.target_modules and lora.dim > min(out, inp):
             fail("--lora-dim", f"{lora.dim} is larger than {module}'s smaller side {min(out, inp)} "
                                f"(its weight is {out} x {inp})")
+    experts_adapted = arch.is_moe and {"linear_fc1", "linear_fc2"} & set(lora.target_modules)
+    if experts_adapted and getattr(arch, "moe_grouped_gemm", False) and lora.dim % 8:
+        fail("--lora-dim", f"{lora.dim} with --moe-grouped-gemm: the experts' adapters are grouped products too, whose "
+                           "operands' strides must be 16-byte multiples: a multiple of 8")
     if transformer_impl != "local":
         fail("--lora-dim", f"needs --transformer-impl local for now (got {transformer_impl}): LoRA on transformer_engine "
                            "layers is not supported yet")

@@ -75,12 +75,15 @@ def test_rank_limit_is_the_target_layers_smaller_side():
                                    "linear_fc1": (512, 64), "linear_fc2": (64, 256)}
 
 
-def test_moe_experts_are_refused_for_now():
+def test_moe_experts_get_adapters_up_to_their_smaller_side():
     moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
-    with pytest.raises(ArgumentError, match="^--lora-target-modules: linear_fc1,linear_fc2 on a MoE model: LoRA on "
-                                            "MoE experts is not supported yet"):
-        cfg("--lora-dim", "4", *moe)
-    assert cfg("--lora-dim", "4", "--lora-target-modules", "linear_qkv,linear_proj", *moe).lora.dim == 4
+    assert cfg("--lora-dim", "32", *moe).lora.target_modules == LORA_TARGETS  # the experts' fc1 and fc2 too
+    with pytest.raises(ArgumentError, match="^--lora-dim: 33 is larger than an expert's linear_fc2's smaller side 32"):
+        cfg("--lora-dim", "33", *moe)
+    assert cfg("--lora-dim", "33", "--lora-target-modules", "linear_qkv,linear_proj", *moe).lora.dim == 33
+    with pytest.raises(ArgumentError, match="^--lora-dim: 4 with --moe-grouped-gemm: .* a multiple of 8"):
+        cfg("--lora-dim", "4", "--moe-grouped-gemm", *moe)
+    assert cfg("--lora-dim", "8", "--moe-grouped-gemm", *moe).lora.dim == 8
 
 
 def test_config_checks_itself():

@@ -1,14 +1,16 @@
 """LoRA on the experts of MoE layers (issue #39): checks run by the MoE worlds (moe.py in a world of
 one, moe_switch.py in the 4-rank world), not a world of its own.
 
-* at each layout: B zero changes no log-prob bit against the plain model; with B drawn non-zero,
+* at each layout: B zero changes no log-prob bit against the base (the model, adapters off); with B drawn non-zero,
   one training step's reduced adapter gradients (megatron's DDP: experts' over their expert-DP
   group) equal a plain PyTorch LoRA on the whole weights (the (1,1,1) model with
   ``W x + s B A x`` hooks on every target linear, each expert's included);
 * (4 ranks) the adapters and their Adam moments saved at one (P, D, T, E) and loaded at another;
   the switch of the LoRA actor to another E (the base laid out once, then the adapters only:
-  exactly the adapter bytes each rank lacks) and greedy generation on the merged copy equal to the
-  training model's.
+  exactly the adapter bytes each rank lacks) and the merged copy's log-probs equal to the training
+  model's;
+* (1 rank) the static MoE decode step refused on adapted experts; each MoE family's adapters
+  exported for PEFT give puzzle's greedy tokens on transformers.
 """
 
 import os
@@ -27,6 +29,7 @@ from puzzle.models.lora import adapter_init_value, target_linears
 from puzzle.models.param_layout import shard_slices
 from puzzle.parallel.groups import layout_for
 from puzzle.parallel.plan import ParallelPlan as P
+from tests.distributed.worlds.model_families import PROMPTS as PROMPTS_OF_EXPORT
 
 LORA = LoRAConfig(dim=4, alpha=8.0)
 #: 2 layers: layer 0 a MoE layer (4 experts of width 16, top-2), layer 1 dense
@@ -63,22 +66,27 @@ def _logprobs(eng, rows):
     return torch.cat(store) if store else None
 
 
-def _grads_at(plan, arch=ARCH):
-    """At ``plan``: zero B's log-probs equal the plain model's bitwise; one backward (B non-zero)
-    through megatron's DDP: this rank's reduced adapter gradients (spec, ways, index, grad)."""
+def _grads_at(plan, arch=ARCH, keep=None):
+    """At ``plan``: zero B's log-probs equal the base's (the same model, adapters off) bitwise; one
+    backward (B non-zero) through megatron's DDP: this rank's reduced adapter gradients (spec, ways,
+    index, grad). ``keep`` (a dict) gets the engine under ``plan``."""
+    from puzzle.models.lora import adapters_disabled
+
     layout = layout_for(plan)
-    plain = ModelEngine("actor", arch, layout, trainable=False, seed=SEED)
-    eng = ModelEngine("actor", arch, layout, trainable=True, optim=OptimConfig(lr=1e-3), seed=SEED, lora=LORA)
+    eng = ModelEngine("actor", arch, layout, trainable=True, optim=OptimConfig(lr=1e-2), seed=SEED, lora=LORA)
+    if keep is not None:
+        keep[plan] = eng
     if not eng.member:
         return None
     rows = _my_rows(layout)
-    lps = [_logprobs(e, rows) for e in (plain, eng)]
+    lps = [_logprobs(eng, rows)]
+    with adapters_disabled(eng.module):
+        lps.append(_logprobs(eng, rows))
     _set_b(eng, B_STD)
     eng.zero_grad()
     eng.forward_backward(lm_nll_step(ARCH.vocab_size), iter(rows.split(1)), len(rows), LEN, 1, forward_only=False)
     params = dict(eng.module.named_parameters())
     return {"equal_bitwise": lps[0] is None or torch.equal(lps[0], lps[1]),
-            "expert_adapters": sum(".mlp.experts." in n for n in eng.adapter_specs),
             "grads": [(spec, *tp_split(spec.name, layout), params[n].main_grad.detach().clone())
                       for n, spec in eng.adapter_specs.items()]}
 
@@ -117,16 +125,16 @@ def assemble(ranks):
     return full, agree
 
 
-def check_expert_grads(plans):
+def check_expert_grads(plans, keep=None):
     """Zero-B log-probs and adapter gradients against the plain PyTorch reference at each of
-    ``plans`` (name -> (plan, arch overrides)); rank 0 gets the results."""
+    ``plans`` (name -> (plan, arch overrides)); rank 0 gets the results (``keep``: _grads_at's)."""
     from dataclasses import replace
 
     layout_for(P(1, 1, 1))  # collective: the reference's layout
     out, ref = {}, None
     for name, (plan, overrides) in plans.items():
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, _grads_at(plan, replace(ARCH, **overrides)))
+        dist.all_gather_object(gathered, _grads_at(plan, replace(ARCH, **overrides), keep))
         if dist.get_rank() != 0:
             continue
         ranks = [g for g in gathered if g is not None]
@@ -173,9 +181,10 @@ def _whole(eng, key=None):
     return assemble(gathered)[0] if dist.get_rank() == 0 else {}
 
 
-def _checkpoint_reshards(eng, dst_plan):
-    """The adapters and their Adam moments saved at ``eng``'s layout, loaded at ``dst_plan``
-    (puzzle.checkpointing's role state dict: the adapters alone), compared whole."""
+def _checkpoint_reshards(eng, other):
+    """The adapters and their Adam moments saved at ``eng``'s layout, loaded into ``other`` (another
+    layout, other adapter values; puzzle.checkpointing's role state dict: the adapters alone),
+    compared whole."""
     from megatron.core import dist_checkpointing
 
     from puzzle.checkpointing import _load_model_state, _role_sharded_state_dict
@@ -187,8 +196,6 @@ def _checkpoint_reshards(eng, dst_plan):
         os.makedirs(path)
     dist.barrier()
     dist_checkpointing.save(_role_sharded_state_dict(eng, is_loading=False, with_optimizer=True), path)
-    other = ModelEngine("actor", ARCH, layout_for(dst_plan), trainable=True, optim=OptimConfig(lr=1e-3), seed=9,
-                        lora=LORA)  # another seed: the load must set A
     state = dist_checkpointing.load(_role_sharded_state_dict(other, is_loading=True, with_optimizer=True), path)
     _load_model_state(other, state["model"])
     other.optimizer.load_state_dict(state["optimizer"])
@@ -207,32 +214,90 @@ def _checkpoint_reshards(eng, dst_plan):
     return out
 
 
-def check_checkpoint_and_switch(src=P(1, 4, 1, E=2), load_at=P(1, 2, 2, E=2), gen=P(1, 4, 1)):
-    """The LoRA actor (experts' adapters included) trained one step at ``src``: its adapters and
-    Adam state resume at ``load_at``; its switch to ``gen`` lays the base out once, then moves the
-    adapters only (the adapter bytes each rank lacks), and the merged copy's greedy generation
-    gives the training model's tokens."""
+def _shadow_logprobs(shadow, rows):
+    """Next-token log-probs of ``rows`` through the generation copy (T = 1: whole logits)."""
+    with torch.no_grad():
+        logits = shadow.module(rows, torch.arange(LEN).unsqueeze(0).expand_as(rows), None)
+    return logits[:, :-1, :ARCH.vocab_size].float().log_softmax(-1).gather(-1, rows[:, 1:, None])[..., 0]
+
+
+def check_four_ranks():
+    """(4 ranks) The adapter gradients at (1,2,2,E=2) (ETP = T = 2); then that LoRA actor (its
+    gradients ready, B non-zero): its switch to (1,4,1,E=1) lays the base out once, then the one
+    overlapped with its optimizer step moves the adapters only (the adapter bytes each rank lacks),
+    and the merged copy's log-probs are the training model's (the base's differ); its adapters and
+    Adam state saved and loaded at (1,4,1,E=2) (other adapters: another seed)."""
     from puzzle.dataflow.actor_switch import ActorSwitch
-    from puzzle.rollout import SamplingParams, generate
+    from puzzle.models.lora import adapters_disabled
     from puzzle.switch.shadow import routing_table_for
 
-    eng = ModelEngine("actor", ARCH, layout_for(src), trainable=True, optim=OptimConfig(lr=1e-2), seed=SEED, lora=LORA)
+    src, gen = P(1, 2, 2, E=2), P(1, 4, 1)
+    keep = {}
+    res = {"grads": check_expert_grads({"(1,2,2,E=2) ETP=2": (src, {})}, keep)}
+    eng = keep[src]
     switch = ActorSwitch(eng, gen)
-    prompts, greedy = [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(5, greedy=True)
-    first = switch.generation_engine()  # base and adapters (B zero)
-    res = {"first_bytes": switch.last_stats.bytes_received}
+    shadow = switch.generation_engine()  # the first switch: base and adapters
+    res["first_bytes"] = switch.last_stats.bytes_received
     switch.release()
-    rows = _my_rows(eng.layout, seed=3)
-    eng.zero_grad()
-    eng.forward_backward(lm_nll_step(ARCH.vocab_size), iter(rows.split(1)), len(rows), LEN, 1, forward_only=False)
-    switch.optimizer_step_and_switch()  # B moves; the switch moves the adapters only
-    me = dist.get_rank()
+    switch.optimizer_step_and_switch()  # the step (its gradients: check_expert_grads's) moves A and B
     res.update(second_bytes=switch.last_stats.bytes_received,
                adapter_bytes_lacking=routing_table_for(ARCH, "actor", src, gen, lora=LORA,
-                                                       adapters_only=True).bytes_lacking(me))
-    out, train = generate(first, prompts, greedy, seed=0), generate(eng, prompts, greedy, seed=0)
-    res.update(tokens_equal=out.responses() == train.responses(),
-               logprob_diff=(out.logprobs - train.logprobs).abs().max().item())
+                                                       adapters_only=True).bytes_lacking(dist.get_rank()))
+    rows = _my_rows(eng.layout, seed=5)  # the training model's rows: every rank of a TP pair the same
+    train = _logprobs(eng, rows)
+    with adapters_disabled(eng.module):
+        base = _logprobs(eng, rows)
+    merged = _shadow_logprobs(shadow, rows)
+    res.update(logprob_diff=(merged - train).abs().max().item(), base_diff=(base - train).abs().max().item())
     switch.release()
-    res["checkpoint"] = _checkpoint_reshards(eng, load_at)
+    other = ModelEngine("actor", ARCH, layout_for(P(1, 4, 1, E=2)), trainable=True, optim=OptimConfig(lr=1e-2),
+                        seed=9, lora=LORA)
+    res["checkpoint"] = _checkpoint_reshards(eng, other)
     return res
+
+
+def check_peft_export(root: str, families) -> dict:
+    """1 rank: each MoE family's HF checkpoint (``root``/<family>, made by moe.py) under a LoRA actor
+    adapting every linear, the experts' too (B non-zero), exported as a PEFT adapter directory (the
+    per-expert projection names of PEFT on transformers v4, which PEFT converts onto transformers
+    v5's fused expert tensors): PEFT's greedy tokens on transformers against puzzle's generation; the
+    base's differ."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return {"missing": "peft is not installed (pip install -e '.[test]')"}
+    import transformers
+    from peft import PeftModel
+
+    from puzzle.models.hf_checkpoint import arch_from_hf_dir, load_hf_into_model
+    from puzzle.models.lora import gather_adapters
+    from puzzle.models.peft_export import write_peft_adapter
+    from tests.distributed.worlds.model_families import _generate, _hf_greedy
+
+    out = {}
+    for fam, prefix in families.items():
+        src = os.path.join(root, fam)
+        arch = arch_from_hf_dir(src, make_vocab_size_divisible_by=64, seq_length=32)
+        eng = ModelEngine("actor", arch, layout_for(P(1, 1, 1)), trainable=False, seed=5, lora=LORA,
+                          layout_independent_init=False)
+        load_hf_into_model(eng.module, arch, "actor", src)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, p in eng.module.named_parameters():
+                if name.endswith("adapter.linear_out.weight"):
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        peft_dir = os.path.join(root, fam + "-peft")
+        write_peft_adapter(arch, LORA, gather_adapters(eng.module, eng.adapter_specs), peft_dir, base_model=src)
+        lm_cls = getattr(transformers, f"{prefix}ForCausalLM")
+        base = lm_cls.from_pretrained(src).eval()
+        base_tokens = _hf_greedy(base, PROMPTS_OF_EXPORT, eos=2)
+        with torch.no_grad():
+            peft_tokens = _hf_greedy(PeftModel.from_pretrained(base, peft_dir).eval(), PROMPTS_OF_EXPORT, eos=2)
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(peft_dir, "adapter_model.safetensors"), "pt") as f:
+            expert_keys = sum(".experts." in k for k in f.keys())
+        out[fam] = {"ours": _generate(eng, eos_ids=(2,)), "peft": peft_tokens, "base": base_tokens,
+                    "expert_keys": expert_keys}
+    return out
+
