@@ -152,11 +152,12 @@ def lora_lines(cfg, profile) -> List[str]:
     saves against a reference model of its own in the actor's layout (weights on each rank)."""
     if not cfg.lora.enabled:
         return []
-    from puzzle.model_shape import lora_layer_params
+    from puzzle.model_shape import lora_expert_layer_params, lora_layer_params
 
     mem, _, roles, _ = _memory_setup(cfg, profile)
     actor, plan = roles["actor"], cfg.roles["actor"].plan
-    adapters = actor.shape.num_layers * sum(lora_layer_params(actor.shape, *actor.lora))
+    adapters = actor.shape.num_layers * (sum(lora_layer_params(actor.shape, *actor.lora))
+                                         + sum(lora_expert_layer_params(actor.shape, *actor.lora)))
     lines = [f"actor LoRA: rank {cfg.lora.dim}, alpha {cfg.lora.alpha:g} on {','.join(cfg.lora.target_modules)}: "
              f"{adapters / 1e6:.2f}M trained parameters ({100 * adapters / actor.params:.2f} % of "
              f"{actor.params / 1e9:.2f}B); gradients and optimizer state of the adapters only"]

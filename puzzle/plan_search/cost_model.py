@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.config import ROLES
-from puzzle.model_shape import ModelShape, layer_params, lora_layer_params
+from puzzle.model_shape import ModelShape, layer_params, lora_expert_layer_params, lora_layer_params
 from puzzle.parallel.plan import ParallelPlan, PlanError
 from puzzle.parallel.streams import stream_problem
 from puzzle.plan_search import experts
@@ -231,8 +231,12 @@ def trained_params_on_stage(role: ModelRole, P: int, T: int, p: int) -> float:
 
 
 def trained_expert_params_on_rank(role: ModelRole, plan: ParallelPlan) -> float:
-    """Expert parameters with gradients on one rank (none under LoRA: the experts are frozen)."""
-    return 0.0 if role.lora is not None else expert_params_on_rank(role, plan)
+    """Expert parameters with gradients on one rank; under LoRA the experts' adapters (split over E,
+    and their split factor over ETP; the experts themselves are frozen)."""
+    if role.lora is None:
+        return expert_params_on_rank(role, plan)
+    split, replicated = lora_expert_layer_params(role.shape, *role.lora)
+    return role.shape.num_layers / plan.P * (split / plan.ETP + replicated) / plan.E
 
 
 @dataclass(frozen=True)
