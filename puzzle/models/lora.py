@@ -176,15 +176,21 @@ def adapter_init_value(spec: ParamSpec, seed: int, b_std: float = 0.0) -> torch.
 def apply_lora(module: torch.nn.Module, arch, role: str, lora: LoRAConfig, seed: int, b_std: float = 0.0) -> dict:
     """Freeze ``module`` (one rank's shard of a GPTModel built by build_role_model) and give each
     target linear its adapter, initialised layout-independently; returns {local parameter name:
-    global ParamSpec} of this rank's adapters (A and B of each linear)."""
+    global ParamSpec} of this rank's trained parameters: A and B of each linear, and a critic's
+    (or reward model's) scalar head, which stays trainable whole (a fresh head on a frozen base
+    could not learn values otherwise; [1, hidden]: nothing to save by adapting it)."""
     from puzzle.models.init import param_specs
+    from puzzle.models.param_names import HEAD_SPEC_NAME, is_scalar_head
 
     layout = module.puzzle_layout
     lps = resolve_layers_per_stage(arch.num_layers, layout.plan.P)
     specs = {s.name: s for s in param_specs(arch, role)}
-    for param in module.parameters():
-        param.requires_grad_(False)
     placed = {}
+    for name, param in module.named_parameters():
+        head = is_scalar_head(name, role)
+        param.requires_grad_(head)
+        if head:
+            placed[name] = specs[HEAD_SPEC_NAME]
     for local, target, linear in target_linears(module, lora):
         global_linear = layout_spec_name(local + ".weight", role, arch, layout, lps)[:-len(".weight")]
         a_spec, b_spec = adapter_specs(arch, lora, global_linear, target, specs[global_linear + ".weight"])

@@ -82,13 +82,14 @@ class ModelRole:
 
 
 def ppo_roles(actor: ModelShape, critic: Optional[ModelShape], ref: Optional[ModelShape] = None,
-              reward: Optional[ModelShape] = None, actor_lora=None) -> Dict[str, ModelRole]:
+              reward: Optional[ModelShape] = None, actor_lora=None, critic_lora=None) -> Dict[str, ModelRole]:
     """actor/critic/ref/reward; ref mirrors the actor and reward the critic (else the actor) unless
     given. ``critic=None``: a run without a critic (critic-free estimators), no critic role.
-    ``actor_lora`` (dim, target modules): the actor trains LoRA adapters on a frozen base."""
+    ``actor_lora`` (dim, target modules): the actor trains LoRA adapters on a frozen base;
+    ``critic_lora``: the critic too (its value head trained whole)."""
     shapes = {"actor": actor, "ref": ref or actor, "reward": reward or critic or actor, "critic": critic}
     return {name: ModelRole(name, shape, ROLES[name].trainable, ROLES[name].lm_head,
-                            lora=actor_lora if name == "actor" else None)
+                            lora={"actor": actor_lora, "critic": critic_lora}.get(name))
             for name, shape in shapes.items() if shape is not None}
 
 
@@ -228,7 +229,8 @@ def trained_params_on_stage(role: ModelRole, P: int, T: int, p: int) -> float:
     if role.lora is None:
         return params_on_stage(role, P, T, p)
     split, replicated = lora_layer_params(role.shape, *role.lora)
-    return role.shape.num_layers // P * (split / T + replicated)
+    head = role.shape.hidden_size if p == P - 1 and not role.lm_head else 0  # a critic's value head: trained whole
+    return role.shape.num_layers // P * (split / T + replicated) + head
 
 
 def trained_expert_params_on_rank(role: ModelRole, plan: ParallelPlan) -> float:

@@ -87,3 +87,20 @@ def test_planner_counts_the_experts_adapters_as_the_model_has_them(targets):
     items = {label: b for r in rows for label, b in r.items}
     assert items["actor expert adapters"] > 0 and items["actor expert grads"] == 2 * items["actor expert adapters"]
     assert "actor expert weights" in items  # the frozen experts themselves: weights only
+
+
+def test_planner_and_dry_run_know_a_lora_critic(capsys):
+    from puzzle.plan_search.command import print_dry_run
+
+    profile = load_profile("a100_80gb")
+    full, lora = cfg(), cfg("--critic-lora-dim", "8")
+    items = {label: b for r in memory_estimate(lora, profile) for label, b in r.items}
+    plain = {label: b for r in memory_estimate(full, profile) for label, b in r.items}
+    assert items["critic adapters"] > 0 and items["critic optimizer"] < plain["critic optimizer"] / 5
+    assert items["actor optimizer"] == plain["actor optimizer"]  # the actor trains fully: nothing shared
+    critic = ModelRole("critic", LLAMA_SHAPES["7B"], True, False, lora=(8, ("linear_qkv",)))
+    h = LLAMA_SHAPES["7B"].hidden_size  # the value head [1, h] trains whole, on the last stage
+    assert trained_params_on_stage(critic, 2, 4, 1) - trained_params_on_stage(critic, 2, 4, 0) == h
+    assert print_dry_run(lora, profile)
+    out = capsys.readouterr().out
+    assert "critic LoRA: rank 8" in out and "its value head trained whole" in out and "actor LoRA" not in out, out
