@@ -199,9 +199,10 @@ def apply_lora(module: torch.nn.Module, arch, role: str, lora: LoRAConfig, seed:
         b = local_shard(b_spec, adapter_init_value(b_spec, seed, b_std), *ways)
         weight = linear.weight
         expert_comm = bool(getattr(linear, "explicit_expert_comm", False))
+        # an expert's linear: its own (expert-TP) group, whole experts at T > 1 included (ETP = 1)
+        group = linear.tp_group if getattr(linear, "is_expert", False) else layout.tp_group
         linear.adapter = LoRAAdapter(target, lora.dim, a.shape[1], b.shape[0], lora.scale, lora.dropout,
-                                     linear.tp_group if expert_comm else layout.tp_group, weight.dtype, weight.device,
-                                     expert_comm=expert_comm)
+                                     group, weight.dtype, weight.device, expert_comm=expert_comm)
         with torch.no_grad():
             linear.adapter.linear_in.weight.copy_(a)
             linear.adapter.linear_out.weight.copy_(b)

@@ -79,10 +79,12 @@ def test_tiny_moe_run_with_grouped_gemm_experts_agrees(world):
     assert_same_metrics(grouped, straight)
 
 
-def test_expert_adapters_at_etp2_equal_plain_pytorch(world):
-    """LoRA on the experts at (1,2,2,E=2) (ETP = T = 2; tests/distributed/worlds/lora_experts.py):
-    zero B changes no log-prob bit; the reduced adapter gradients equal a plain PyTorch LoRA's."""
-    res = world[0]["lora_experts"]["grads"]["(1,2,2,E=2) ETP=2"]
+@pytest.mark.parametrize("plan", ["(1,2,2,E=2) ETP=2", "(1,2,2) ETP=1"])
+def test_expert_adapters_at_t2_equal_plain_pytorch(world, plan):
+    """LoRA on the experts at T = 2: split over ETP = 2 with E = 2, or whole on both tensor-parallel
+    ranks (ETP = 1; tests/distributed/worlds/lora_experts.py): zero B changes no log-prob bit; the
+    reduced adapter gradients equal a plain PyTorch LoRA's."""
+    res = world[0]["lora_experts"]["grads"][plan]
     assert res["equal_bitwise"] and res["names"] and res["replicas_agree"], res
     assert res["expert_adapters"] == 16 and res["min_grad_max"] > 1e-4, res
     assert res["worst_relative_grad_error"] < 1e-5, res

@@ -222,7 +222,8 @@ def _shadow_logprobs(shadow, rows):
 
 
 def check_four_ranks():
-    """(4 ranks) The adapter gradients at (1,2,2,E=2) (ETP = T = 2); then that LoRA actor (its
+    """(4 ranks) The adapter gradients at (1,2,2,E=2) (ETP = T = 2) and at (1,2,2) with ETP = 1 (whole
+    experts on both tensor-parallel ranks, each routing its share of the tokens); then the first LoRA actor (its
     gradients ready, B non-zero): its switch to (1,4,1,E=1) lays the base out once, then the one
     overlapped with its optimizer step moves the adapters only (the adapter bytes each rank lacks),
     and the merged copy's log-probs are the training model's (the base's differ); its adapters and
@@ -233,7 +234,8 @@ def check_four_ranks():
 
     src, gen = P(1, 2, 2, E=2), P(1, 4, 1)
     keep = {}
-    res = {"grads": check_expert_grads({"(1,2,2,E=2) ETP=2": (src, {})}, keep)}
+    res = {"grads": check_expert_grads({"(1,2,2,E=2) ETP=2": (src, {}),
+                                        "(1,2,2) ETP=1": (P(1, 2, 2, ETP=1), {})}, keep)}
     eng = keep[src]
     switch = ActorSwitch(eng, gen)
     shadow = switch.generation_engine()  # the first switch: base and adapters
