@@ -101,6 +101,7 @@ def test_expert_adapters_switch_moves_adapter_bytes_only(world):
 
 
 def test_expert_adapters_and_moments_resume_at_another_expert_layout(world):
-    """Saved at (1,2,2,E=2), loaded at (1,4,1,E=2): the same adapters and Adam moments, whole."""
+    """Saved at (1,2,2,E=2) with ETP=2, loaded at (1,2,2) with ETP=1: the same adapters and Adam
+    moments, whole."""
     for what, r in world[0]["lora_experts"]["checkpoint"].items():
         assert r["names_agree"] and r["equal"] and r["nonzero"] > 0, (what, r)

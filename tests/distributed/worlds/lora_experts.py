@@ -227,7 +227,7 @@ def check_four_ranks():
     gradients ready, B non-zero): its switch to (1,4,1,E=1) lays the base out once, then the one
     overlapped with its optimizer step moves the adapters only (the adapter bytes each rank lacks),
     and the merged copy's log-probs are the training model's (the base's differ); its adapters and
-    Adam state saved and loaded at (1,4,1,E=2) (other adapters: another seed)."""
+    Adam state saved and loaded into the second (E = 1, ETP = 1: other adapter values, B drawn)."""
     from puzzle.dataflow.actor_switch import ActorSwitch
     from puzzle.models.lora import adapters_disabled
     from puzzle.switch.shadow import routing_table_for
@@ -252,9 +252,7 @@ def check_four_ranks():
     merged = _shadow_logprobs(shadow, rows)
     res.update(logprob_diff=(merged - train).abs().max().item(), base_diff=(base - train).abs().max().item())
     switch.release()
-    other = ModelEngine("actor", ARCH, layout_for(P(1, 4, 1, E=2)), trainable=True, optim=OptimConfig(lr=1e-2),
-                        seed=9, lora=LORA)
-    res["checkpoint"] = _checkpoint_reshards(eng, other)
+    res["checkpoint"] = _checkpoint_reshards(eng, keep[P(1, 2, 2, ETP=1)])  # other E and ETP, other values
     return res
 
 
