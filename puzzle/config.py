@@ -750,6 +750,7 @@ class RunConfig:
     evaluation: EvalConfig = EvalConfig()
     levers: MemoryLevers = MemoryLevers()
     lora: LoRAConfig = LoRAConfig()  # the actor's adapters (off by default)
+    critic_lora: LoRAConfig = LoRAConfig()  # the critic's own (--critic-lora-*; off by default)
     faults: FaultInjection = FaultInjection()
 
     def __post_init__(self):
@@ -789,6 +790,10 @@ class RunConfig:
     @property
     def recompute(self) -> Recompute:
         return self.levers.recompute
+
+    def role_lora(self, role: str) -> LoRAConfig:
+        """The LoRA adapters of ``role``: the actor's (--lora-*), the critic's (--critic-lora-*), none."""
+        return {"actor": self.lora, "critic": self.critic_lora}.get(role, LoRAConfig())
 
     @property
     def reference_is_actor_base(self) -> bool:
