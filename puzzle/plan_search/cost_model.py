@@ -371,18 +371,7 @@ def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPla
     shape.check_plan(src, "switch source")
     shape.check_plan(dst, "switch destination")
     L = shape.num_layers
-    S, R = shape.layer_split_params, shape.layer_replicated_params
-    E = shape.vocab_size * shape.hidden_size
-    H_split = E if lm_head else 0
-    H_repl = 0 if lm_head else shape.hidden_size
-    F = shape.hidden_size
-    per_expert = (None, 0.0)  # the experts' MLPs
-    if adapters_of is not None:
-        S, R = lora_layer_params(shape, *adapters_of)
-        E = H_split = H_repl = F = 0
-        if shape.num_experts:  # (split over ETP, whole on each ETP rank) of one expert
-            experts_per_layer = moe_fraction(shape) * shape.num_experts
-            per_expert = tuple(x / experts_per_layer for x in lora_expert_layer_params(shape, *adapters_of))
+    S, R, E, H_split, H_repl, F, per_expert = _switched_params(shape, lm_head, adapters_of)
     rpn = ranks_per_node or (1 << 62)
     Ls, Ld = L // src.P, L // dst.P
     Ps, Ds, Ts, Pd, Dd, Td = src.P, src.D, src.T, dst.P, dst.D, dst.T
@@ -431,6 +420,23 @@ def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPla
     for r, (intra, inter) in experts.switch_bytes(shape, src, dst, ranks_per_node, dtype_bytes, *per_expert).items():
         out[r] = (out[r][0] + int(round(intra)), out[r][1] + int(round(inter)))
     return dict(sorted(out.items()))
+
+
+def _switched_params(shape: ModelShape, lm_head: bool, adapters_of):
+    """What a switch moves, in parameters: per layer (T-split, T-replicated), the embedding, the
+    head's vocabulary-split and replicated parts, the final norm, and the per-expert pair (split
+    over ETP, whole on each ETP rank; (None, 0.0): the experts' own MLPs). A LoRA actor's
+    ``adapters_of`` (dim, target modules): its adapters only."""
+    if adapters_of is None:
+        E = shape.vocab_size * shape.hidden_size
+        return (shape.layer_split_params, shape.layer_replicated_params, E, E if lm_head else 0,
+                0 if lm_head else shape.hidden_size, shape.hidden_size, (None, 0.0))
+    S, R = lora_layer_params(shape, *adapters_of)
+    per_expert = (None, 0.0)
+    if shape.num_experts:
+        experts_per_layer = moe_fraction(shape) * shape.num_experts
+        per_expert = tuple(x / experts_per_layer for x in lora_expert_layer_params(shape, *adapters_of))
+    return S, R, 0, 0, 0, 0, per_expert
 
 
 def switch_bytes_max_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPlan, *, lm_head: bool = True) -> int:

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 
 from puzzle.config import ModelArch
-from puzzle.dataflow.steps import _run, _unwrap
+from puzzle.dataflow.steps import _run
 from puzzle.dataflow.micro_batching import MicroBatch
 from puzzle.engine.model_engine import ModelEngine, OptimConfig
 from puzzle.lora_config import LoRAConfig
