@@ -242,7 +242,7 @@ def _check_absent_roles(args, present: List[str]) -> None:
     for role, why in _ABSENT.items():
         if role in present:
             continue
-        given = [flag for config in (ModelArch, LayoutFlags, OptimConfig) for flag, _ in
+        given = [flag for config in (ModelArch, LayoutFlags, OptimConfig, LoRAConfig) for flag, _ in
                  role_flags_given(config, args, role)]
         if ROLES[role].weights_from == role:
             given += [flag for flag, _ in role_flags_given(RoleSpec, args, role)]
@@ -314,10 +314,13 @@ def validate_args(args, world_size: int, vocab_size: int, check_paths: bool = Tr
     ppo = _check_token_budget(ppo)
     _check_recompute_layers(levers, roles)
     check_lora(lora, roles["actor"].arch, impl, actor_plans=(roles["actor"].plan, roles["actor"].gen_plan))
+    critic_lora = role_config(LoRAConfig, args, "critic", fallback=LoRAConfig())  # nothing of the actor's
+    if "critic" in roles:
+        check_lora(critic_lora, roles["critic"].arch, impl, prefix="critic-")
     optim = replace(optim, lr_decay_iters=args.train_iters * args.ppo_epochs * (samples // mini))
     return from_args(
         RunConfig, args, world_size=world_size, roles=roles, ppo=ppo, optim=optim, ops=ops, levers=levers, lora=lora,
-        evaluation=from_args(EvalConfig, args), reward_timeout=args.reward_timeout or None, precision=precision,
+        critic_lora=critic_lora, evaluation=from_args(EvalConfig, args), reward_timeout=args.reward_timeout or None, precision=precision,
         transformer_impl=impl, transformer_impl_note=impl_note)
 
 

@@ -43,8 +43,8 @@ def run_metadata(cfg) -> dict:
                        "gen_plan": _plan_dict(spec.gen_plan), "trainable": bool(spec.trainable)}
         if not spec.trainable:
             roles[role]["source"] = role_source(cfg, role)
-        elif role == "actor" and cfg.lora.enabled:  # the adapters; the base by reference (its fingerprint: save)
-            roles[role]["lora"] = _lora_dict(cfg.lora)
+        elif cfg.role_lora(role).enabled:  # the adapters; the base by reference (its fingerprint: save)
+            roles[role]["lora"] = _lora_dict(cfg.role_lora(role))
             roles[role]["base"] = {"source": role_source(cfg, role)}
         elif spec.arch.is_moe:  # puzzle.engine.model_engine: the experts' optimizer apart at every E
             roles[role]["experts_optimizer"] = EXPERTS_OWN_OPTIMIZER
@@ -82,19 +82,21 @@ def run_problems(cfg, meta: dict) -> List[str]:
 
 
 def _lora_problems(cfg, role: str, saved: dict) -> List[str]:
-    """A LoRA actor resumes adapters of the same rank on the same linears (alpha and dropout may change)."""
-    if role != "actor" or not cfg.roles[role].trainable:
+    """A LoRA actor (or critic) resumes adapters of the same rank on the same linears (alpha and dropout
+    may change)."""
+    if not cfg.roles[role].trainable:
         return []
-    mine = _lora_dict(cfg.lora) if cfg.lora.enabled else None
+    lora = cfg.role_lora(role)
+    mine = _lora_dict(lora) if lora.enabled else None
     theirs = saved.get("lora")
     if mine is None and theirs is None:
         return []
     if mine is None or theirs is None:
         what = lambda d: f"LoRA rank {d['dim']} adapters" if d else "full-parameter training"
-        return [f"role actor: the checkpoint holds {what(theirs)}, this run asks for {what(mine)}"]
+        return [f"role {role}: the checkpoint holds {what(theirs)}, this run asks for {what(mine)}"]
     diff = [f"{k}: checkpoint {theirs.get(k)!r} vs this run {mine[k]!r}" for k in ("dim", "target_modules")
             if theirs.get(k) != mine[k]]
-    return ["role actor LoRA adapters differ: " + "; ".join(diff)] if diff else []
+    return [f"role {role} LoRA adapters differ: " + "; ".join(diff)] if diff else []
 
 
 def base_fingerprint_problem(meta: dict, role: str, now: list, source: dict) -> Optional[str]:

@@ -314,15 +314,15 @@ def _ensure_optimizer_state(optimizer) -> None:
 @torch.no_grad()
 def weight_fingerprint(engine) -> list:
     """[sum, sum of squares] (float64) over the model's unique parameter shards, whole world; of a
-    LoRA model's base (its adapters left out)."""
+    LoRA model's base (what it trains left out)."""
     from puzzle.models.lora import is_adapter_param
 
     acc = torch.zeros(2, dtype=torch.float64, device=runtime().device)
     if engine.member:
         lay, arch = engine.layout, engine.arch
         for name, p in engine.module.named_parameters():
-            if is_adapter_param(name):
-                continue
+            if is_adapter_param(name) or name in getattr(engine, "adapter_specs", {}):
+                continue  # what a LoRA model trains: its adapters (a LoRA critic's value head too)
             if is_expert_param(name):  # experts: their expert-DP replicas count once
                 if lay.edp != 0 or (lay.etp != 0 and not getattr(p, "tensor_model_parallel", False)):
                     continue

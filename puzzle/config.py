@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from puzzle.config_flags import check, check_at_least, fail, flag
-from puzzle.flag_checks import check_turn_flags
+from puzzle.flag_checks import check_checkpoint_flags, check_turn_flags
 from puzzle.lora_config import LoRAConfig
 from puzzle.memory_levers import MemoryLevers, Recompute
 from puzzle.model_shape import ModelShape
@@ -751,6 +751,7 @@ class RunConfig:
     evaluation: EvalConfig = EvalConfig()
     levers: MemoryLevers = MemoryLevers()
     lora: LoRAConfig = LoRAConfig()  # the actor's adapters (off by default)
+    critic_lora: LoRAConfig = LoRAConfig()  # the critic's own (--critic-lora-*; off by default)
     faults: FaultInjection = FaultInjection()
 
     def __post_init__(self):
@@ -767,12 +768,7 @@ class RunConfig:
               f"must be a finite number (got {self.bad_reward_value})")
         check(cls, self, "reward_fn", not self.reward_fn or ":" in self.reward_fn,
               f"expected module:function, got {self.reward_fn!r}")
-        check(cls, self, "save_interval", self.save_interval is None or self.save_interval >= 1 and bool(self.save),
-              f"needs --save DIR and must be >= 1 (got {self.save_interval})")
-        for name, given in (("load_optim", not self.load_optim), ("load_rng", not self.load_rng),
-                            ("ckpt_step", self.ckpt_step is not None), ("finetune", self.finetune)):
-            check(cls, self, name, not given or bool(self.load), "needs --load DIR")
-        check_at_least(cls, self, 1, "ckpt_step", optional=True)
+        check_checkpoint_flags(cls, self)
         if self.ops.log_samples and not self.log_dir:
             fail("--log-samples", "needs --log-dir (the rows go to DIR/samples.jsonl)")
         check(cls, self, "ranks_per_node", self.ranks_per_node is None or self.ranks_per_node >= 1
@@ -782,6 +778,10 @@ class RunConfig:
     @property
     def recompute(self) -> Recompute:
         return self.levers.recompute
+
+    def role_lora(self, role: str) -> LoRAConfig:
+        """The LoRA adapters of ``role``: the actor's (--lora-*), the critic's (--critic-lora-*), none."""
+        return {"actor": self.lora, "critic": self.critic_lora}.get(role, LoRAConfig())
 
     @property
     def reference_is_actor_base(self) -> bool:

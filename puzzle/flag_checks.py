@@ -126,6 +126,17 @@ def check_turn_flags(cls, cfg) -> None:
           f"multi-turn generation runs at P=1 without an expert-parallel split for now; the actor generates at {gen}")
 
 
+def check_checkpoint_flags(cls, cfg) -> None:
+    """The checkpoint flags of ``cfg`` (a RunConfig, ``cls``): --save-interval with --save; the
+    flags that shape a resume (--no-load-optim, --no-load-rng, --ckpt-step, --finetune) with --load."""
+    check(cls, cfg, "save_interval", cfg.save_interval is None or cfg.save_interval >= 1 and bool(cfg.save),
+          f"needs --save DIR and must be >= 1 (got {cfg.save_interval})")
+    for name, given in (("load_optim", not cfg.load_optim), ("load_rng", not cfg.load_rng),
+                        ("ckpt_step", cfg.ckpt_step is not None), ("finetune", cfg.finetune)):
+        check(cls, cfg, name, not given or bool(cfg.load), "needs --load DIR")
+    check_at_least(cls, cfg, 1, "ckpt_step", optional=True)
+
+
 def check_partial_rollouts(args, spec) -> None:
     """--rl-partial-rollouts and its over-sampling factor (the layout's part: arguments.py)."""
     if args.rl_partial_rollouts_oversample < 1:

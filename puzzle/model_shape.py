@@ -34,22 +34,37 @@ def layer_params(shape) -> Tuple[int, int]:
     return split, 2 * h  # two RMSNorm weights are replicated across TP
 
 
-def lora_layer_params(shape, dim: int, targets) -> Tuple[int, int]:
-    """(TP-split, TP-replicated) LoRA adapter parameters of one layer (puzzle/models/lora.py):
-    rank-``dim`` A [dim, in] and B [out, dim] on each target linear; a column-parallel linear
-    (linear_qkv, linear_fc1) splits B over T and replicates A, a row-parallel one (linear_proj,
-    linear_fc2) splits A and replicates B."""
+def lora_layer_params(shape, dim: int, targets) -> Tuple[float, float]:
+    """(TP-split, TP-replicated) LoRA adapter parameters of one (average) layer, the experts' apart
+    (:func:`lora_expert_layer_params`; puzzle/models/lora.py): rank-``dim`` A [dim, in] and B
+    [out, dim] on each target linear; a column-parallel linear (linear_qkv, linear_fc1) splits B
+    over T and replicates A, a row-parallel one (linear_proj, linear_fc2) splits A and replicates B.
+    linear_fc1 / linear_fc2 of a MoE model count in its dense layers only."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     q = (head_size_if_unusual(shape) or h // shape.num_attention_heads) * shape.num_attention_heads
     out_in = {"linear_qkv": (q + 2 * shape.kv_dim, h), "linear_proj": (h, q),
               "linear_fc1": ((2 if shape.swiglu else 1) * f, h), "linear_fc2": (h, f)}
+    dense_mlp = 1.0 - moe_fraction(shape)
     split = replicated = 0
     for target in targets:
         out, inp = out_in[target]
         column = target in ("linear_qkv", "linear_fc1")
-        split += dim * (out if column else inp)
-        replicated += dim * (inp if column else out)
+        share = dense_mlp if target in ("linear_fc1", "linear_fc2") else 1
+        split += share * dim * (out if column else inp)
+        replicated += share * dim * (inp if column else out)
     return split, replicated
+
+
+def lora_expert_layer_params(shape, dim: int, targets) -> Tuple[float, float]:
+    """(ETP-split, ETP-replicated) adapter parameters of all experts of an average layer: each
+    expert's linear_fc1 and linear_fc2 adapted like a dense MLP's (0 for a dense model)."""
+    if not shape.num_experts:
+        return 0.0, 0.0
+    h, f = shape.hidden_size, shape.moe_ffn_hidden_size
+    per_expert = {"linear_fc1": ((2 if shape.swiglu else 1) * f * dim, h * dim), "linear_fc2": (f * dim, h * dim)}
+    chosen = [per_expert[t] for t in targets if t in per_expert]
+    experts = moe_fraction(shape) * shape.num_experts
+    return experts * sum(s for s, _ in chosen), experts * sum(r for _, r in chosen)
 
 
 def mlp_matrices(shape) -> int:

@@ -169,7 +169,7 @@ def build_role_engines(cfg) -> dict:
                                     optim=optim, seed=spec.init_seed(cfg.seed), recompute=cfg.recompute,
                                     bf16=cfg.bf16, fp16=cfg.fp16, transformer_impl=cfg.transformer_impl,
                                     sequence_parallel=cfg.sequence_parallel,
-                                    lora=cfg.lora if role == "actor" else None)
+                                    lora=cfg.role_lora(role))
         if spec.trainable and idle_ranks:  # a generation pool holds no trainable model
             _param_groups_gathers(joining=not trains)
         if spec.hf_path and engines[role].member:

@@ -15,6 +15,17 @@ adds ``(alpha / dim) * B A dropout(x)`` to the linear's output.
   (megatron's reduce-from-region), and B (replicated) maps the sum to the output, which is then the
   same on every TP rank, like the base linear's all-reduced output.
 
+- The experts of a MoE layer (SequentialMLP's ``local_experts.<e>.linear_fc1/linear_fc2``; Bridge's
+  meaning: the same target names adapt every expert, each with adapters of its own) are held by the
+  ranks holding the expert and split over the expert-tensor-parallel ranks (ETP) like its weights.
+  megatron's expert linears communicate nothing (``explicit_expert_comm``: the token dispatcher
+  gathers the tokens over ETP before them and sums the partial fc2 outputs after them), and so do
+  their adapters: fc1's ``B_t (A x)`` gives this rank's rows, fc2's ``B (A_t x_t)`` a partial output
+  the dispatcher sums. The replicated factor (fc1's A, fc2's B) then has a partial gradient on each
+  ETP rank, summed over the expert-TP group in the backward (megatron's copy-to-region applied to
+  the weight). ``--moe-grouped-gemm`` experts (puzzle/models/moe_experts.py) add the same adapters
+  as two more grouped products per projection (:func:`grouped_adapter_output`).
+
 The base weights are frozen (``requires_grad`` False): megatron's DDP gives them no gradient buffer
 and its optimizer no state. Adapters start layout-independent (puzzle/models/init.py's rule: each
 whole tensor drawn from a generator seeded by its global name, each rank keeps its shard): A
@@ -25,14 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
-from puzzle.lora_config import COLUMN_TARGETS, LoRAConfig, target_shapes
-from puzzle.models.init import _seed_for, local_shard
-from puzzle.models.param_layout import ParamSpec, global_name, resolve_layers_per_stage
-from puzzle.models.param_names import canonical_param_name
+from puzzle.lora_config import COLUMN_TARGETS, LoRAConfig
+from puzzle.models.init import _seed_for, is_expert_param, layout_spec_name, local_shard, tp_split
+from puzzle.models.param_layout import ParamSpec, resolve_layers_per_stage
 
 ADAPTER_MARK = ".adapter."
 
@@ -46,10 +56,12 @@ class LoRAAdapter(torch.nn.Module):
     """The A and B shards of one linear on this rank, and how their product meets the TP group."""
 
     def __init__(self, target: str, dim: int, local_in: int, local_out: int, scale: float, dropout: float,
-                 tp_group, dtype: torch.dtype, device):
+                 tp_group, dtype: torch.dtype, device, expert_comm: bool = False):
+        """``expert_comm``: the adapted linear is an expert's with megatron's explicit expert
+        communication (no collective in the linear; ``tp_group`` is then the expert-TP group)."""
         super().__init__()
         self.column = target in COLUMN_TARGETS
-        self.scale, self.tp_group = scale, tp_group
+        self.scale, self.tp_group, self.expert_comm = scale, tp_group, expert_comm
         self.enabled = True  # False inside adapters_disabled: the linear is the base's
         self.dropout = torch.nn.Dropout(dropout) if dropout else None
         self.linear_in = torch.nn.Linear(local_in, dim, bias=False, dtype=dtype, device=device)
@@ -59,12 +71,29 @@ class LoRAAdapter(torch.nn.Module):
         split, dim_of_split = (self.linear_out.weight, 0) if self.column else (self.linear_in.weight, 1)
         split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, dim_of_split, 1
 
+    def factors(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) as the forward uses them: an expert's replicated factor (A of fc1, B of fc2)
+        through megatron's copy-to-region over the expert-TP group, so that its partial gradients
+        are summed there (identity in the forward)."""
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        a, b = self.linear_in.weight, self.linear_out.weight
+        if self.expert_comm:
+            if self.column:
+                a = copy_to_tensor_model_parallel_region(a, group=self.tp_group)
+            else:
+                b = copy_to_tensor_model_parallel_region(b, group=self.tp_group)
+        return a, b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                                    reduce_from_tensor_model_parallel_region)
 
         if self.dropout is not None:
             x = self.dropout(x)
+        if self.expert_comm:  # no collective: the dispatcher gathers the input and sums the output
+            a, b = self.factors()
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * self.scale
         low = torch.nn.functional.linear(x, self.linear_in.weight)
         if self.column:  # replicated A x: its gradient is the sum over the B shards of the TP group
             low = copy_to_tensor_model_parallel_region(low, group=self.tp_group)
@@ -100,20 +129,38 @@ def target_linears(module: torch.nn.Module, lora: LoRAConfig) -> Iterator[Tuple[
     """(local module name, target name, linear) of every linear ``lora`` adapts in ``module``."""
     for name, sub in module.named_modules():
         target = name.rsplit(".", 1)[-1]
-        if target in lora.target_modules and ".mlp.experts." not in name:
+        if target in lora.target_modules:  # an expert's linear_fc1 / linear_fc2 too
             yield name, target, sub
 
 
+def grouped_adapter_output(x: torch.Tensor, offs: torch.Tensor, linears) -> Optional[torch.Tensor]:
+    """The adapters' output of one projection of grouped experts (``linears``: each local expert's
+    linear, ``x`` their tokens grouped by expert, ``offs`` the groups' end offsets): two grouped
+    products, ``scale * B_e (A_e x)`` for the rows of expert e; None without enabled adapters."""
+    from puzzle.models.grouped_gemm import grouped_linear
+
+    adapters = [getattr(linear, "adapter", None) for linear in linears]
+    if not adapters or not all(isinstance(a, LoRAAdapter) and a.enabled for a in adapters):
+        return None
+    if adapters[0].dropout is not None:
+        x = adapters[0].dropout(x)
+    factors = [a.factors() for a in adapters]
+    low = grouped_linear(x, offs, [a for a, _ in factors])
+    return grouped_linear(low, offs, [b for _, b in factors]) * adapters[0].scale
+
+
 def adapter_specs(arch, lora: LoRAConfig, global_linear: str, target: str, base_spec: ParamSpec):
-    """The ParamSpecs of A and B of one linear (global names and shapes, and their TP split)."""
-    out, inp = target_shapes(arch)[target]
-    where = dict(layer=base_spec.layer, split_units=base_spec.split_units, split_label=base_spec.split_label)
+    """The ParamSpecs of A and B of one linear (global names and shapes, and their TP split; an
+    expert's: its expert index too, split over ETP like the expert's weight)."""
+    out, inp = base_spec.global_shape
+    held = dict(layer=base_spec.layer, expert=base_spec.expert, num_experts=base_spec.num_experts)
+    where = dict(held, split_units=base_spec.split_units, split_label=base_spec.split_label)
     a_name, b_name = f"{global_linear}.adapter.linear_in.weight", f"{global_linear}.adapter.linear_out.weight"
     if target in COLUMN_TARGETS:
-        return (ParamSpec(a_name, (lora.dim, inp), "replicated", layer=base_spec.layer),
+        return (ParamSpec(a_name, (lora.dim, inp), "replicated", **held),
                 ParamSpec(b_name, (out, lora.dim), base_spec.kind, **where))
     return (ParamSpec(a_name, (lora.dim, inp), "row", **where),
-            ParamSpec(b_name, (out, lora.dim), "replicated", layer=base_spec.layer))
+            ParamSpec(b_name, (out, lora.dim), "replicated", **held))
 
 
 def adapter_init_value(spec: ParamSpec, seed: int, b_std: float = 0.0) -> torch.Tensor:
@@ -129,24 +176,33 @@ def adapter_init_value(spec: ParamSpec, seed: int, b_std: float = 0.0) -> torch.
 def apply_lora(module: torch.nn.Module, arch, role: str, lora: LoRAConfig, seed: int, b_std: float = 0.0) -> dict:
     """Freeze ``module`` (one rank's shard of a GPTModel built by build_role_model) and give each
     target linear its adapter, initialised layout-independently; returns {local parameter name:
-    global ParamSpec} of this rank's adapters (A and B of each linear)."""
+    global ParamSpec} of this rank's trained parameters: A and B of each linear, and a critic's
+    (or reward model's) scalar head, which stays trainable whole (a fresh head on a frozen base
+    could not learn values otherwise; [1, hidden]: nothing to save by adapting it)."""
     from puzzle.models.init import param_specs
+    from puzzle.models.param_names import HEAD_SPEC_NAME, is_scalar_head
 
     layout = module.puzzle_layout
-    T, t = layout.plan.T, layout.t
     lps = resolve_layers_per_stage(arch.num_layers, layout.plan.P)
     specs = {s.name: s for s in param_specs(arch, role)}
-    for param in module.parameters():
-        param.requires_grad_(False)
     placed = {}
+    for name, param in module.named_parameters():
+        head = is_scalar_head(name, role)
+        param.requires_grad_(head)
+        if head:
+            placed[name] = specs[HEAD_SPEC_NAME]
     for local, target, linear in target_linears(module, lora):
-        global_linear = global_name(canonical_param_name(local + ".weight"), layout.p, lps)[:-len(".weight")]
+        global_linear = layout_spec_name(local + ".weight", role, arch, layout, lps)[:-len(".weight")]
         a_spec, b_spec = adapter_specs(arch, lora, global_linear, target, specs[global_linear + ".weight"])
-        a = local_shard(a_spec, adapter_init_value(a_spec, seed, b_std), T, t)
-        b = local_shard(b_spec, adapter_init_value(b_spec, seed, b_std), T, t)
+        ways = tp_split(a_spec.name, layout)  # an expert's: (ETP, etp), else (T, t)
+        a = local_shard(a_spec, adapter_init_value(a_spec, seed, b_std), *ways)
+        b = local_shard(b_spec, adapter_init_value(b_spec, seed, b_std), *ways)
         weight = linear.weight
+        expert_comm = bool(getattr(linear, "explicit_expert_comm", False))
+        # an expert's linear: its own (expert-TP) group, whole experts at T > 1 included (ETP = 1)
+        group = linear.tp_group if getattr(linear, "is_expert", False) else layout.tp_group
         linear.adapter = LoRAAdapter(target, lora.dim, a.shape[1], b.shape[0], lora.scale, lora.dropout,
-                                     layout.tp_group, weight.dtype, weight.device)
+                                     group, weight.dtype, weight.device, expert_comm=expert_comm)
         with torch.no_grad():
             linear.adapter.linear_in.weight.copy_(a)
             linear.adapter.linear_out.weight.copy_(b)
@@ -162,15 +218,17 @@ def adapter_sharded_state_dict(module: torch.nn.Module, specs: dict) -> dict:
     name: global ParamSpec}): one ShardedTensor per adapter under its global name, split over T as
     the spec says (A of a row-parallel linear along its input, B of a column-parallel one along its
     output rows; a SwiGLU fc1's B as its gate and up halves), replicated ones written by TP rank 0
-    of DP rank 0. Saved at one layout, loaded at any other (P, D, T)."""
+    of DP rank 0 (an expert's: split over ETP, written by expert-DP rank 0). Saved at one layout,
+    loaded at any other (P, D, T, E)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
     layout = module.puzzle_layout
-    T, t, d = layout.plan.T, layout.t, layout.d
     params = dict(module.named_parameters())
     out = {}
     for local, spec in specs.items():
         p = params[local]
+        T, t = tp_split(spec.name, layout)
+        d = layout.edp if is_expert_param(spec.name) else layout.d
         if spec.split_dim is None or T == 1:
             out[spec.name] = ShardedTensor.from_rank_offsets(spec.name, p, replica_id=(0, t, d))
         elif spec.kind == "swiglu_fc1":
@@ -216,16 +274,18 @@ def base_parameters(module: torch.nn.Module):
 # ---- export: the adapters whole, or merged into the base --------------------------------------------
 def gather_adapters(module, specs: dict, dst: int = 0):
     """Collective over the default group: {global name: whole tensor} of every adapter on rank
-    ``dst`` (None elsewhere), from the shards of DP replica 0 (``module`` None: a rank outside the
-    model)."""
+    ``dst`` (None elsewhere), from the shards of DP replica 0 (an expert's: of expert-DP replica 0;
+    ``module`` None: a rank outside the model)."""
     import torch.distributed as dist
 
     from puzzle.models.param_layout import shard_slices
 
     mine = []
-    if module is not None and module.puzzle_layout.d == 0:
+    if module is not None:
         lay, params = module.puzzle_layout, dict(module.named_parameters())
-        mine = [(spec, lay.plan.T, lay.t, params[n].detach().cpu().clone()) for n, spec in specs.items()]
+        for n, spec in specs.items():
+            if (lay.edp if is_expert_param(spec.name) else lay.d) == 0:
+                mine.append((spec, *tp_split(spec.name, lay), params[n].detach().cpu().clone()))
     got = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         got = [None] * dist.get_world_size() if dist.get_rank() == dst else None

@@ -25,7 +25,7 @@ So in fp32 the step equals megatron's MoE forward up to how the matrix-product k
 row at another number of rows (megatron multiplies only the rows routed to an expert).
 
 ``moe_step_problem`` names what a layer has that the step does not reproduce (None: covered):
-shared experts, megatron's grouped-GEMM or transformer-engine experts (puzzle's GroupedGemmExperts
+shared experts, experts with LoRA adapters, megatron's grouped-GEMM or transformer-engine experts (puzzle's GroupedGemmExperts
 have SequentialMLP's experts and are covered), experts split over ranks (expert
 parallelism E > 1 or expert tensor parallelism ETP > 1), token dropping, input jitter,
 fused kernels, fp8.
@@ -69,6 +69,8 @@ def moe_step_problem(mlp) -> Optional[str]:
             return f"expert modules {type(expert).__name__} (only megatron's local MLP)"
         if _size(expert.linear_fc1.tp_group) > 1 or _size(expert.linear_fc2.tp_group) > 1:
             return f"experts split over ETP={_size(expert.linear_fc1.tp_group)} expert-tensor-parallel ranks"
+        if any(linear._forward_hooks or hasattr(linear, "adapter") for linear in (expert.linear_fc1, expert.linear_fc2)):
+            return "expert linears with LoRA adapters (merged into the generation copy's weights, they are not)"
     unsupported = {
         "moe_latent_size": getattr(cfg, "moe_latent_size", None),
         "moe_expert_capacity_factor": cfg.moe_expert_capacity_factor,

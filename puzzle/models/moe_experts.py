@@ -7,7 +7,8 @@ same names, shapes and sharding: import/export, checkpoints, the switch and the 
 no difference) and runs each projection of all local experts as one ``torch._grouped_mm`` call
 over the permuted tokens, with the group offsets taken on the device from the counts: no host
 synchronisation, one kernel per projection. On CUDA (bf16, sm90) that is CUTLASS's grouped GEMM;
-elsewhere torch runs one product per group.
+elsewhere torch runs one product per group. LoRA adapters on the experts' linears (their forward
+hooks never run here) add two more grouped products per projection.
 
 megatron's own grouped experts (GroupedMLP, TEGroupedMLP) store every expert's weights in one
 tensor and need the grouped_gemm package or transformer-engine; these need neither.
@@ -43,6 +44,16 @@ class GroupedGemmExperts(SequentialMLP):
         x = permuted_local_hidden_states
         offs = torch.cumsum(tokens_per_expert.to(device=x.device), 0).to(torch.int32)
         experts: List = list(self.local_experts)
-        inter = grouped_linear(x, offs, [e.linear_fc1.weight for e in experts])
+        inter = _with_adapters(grouped_linear(x, offs, [e.linear_fc1.weight for e in experts]), x, offs,
+                               [e.linear_fc1 for e in experts])
         inter = expert_activation(experts[0], inter, permuted_probs)
-        return grouped_linear(inter, offs, [e.linear_fc2.weight for e in experts]), None
+        out = grouped_linear(inter, offs, [e.linear_fc2.weight for e in experts])
+        return _with_adapters(out, inter, offs, [e.linear_fc2 for e in experts]), None
+
+
+def _with_adapters(out: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, linears) -> torch.Tensor:
+    """``out`` plus the LoRA adapters' output of the projection (puzzle/models/lora.py), if any."""
+    from puzzle.models.lora import grouped_adapter_output
+
+    delta = grouped_adapter_output(x, offs, linears)
+    return out if delta is None else out + delta.to(out.dtype)

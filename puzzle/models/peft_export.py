@@ -7,6 +7,17 @@ y_q = W_q x + s B_q A x -- the same A for every part, and each part's rows of B 
 query-group-major rows of q, k and v, as the base weight's: puzzle.models.hf_mapping; for a SwiGLU
 linear_fc1 the gate and up halves). linear_proj and linear_fc2 are o_proj and down_proj as they are.
 PEFT's scaling is lora_alpha / r, ours alpha / dim: the same numbers.
+
+The experts of a MoE layer (Qwen3-MoE, Mixtral) are written under the per-expert projection names
+of transformers v4 (``mlp.experts.<e>.{gate,up,down}_proj`` / ``block_sparse_moe.experts.<e>.{w1,w3,w2}``,
+puzzle.models.hf_moe), each expert's A and B as a dense linear's: PEFT (>= 0.18) converts them onto
+transformers v5's fused expert tensors when it loads them (A of gate and up concatenated along the
+rank, B block-diagonal, rank and alpha doubled: the same update). That conversion moves every
+target named gate_proj / up_proj / down_proj onto the experts, so the dense MLPs of a Qwen3-MoE
+model's dense layers (``mlp_only_layers``) would lose their adapters: they are listed as PEFT
+``target_parameters`` (``model.layers.<i>.mlp.<proj>.weight``; PEFT's keys stay the same). PEFT
+adapts parameters (the fused experts, those dense weights) without dropout and refuses a non-zero
+``lora_dropout`` for them: such a directory records 0 (dropout only matters when training on).
 """
 
 from __future__ import annotations
@@ -43,13 +54,26 @@ def peft_tensors(arch, whole: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor
     return out
 
 
-def peft_config(lora, target_projections, base_model: Optional[str]) -> dict:
+def dense_mlp_parameters_of_moe(arch, tensors: Dict[str, torch.Tensor]) -> list:
+    """The dense MLP weights of a MoE model's dense layers that have adapters (PEFT's
+    ``target_parameters``: see the module docstring); [] for a dense model."""
+    if not arch.is_moe:
+        return []
+    out = set()
+    for key in tensors:
+        if ".experts." not in key and ".mlp." in key:
+            module = key[len(PEFT_PREFIX):].split(".lora_")[0]  # model.layers.i.mlp.gate_proj
+            out.add(module + ".weight")
+    return sorted(out)
+
+
+def peft_config(lora, target_projections, base_model: Optional[str], target_parameters=()) -> dict:
     """adapter_config.json: PEFT's LoRA fields."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": lora.dim, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": sorted(target_projections), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
-            "modules_to_save": None, "layers_to_transform": None}
+            "modules_to_save": None, "layers_to_transform": None, "target_parameters": list(target_parameters) or None}
 
 
 def write_peft_adapter(arch, lora, whole: Dict[str, torch.Tensor], out_dir: str, *,
@@ -61,8 +85,12 @@ def write_peft_adapter(arch, lora, whole: Dict[str, torch.Tensor], out_dir: str,
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     projections = {k[len(PEFT_PREFIX):].split(".")[-3] for k in tensors}
+    if arch.is_moe and any(".experts." in k for k in tensors):  # PEFT adapts the fused experts without dropout
+        from dataclasses import replace
+
+        lora = replace(lora, dropout=0.0)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
-        json.dump(peft_config(lora, projections, base_model), f, indent=2)
+        json.dump(peft_config(lora, projections, base_model, dense_mlp_parameters_of_moe(arch, tensors)), f, indent=2)
     return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]

@@ -26,16 +26,17 @@ def shapes_from_config(cfg) -> Dict[str, ModelShape]:
     return {role: spec.arch.shape for role, spec in cfg.roles.items()}
 
 
-def actor_lora(cfg):
-    """(dim, target modules) of a LoRA actor (the planner's ModelRole.lora), else None."""
-    return (cfg.lora.dim, tuple(cfg.lora.target_modules)) if cfg.lora.enabled else None
+def actor_lora(cfg, role: str = "actor"):
+    """(dim, target modules) of a LoRA actor (or critic: ``role``; the planner's ModelRole.lora), else None."""
+    lora = cfg.role_lora(role)
+    return (lora.dim, tuple(lora.target_modules)) if lora.enabled else None
 
 
 def roles_from_config(cfg):
     """The planner's ModelRole of every role the run builds."""
     shapes = shapes_from_config(cfg)
     roles = ppo_roles(shapes["actor"], shapes.get("critic"), shapes.get("ref"), shapes.get("reward"),
-                      actor_lora=actor_lora(cfg))
+                      actor_lora=actor_lora(cfg), critic_lora=actor_lora(cfg, "critic"))
     return {r: roles[r] for r in shapes}
 
 
@@ -148,19 +149,27 @@ def expert_lines(cfg) -> List[str]:
 
 
 def lora_lines(cfg, profile) -> List[str]:
-    """A LoRA actor: its trained parameters, and what its reference (the base, adapters off)
-    saves against a reference model of its own in the actor's layout (weights on each rank)."""
-    if not cfg.lora.enabled:
+    """A LoRA actor (or critic): its trained parameters, and what the actor's reference (the base,
+    adapters off) saves against a reference model of its own in the actor's layout (weights on each
+    rank)."""
+    if not (cfg.lora.enabled or cfg.critic_lora.enabled):
         return []
-    from puzzle.model_shape import lora_layer_params
+    from puzzle.model_shape import lora_expert_layer_params, lora_layer_params
 
     mem, _, roles, _ = _memory_setup(cfg, profile)
-    actor, plan = roles["actor"], cfg.roles["actor"].plan
-    adapters = actor.shape.num_layers * sum(lora_layer_params(actor.shape, *actor.lora))
-    lines = [f"actor LoRA: rank {cfg.lora.dim}, alpha {cfg.lora.alpha:g} on {','.join(cfg.lora.target_modules)}: "
-             f"{adapters / 1e6:.2f}M trained parameters ({100 * adapters / actor.params:.2f} % of "
-             f"{actor.params / 1e9:.2f}B); gradients and optimizer state of the adapters only"]
+    lines = []
+    for name in ("actor", "critic"):
+        lora, role = cfg.role_lora(name), roles.get(name)
+        if not lora.enabled or role is None:
+            continue
+        trained = role.shape.num_layers * (sum(lora_layer_params(role.shape, *role.lora))
+                                           + sum(lora_expert_layer_params(role.shape, *role.lora)))
+        head = "" if role.lm_head else ", its value head trained whole"
+        lines.append(f"{name} LoRA: rank {lora.dim}, alpha {lora.alpha:g} on {','.join(lora.target_modules)}: "
+                     f"{trained / 1e6:.2f}M trained parameters ({100 * trained / role.params:.2f} % of "
+                     f"{role.params / 1e9:.2f}B){head}; gradients and optimizer state of these only")
     if cfg.reference_is_actor_base:
+        actor, plan = roles["actor"], cfg.roles["actor"].plan
         ref = replace(actor, name="ref", trainable=False, lora=None)  # the model the base replaces
         saved = max(sum(b for _, b in mem.static_items(ref, plan, p)) for p in range(plan.P))
         lines.append(f"reference: the actor's base (adapters off), scored in the actor's slot: no reference model, "
@@ -203,6 +212,7 @@ def job_from_config(cfg, profile):
     return PPOJob(world_size=cfg.world_size, actor=shapes["actor"], critic=critic,
                   workload=workload_from_config(cfg), profile=profile, ref=shapes.get("ref"),
                   reward=shapes.get("reward") or critic, roles=tuple(cfg.roles), actor_lora=actor_lora(cfg),
+                  critic_lora=actor_lora(cfg, "critic"),
                   reference_is_actor_base=cfg.reference_is_actor_base)
 
 

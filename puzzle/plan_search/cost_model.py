@@ -33,7 +33,8 @@ Stages of one PPO iteration (PUZZLE §4.3, Fig. 6): *generation* (actor, autoreg
   FLOPs beyond the T-split share are added, the MLP's all-reduce is dropped).
 * Switching the actor from its training to its generation plan: :func:`switch_bytes_per_rank`
   (the exact lower bound: destination-layout bytes a rank does not already hold) over the
-  intra-/inter-node bandwidth.
+  intra-/inter-node bandwidth; a LoRA actor's switch moves its adapters only (its base stays laid
+  out on the generation ranks after the first).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.config import ROLES
-from puzzle.model_shape import ModelShape, layer_params, lora_layer_params
+from puzzle.model_shape import ModelShape, layer_params, lora_expert_layer_params, lora_layer_params, moe_fraction
 from puzzle.parallel.plan import ParallelPlan, PlanError
 from puzzle.parallel.streams import stream_problem
 from puzzle.plan_search import experts
@@ -81,13 +82,14 @@ class ModelRole:
 
 
 def ppo_roles(actor: ModelShape, critic: Optional[ModelShape], ref: Optional[ModelShape] = None,
-              reward: Optional[ModelShape] = None, actor_lora=None) -> Dict[str, ModelRole]:
+              reward: Optional[ModelShape] = None, actor_lora=None, critic_lora=None) -> Dict[str, ModelRole]:
     """actor/critic/ref/reward; ref mirrors the actor and reward the critic (else the actor) unless
     given. ``critic=None``: a run without a critic (critic-free estimators), no critic role.
-    ``actor_lora`` (dim, target modules): the actor trains LoRA adapters on a frozen base."""
+    ``actor_lora`` (dim, target modules): the actor trains LoRA adapters on a frozen base;
+    ``critic_lora``: the critic too (its value head trained whole)."""
     shapes = {"actor": actor, "ref": ref or actor, "reward": reward or critic or actor, "critic": critic}
     return {name: ModelRole(name, shape, ROLES[name].trainable, ROLES[name].lm_head,
-                            lora=actor_lora if name == "actor" else None)
+                            lora={"actor": actor_lora, "critic": critic_lora}.get(name))
             for name, shape in shapes.items() if shape is not None}
 
 
@@ -227,12 +229,17 @@ def trained_params_on_stage(role: ModelRole, P: int, T: int, p: int) -> float:
     if role.lora is None:
         return params_on_stage(role, P, T, p)
     split, replicated = lora_layer_params(role.shape, *role.lora)
-    return role.shape.num_layers // P * (split / T + replicated)
+    head = role.shape.hidden_size if p == P - 1 and not role.lm_head else 0  # a critic's value head: trained whole
+    return role.shape.num_layers // P * (split / T + replicated) + head
 
 
 def trained_expert_params_on_rank(role: ModelRole, plan: ParallelPlan) -> float:
-    """Expert parameters with gradients on one rank (none under LoRA: the experts are frozen)."""
-    return 0.0 if role.lora is not None else expert_params_on_rank(role, plan)
+    """Expert parameters with gradients on one rank; under LoRA the experts' adapters (split over E,
+    and their split factor over ETP; the experts themselves are frozen)."""
+    if role.lora is None:
+        return expert_params_on_rank(role, plan)
+    split, replicated = lora_expert_layer_params(role.shape, *role.lora)
+    return role.shape.num_layers / plan.P * (split / plan.ETP + replicated) / plan.E
 
 
 @dataclass(frozen=True)
@@ -344,7 +351,8 @@ def stage_seconds(cm: "CostModel", roles: Dict[str, "ModelRole"],
 
 # ---- switching (exact lower bound of the bytes a rank must receive) ------------------------------
 def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPlan, *, lm_head: bool = True,
-                          ranks_per_node: Optional[int] = None, dtype_bytes: int = BF16) -> Dict[int, Tuple[int, int]]:
+                          ranks_per_node: Optional[int] = None, dtype_bytes: int = BF16,
+                          adapters_of: Optional[Tuple[int, Tuple[str, ...]]] = None) -> Dict[int, Tuple[int, int]]:
     """For every rank of ``dst``: (intra-node, inter-node) bytes of its destination shard that it
     does not already hold in the ``src`` layout. A missing piece counts as intra-node when some
     src replica holding it lives on the receiver's node (``ranks_per_node`` None: all intra).
@@ -354,15 +362,16 @@ def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPla
     the embedding (stage 0) and the LM head (last stage) are vocabulary-split. This is the
     lower bound any routing table (puzzle.switch.routing) must move; it can later delegate.
     A MoE model's experts add what :func:`experts.switch_bytes` counts (the split parameters
-    above are then the attention's and the dense MLPs', the router replicated)."""
+    above are then the attention's and the dense MLPs', the router replicated).
+
+    ``adapters_of`` (dim, target modules): only a LoRA actor's adapters move (its frozen base is
+    already laid out on the generation ranks, puzzle/switch/lora_merge.py): per layer the
+    adapters' T-split and T-replicated parameters (puzzle.model_shape.lora_layer_params), no
+    embedding nor head; the experts' adapters move with their experts."""
     shape.check_plan(src, "switch source")
     shape.check_plan(dst, "switch destination")
     L = shape.num_layers
-    S, R = shape.layer_split_params, shape.layer_replicated_params
-    E = shape.vocab_size * shape.hidden_size
-    H_split = E if lm_head else 0
-    H_repl = 0 if lm_head else shape.hidden_size
-    F = shape.hidden_size
+    S, R, E, H_split, H_repl, F, per_expert = _switched_params(shape, lm_head, adapters_of)
     rpn = ranks_per_node or (1 << 62)
     Ls, Ld = L // src.P, L // dst.P
     Ps, Ds, Ts, Pd, Dd, Td = src.P, src.D, src.T, dst.P, dst.D, dst.T
@@ -408,9 +417,26 @@ def switch_bytes_per_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPla
                         else:
                             inter += nbytes
                 memo[key] = out[r] = (int(round(intra * dtype_bytes)), int(round(inter * dtype_bytes)))
-    for r, (intra, inter) in experts.switch_bytes(shape, src, dst, ranks_per_node, dtype_bytes).items():
+    for r, (intra, inter) in experts.switch_bytes(shape, src, dst, ranks_per_node, dtype_bytes, *per_expert).items():
         out[r] = (out[r][0] + int(round(intra)), out[r][1] + int(round(inter)))
     return dict(sorted(out.items()))
+
+
+def _switched_params(shape: ModelShape, lm_head: bool, adapters_of):
+    """What a switch moves, in parameters: per layer (T-split, T-replicated), the embedding, the
+    head's vocabulary-split and replicated parts, the final norm, and the per-expert pair (split
+    over ETP, whole on each ETP rank; (None, 0.0): the experts' own MLPs). A LoRA actor's
+    ``adapters_of`` (dim, target modules): its adapters only."""
+    if adapters_of is None:
+        E = shape.vocab_size * shape.hidden_size
+        return (shape.layer_split_params, shape.layer_replicated_params, E, E if lm_head else 0,
+                0 if lm_head else shape.hidden_size, shape.hidden_size, (None, 0.0))
+    S, R = lora_layer_params(shape, *adapters_of)
+    per_expert = (None, 0.0)
+    if shape.num_experts:
+        experts_per_layer = moe_fraction(shape) * shape.num_experts
+        per_expert = tuple(x / experts_per_layer for x in lora_expert_layer_params(shape, *adapters_of))
+    return S, R, 0, 0, 0, 0, per_expert
 
 
 def switch_bytes_max_rank(shape: ModelShape, src: ParallelPlan, dst: ParallelPlan, *, lm_head: bool = True) -> int:
@@ -690,13 +716,15 @@ class CostModel:
 
     # -- switching ----------------------------------------------------------------------------
     def switch(self, role: ModelRole, src: ParallelPlan, dst: ParallelPlan) -> Tuple[int, float]:
-        """(max bytes a rank lacks, time of the slowest rank) to move ``role`` from src to dst."""
+        """(max bytes a rank lacks, time of the slowest rank) to move ``role`` from src to dst; a
+        LoRA actor's adapters only (its frozen base is laid out on the generation ranks once, by
+        the first switch, and kept: every iteration's switch after it moves the adapters)."""
         if src == dst:
             return 0, 0.0
-        key = ("switch", role.shape, role.lm_head, src, dst)
+        key = ("switch", role.shape, role.lm_head, src, dst, role.lora)
         if key not in self._cache:
             per = switch_bytes_per_rank(role.shape, src, dst, lm_head=role.lm_head,
-                                        ranks_per_node=self.profile.ranks_per_node)
+                                        ranks_per_node=self.profile.ranks_per_node, adapters_of=role.lora)
             prof = self.profile
             nbytes = max((a + b for a, b in per.values()), default=0)
             t = max((a / prof.bandwidth(False) + b / prof.bandwidth(True) for a, b in per.values()), default=0.0)

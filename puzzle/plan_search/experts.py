@@ -31,6 +31,8 @@ holds more activations on its busiest expert rank.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from puzzle.model_shape import expert_params, expert_params_per_layer, moe_fraction
 
 BF16 = 2
@@ -143,16 +145,21 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-def switch_bytes(shape, src, dst, ranks_per_node=None, dtype_bytes: int = BF16) -> dict:
+def switch_bytes(shape, src, dst, ranks_per_node=None, dtype_bytes: int = BF16,
+                 per_expert_params: Optional[float] = None, per_expert_replicated: float = 0.0) -> dict:
     """Expert bytes every rank of ``dst`` lacks when the experts move from ``src``'s split to
     ``dst``'s: {rank: (intra-node, inter-node)}. A rank's expert box is (its stage's layers) x
     (its E-slice of the experts) x (its ETP-slice of each expert's MLP); what its own ``src`` box
     covers stays, the rest comes from a ``src`` holder of each piece, counted intra-node when one
-    holder (over the expert-data-parallel replicas) shares the receiver's node."""
+    holder (over the expert-data-parallel replicas) shares the receiver's node.
+    ``per_expert_params`` / ``per_expert_replicated``: what one expert holds split over ETP and
+    whole on each ETP rank, when not its MLP (a LoRA actor's expert adapters)."""
     if not shape.num_experts:
         return {}
     L, N = shape.num_layers, shape.num_experts
-    per = moe_fraction(shape) * expert_params(shape) * dtype_bytes  # one expert of an average layer
+    per_expert = expert_params(shape) if per_expert_params is None else per_expert_params
+    per = moe_fraction(shape) * per_expert * dtype_bytes  # one expert of an average layer
+    rep = moe_fraction(shape) * per_expert_replicated * dtype_bytes
     rpn = ranks_per_node or (1 << 62)
     out = {}
     for r in dst.ranks:
@@ -174,5 +181,11 @@ def switch_bytes(shape, src, dst, ranks_per_node=None, dtype_bytes: int = BF16) 
                         intra += piece
                     else:
                         inter += piece
+                if exp and rep and not (own is not None and (own[0], own[2]) == (ps, es)):  # whole, once
+                    holders = [src.expert_rank(ps, d, es, ts) // rpn for d in range(src.EDP) for ts in range(src.ETP)]
+                    if r // rpn in holders:
+                        intra += lay * exp * rep
+                    else:
+                        inter += lay * exp * rep
         out[r] = (intra, inter)
     return out

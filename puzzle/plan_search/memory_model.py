@@ -142,8 +142,10 @@ class MemoryModel:
             if phe:
                 items.append((f"{role.name} expert weights", BF16 * phe))
         if role.lora is not None:  # the frozen base has no gradients nor optimizer state: the adapters have
-            phi, phe = trained_params_on_stage(role, plan.P, plan.T, p), 0.0
+            phi, phe = trained_params_on_stage(role, plan.P, plan.T, p), trained_expert_params_on_rank(role, plan)
             items.append((f"{role.name} adapters", BF16 * phi))
+            if phe:
+                items.append((f"{role.name} expert adapters", BF16 * phe))
         if role.trainable and not (offload and stage in ("generation", "scoring")):
             items.append((f"{role.name} grads", 4.0 * phi))
             items.append((f"{role.name} optimizer", 12.0 * phi / (plan.D if dist else 1)))

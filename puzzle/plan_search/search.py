@@ -82,6 +82,7 @@ class PPOJob:
     #: a LoRA actor: (dim, target modules); with a KL term its base (adapters off) is the reference,
     #: priced as a second actor forward in scoring (no 'ref' in ``roles``)
     actor_lora: Optional[Tuple[int, Tuple[str, ...]]] = None
+    critic_lora: Optional[Tuple[int, Tuple[str, ...]]] = None  # a LoRA critic (its value head trained whole)
     reference_is_actor_base: bool = False
 
 
@@ -267,7 +268,8 @@ class _Evaluator:
         self.job, self.N = job, job.world_size
         self.profile = job.profile or load_profile("a100_80gb")
         self.w = job.workload
-        self.roles = ppo_roles(job.actor, job.critic, job.ref, job.reward, actor_lora=job.actor_lora)
+        self.roles = ppo_roles(job.actor, job.critic, job.ref, job.reward, actor_lora=job.actor_lora,
+                               critic_lora=job.critic_lora)
         self.absent = {v for v, (model, _, _) in VAR_INFO.items() if model not in job.roles}
         self.cost = CostModel(self.profile, self.w)
         self.mem = MemoryModel(self.profile, self.w)

@@ -29,25 +29,21 @@ from typing import Dict, List, Tuple
 import torch
 
 from puzzle.lora_config import LoRAConfig
-from puzzle.models.init import param_specs
+from puzzle.models.init import layout_spec_name, param_specs, tp_split
 from puzzle.models.lora import adapter_specs, target_linears
-from puzzle.models.param_layout import ParamSpec, global_name, resolve_layers_per_stage, shard_slices
-from puzzle.models.param_names import canonical_param_name
-
-_SUBLAYER = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
-             "linear_fc1": "mlp", "linear_fc2": "mlp"}
+from puzzle.models.param_layout import ParamSpec, resolve_layers_per_stage, shard_slices
 
 
 def adapter_param_specs(arch, role: str, lora: LoRAConfig) -> List[ParamSpec]:
-    """The global ParamSpecs of every adapter (A, then B, of each target linear, layer by layer),
-    split over T as puzzle/models/lora.py shards them."""
-    base = {s.name: s for s in param_specs(arch, role)}
+    """The global ParamSpecs of every adapter (A, then B, of each target linear in the model's
+    parameter order: every expert's too), split over T (an expert's over ETP, held by its
+    expert-parallel rank) as puzzle/models/lora.py shards them."""
     out = []
-    for layer in range(arch.num_layers):
-        for target in lora.target_modules:
-            linear = f"decoder.layers.{layer}.{_SUBLAYER[target]}.{target}"
-            if linear + ".weight" in base:  # (a MoE layer's MLP has no such linear: check_lora refuses that)
-                out.extend(adapter_specs(arch, lora, linear, target, base[linear + ".weight"]))
+    for spec in param_specs(arch, role):
+        linear, _, last = spec.name.rpartition(".")
+        target = linear.rsplit(".", 1)[-1]
+        if last == "weight" and target in lora.target_modules:
+            out.extend(adapter_specs(arch, lora, linear, target, spec))
     return out
 
 
@@ -71,17 +67,17 @@ class MergedAdapters:
 
     def __init__(self, module: torch.nn.Module, arch, role: str, lora: LoRAConfig):
         layout = module.puzzle_layout
-        T, t = layout.plan.T, layout.t
         lps = resolve_layers_per_stage(arch.num_layers, layout.plan.P)
         specs = {s.name: s for s in param_specs(arch, role)}
         self.scale = lora.scale
         self.tensors: Dict[str, torch.Tensor] = {}
         self.linears: List[Tuple[torch.nn.Module, str, str]] = []  # (linear, A's local name, B's)
         for local, target, linear in target_linears(module, lora):
-            glob = global_name(canonical_param_name(local + ".weight"), layout.p, lps)[:-len(".weight")]
+            glob = layout_spec_name(local + ".weight", role, arch, layout, lps)[:-len(".weight")]
             names = (f"{local}.adapter.linear_in.weight", f"{local}.adapter.linear_out.weight")
             for name, spec in zip(names, adapter_specs(arch, lora, glob, target, specs[glob + ".weight"])):
-                self.tensors[name] = torch.empty(_shard_shape(spec, T, t), dtype=linear.weight.dtype,
+                self.tensors[name] = torch.empty(_shard_shape(spec, *tp_split(spec.name, layout)),
+                                                 dtype=linear.weight.dtype,
                                                  device=linear.weight.device)
             self.linears.append((linear, *names))
         self._base: List[torch.Tensor] = []  # while merged: each linear's base weight

@@ -15,7 +15,8 @@ A LoRA actor's checkpoint (``train_ppo.py --lora-dim ... --save``) exports its a
 adapter directory (adapter_config.json + adapter_model.safetensors; puzzle/models/peft_export.py),
 which ``peft.PeftModel.from_pretrained(base, DIR)`` puts on the HF base model; its base is rebuilt
 from the source the run recorded and checked against the saved fingerprint. ``--merge-lora``
-writes the merged HF model instead (W + alpha/dim B A).
+writes the merged HF model instead (W + alpha/dim B A); a LoRA critic (``--critic-lora-dim``)
+exports that way only (its value head, trained whole, is not an adapter).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def _export(argv) -> int:
 
         raise ArgumentError(f"--merge-lora: {args.load} holds no LoRA adapters of {args.role} "
                             "(a puzzle checkpoint of a --lora-dim run)")
+    if not args.merge_lora and args.role != "actor" and _is_lora_checkpoint(args):
+        from puzzle.config_flags import ArgumentError
+
+        raise ArgumentError(f"--merge-lora: {args.load} holds a LoRA {args.role}, whose value head trained whole is "
+                            "no adapter: it exports as its merged HF model (pass --merge-lora)")
     rank, owns_world, plan, engine = load_source(args)
     from puzzle.models.hf_checkpoint import export_hf
 

@@ -96,3 +96,19 @@ def test_lora_generation_copy_matches_the_training_model(lora_switch):
         assert res["tokens_equal"], res
         assert res["logprob_diff"] < 1e-4 < 1e-2 < res["base_logprob_diff"], res  # the adapters count
         assert res["base_restored"], res
+
+
+@pytest.fixture(scope="module")
+def lora_critic():
+    return run_world("distributed/worlds/tiny_runs.py", 1)[0]["lora_critic"]
+
+
+def test_lora_critic_equals_plain_pytorch_and_trains_its_head_whole(lora_critic):
+    """--critic-lora-*: zero B leaves the values bitwise; the adapters' and the value head's gradients
+    equal a plain PyTorch LoRA's; the optimizer holds those only; a step moves them and no base weight."""
+    res = lora_critic
+    assert res["equal_bitwise"] and res["trained"], res
+    assert res["min_grad_max"] > 1e-4 and res["worst_relative_grad_error"] < 1e-5, res
+    assert res["optimizer_numel"] == res["trained_numel"] > 0, res
+    assert res["base_frozen"] and res["base_unchanged"] and res["head_moved"], res
+    assert res["adapters_moved"] == res["adapters"] > 0, res

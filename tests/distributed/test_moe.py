@@ -1,4 +1,5 @@
-"""Qwen3-MoE and Mixtral through import, critic heads, puzzle.tools.generate and export_hf.
+"""Qwen3-MoE and Mixtral through import, critic heads, puzzle.tools.generate and export_hf; LoRA on
+their experts in the world of one.
 
 One 4-rank gloo world (tests/distributed/worlds/moe.py) runs every check."""
 
@@ -49,3 +50,27 @@ def test_greedy_generation_matches_transformers(world, one_rank, fam):
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_export_tool_round_trips_bitwise(world, fam):
     assert world[0]["tools"][fam]["export"] == {"same_keys": True, "bitwise": True, "same_arch": True}
+
+
+# ---- LoRA on the experts (issue #39; tests/distributed/worlds/lora_experts.py) ----------------------
+@pytest.mark.parametrize("experts", ["(1,1,1,1)", "(1,1,1,1) grouped"])
+def test_expert_adapters_zero_b_and_gradients_equal_plain_pytorch(one_rank, experts):
+    res = one_rank["lora_experts"]["grads"][experts]
+    assert res["equal_bitwise"] and res["names"] and res["replicas_agree"], res
+    assert res["expert_adapters"] == 16  # A and B of fc1 and fc2 of each of 4 experts (layer 0; layer 1 is dense)
+    assert res["min_grad_max"] > 1e-4, "a reference gradient is zero: the check would pass vacuously"
+    assert res["worst_relative_grad_error"] < 1e-5, res
+
+
+def test_static_moe_decode_step_refuses_adapted_experts(one_rank):
+    plain, adapted = one_rank["lora_experts"]["lean_decode"]
+    assert plain == [True, True] and adapted == [False, False], (plain, adapted)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_expert_adapters_exported_give_puzzles_greedy_tokens_in_peft(one_rank, fam):
+    res = one_rank["lora_experts"]["peft"]
+    assert "missing" not in res, res["missing"]  # peft is the test extra's: without it this fails
+    r = res[fam]
+    assert r["peft"] == r["ours"] != r["base"], r  # the adapters change the tokens: the check has teeth
+    assert r["expert_keys"] == 4 * {"qwen3_moe": 6, "mixtral": 12}[fam]  # A and B of 3 projections, 4 experts

@@ -77,3 +77,31 @@ def test_tiny_moe_run_with_grouped_gemm_experts_agrees(world):
     grouped, straight = run["grouped_gemm"], run["straight"]
     assert [r["iteration"] for r in grouped] == [1, 2]
     assert_same_metrics(grouped, straight)
+
+
+@pytest.mark.parametrize("plan", ["(1,2,2,E=2) ETP=2", "(1,2,2) ETP=1"])
+def test_expert_adapters_at_t2_equal_plain_pytorch(world, plan):
+    """LoRA on the experts at T = 2: split over ETP = 2 with E = 2, or whole on both tensor-parallel
+    ranks (ETP = 1; tests/distributed/worlds/lora_experts.py): zero B changes no log-prob bit; the
+    reduced adapter gradients equal a plain PyTorch LoRA's."""
+    res = world[0]["lora_experts"]["grads"][plan]
+    assert res["equal_bitwise"] and res["names"] and res["replicas_agree"], res
+    assert res["expert_adapters"] == 16 and res["min_grad_max"] > 1e-4, res
+    assert res["worst_relative_grad_error"] < 1e-5, res
+
+
+def test_expert_adapters_switch_moves_adapter_bytes_only(world):
+    """The LoRA actor (1,2,2,E=2) -> (1,4,1,E=1): the first switch lays the base out, the second
+    (overlapped with the step) moves exactly the adapter bytes each rank lacks; the merged copy
+    computes the training model's log-probs, and the adapters count."""
+    for rank, r in enumerate(x["lora_experts"] for x in world):
+        assert r["second_bytes"] == r["adapter_bytes_lacking"] > 0, (rank, r)
+        assert r["first_bytes"] > 5 * r["second_bytes"], (rank, r)
+        assert r["logprob_diff"] < 1e-5 < 1e-2 < r["base_diff"], (rank, r)
+
+
+def test_expert_adapters_and_moments_resume_at_another_expert_layout(world):
+    """Saved at (1,2,2,E=2) with ETP=2, loaded at (1,2,2) with ETP=1: the same adapters and Adam
+    moments, whole."""
+    for what, r in world[0]["lora_experts"]["checkpoint"].items():
+        assert r["names_agree"] and r["equal"] and r["nonzero"] > 0, (what, r)

@@ -75,12 +75,15 @@ def test_rank_limit_is_the_target_layers_smaller_side():
                                    "linear_fc1": (512, 64), "linear_fc2": (64, 256)}
 
 
-def test_moe_experts_are_refused_for_now():
+def test_moe_experts_get_adapters_up_to_their_smaller_side():
     moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
-    with pytest.raises(ArgumentError, match="^--lora-target-modules: linear_fc1,linear_fc2 on a MoE model: LoRA on "
-                                            "MoE experts is not supported yet"):
-        cfg("--lora-dim", "4", *moe)
-    assert cfg("--lora-dim", "4", "--lora-target-modules", "linear_qkv,linear_proj", *moe).lora.dim == 4
+    assert cfg("--lora-dim", "32", *moe).lora.target_modules == LORA_TARGETS  # the experts' fc1 and fc2 too
+    with pytest.raises(ArgumentError, match="^--lora-dim: 33 is larger than an expert's linear_fc2's smaller side 32"):
+        cfg("--lora-dim", "33", *moe)
+    assert cfg("--lora-dim", "33", "--lora-target-modules", "linear_qkv,linear_proj", *moe).lora.dim == 33
+    with pytest.raises(ArgumentError, match="^--lora-dim: 4 with --moe-grouped-gemm: .* a multiple of 8"):
+        cfg("--lora-dim", "4", "--moe-grouped-gemm", *moe)
+    assert cfg("--lora-dim", "8", "--moe-grouped-gemm", *moe).lora.dim == 8
 
 
 def test_config_checks_itself():
@@ -93,3 +96,23 @@ def test_transformer_engine_layers_are_refused_for_now():
     with pytest.raises(ArgumentError, match="^--lora-dim: needs --transformer-impl local for now"):
         check_lora(LoRAConfig(dim=4), arch, "transformer_engine")
     check_lora(LoRAConfig(), arch, "transformer_engine")  # no LoRA: nothing to refuse
+
+
+def test_critic_lora_has_its_own_flags_and_shares_nothing_with_the_actors():
+    run = cfg("--lora-dim", "8")
+    assert run.lora.dim == 8 and not run.critic_lora.enabled  # the actor's LoRA is not the critic's
+    run = cfg("--critic-lora-dim", "4", "--critic-lora-alpha", "8", "--critic-lora-target-modules", "linear_qkv")
+    assert not run.lora.enabled and run.role_lora("critic") == LoRAConfig(dim=4, alpha=8.0, target_modules=("linear_qkv",))
+    assert run.role_lora("ref") == LoRAConfig()
+
+
+@pytest.mark.parametrize("extra, flag, words", [
+    (["--critic-lora-dim", "0"], "--critic-lora-dim", "must be > 0"),
+    (["--critic-lora-alpha", "8"], "--critic-lora-alpha", "needs --critic-lora-dim"),
+    (["--critic-lora-dim", "65"], "--critic-lora-dim", "65 is larger than linear_qkv's smaller side 64"),
+    (["--critic-lora-dim", "4", "--advantage-estimator", "grpo", "--n-samples-per-prompt", "4"],
+     "--critic-lora-dim", "the run builds no critic model"),
+])
+def test_critic_lora_bad_input_names_the_critics_flag(extra, flag, words):
+    with pytest.raises(ArgumentError, match=f"^{flag}: .*{words}"):
+        cfg(*extra)

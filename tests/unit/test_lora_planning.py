@@ -63,3 +63,44 @@ def test_adapters_on_another_base_are_refused_naming_both():
     assert base_fingerprint_problem(meta, "actor", [1.0, 2.0], {"hf_path": "/moved", "seed": 1}) is None
     msg = base_fingerprint_problem(meta, "actor", [1.5, 2.0], {"hf_path": "/b", "seed": 1})
     assert "'/a'" in msg and "[1.0, 2.0]" in msg and "'/b'" in msg and "[1.5, 2.0]" in msg, msg
+
+
+@pytest.mark.parametrize("targets", [("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), ("linear_fc2",)])
+def test_planner_counts_the_experts_adapters_as_the_model_has_them(targets):
+    """A MoE model with a dense layer: the planner's adapter count (dense layers' MLPs, every expert's
+    linears) is the number of adapter parameters the model builds, and the memory model holds the
+    experts' adapters split over E with their gradients and Adam state."""
+    from puzzle.config import ModelArch
+    from puzzle.lora_config import LoRAConfig
+    from puzzle.model_shape import lora_expert_layer_params
+    from puzzle.switch.lora_merge import adapter_param_specs
+
+    arch = ModelArch.llama(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8, num_query_groups=4,
+                           vocab_size=200, num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+                           moe_layer_pattern=(1, 0, 1, 1))
+    built = sum(s.numel for s in adapter_param_specs(arch, "actor", LoRAConfig(dim=8, target_modules=targets)))
+    shape = arch.shape
+    counted = shape.num_layers * (sum(lora_layer_params(shape, 8, targets)) + sum(lora_expert_layer_params(shape, 8, targets)))
+    assert counted == built > 0
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
+    rows = memory_estimate(cfg(*LORA, *moe), load_profile("a100_80gb"))
+    items = {label: b for r in rows for label, b in r.items}
+    assert items["actor expert adapters"] > 0 and items["actor expert grads"] == 2 * items["actor expert adapters"]
+    assert "actor expert weights" in items  # the frozen experts themselves: weights only
+
+
+def test_planner_and_dry_run_know_a_lora_critic(capsys):
+    from puzzle.plan_search.command import print_dry_run
+
+    profile = load_profile("a100_80gb")
+    full, lora = cfg(), cfg("--critic-lora-dim", "8")
+    items = {label: b for r in memory_estimate(lora, profile) for label, b in r.items}
+    plain = {label: b for r in memory_estimate(full, profile) for label, b in r.items}
+    assert items["critic adapters"] > 0 and items["critic optimizer"] < plain["critic optimizer"] / 5
+    assert items["actor optimizer"] == plain["actor optimizer"]  # the actor trains fully: nothing shared
+    critic = ModelRole("critic", LLAMA_SHAPES["7B"], True, False, lora=(8, ("linear_qkv",)))
+    h = LLAMA_SHAPES["7B"].hidden_size  # the value head [1, h] trains whole, on the last stage
+    assert trained_params_on_stage(critic, 2, 4, 1) - trained_params_on_stage(critic, 2, 4, 0) == h
+    assert print_dry_run(lora, profile)
+    out = capsys.readouterr().out
+    assert "critic LoRA: rank 8" in out and "its value head trained whole" in out and "actor LoRA" not in out, out

@@ -130,11 +130,15 @@ def test_generation_reports_finished_rows_from_the_slot_batches_host_state():
 
     seen = []
     prefill, decode = SimpleNamespace(prefill=True), SimpleNamespace(prefill=False)
-    a = SimpleNamespace(queue=[5, 6], host_active=[0, 1], call=prefill, call_slots=[2, 3])  # 2 rows entering
-    b = SimpleNamespace(queue=[], host_active=[0], call=decode, call_slots=[0])
-    report = _progress_report(lambda done, rows: seen.append((done, rows)), [a, b], 10)
+    a = SimpleNamespace(queue=[5, 6], host_active=[0, 1], call=prefill, call_slots=[2, 3],  # 2 rows entering
+                        paused=[], appends=[])
+    # b: one row decoding, one paused (its environment step in flight), one joined (its observation
+    # waiting for the next prefill): multi-turn rows out of the decode calls are not finished
+    b = SimpleNamespace(queue=[], host_active=[0], call=decode, call_slots=[0], paused=[4], appends=[5])
+    report = _progress_report(lambda done, rows: seen.append((done, rows)), [a, b], 12)
     report()
-    assert seen == [(10 - 2 - 2 - 2 - 1, 10)]
+    assert seen == [(12 - 2 - 2 - 2 - 1 - 1 - 1, 12)]
     a.queue, a.host_active, a.call = [], [], None
+    b.paused, b.appends = [], []
     report()
-    assert seen[-1] == (9, 10) and _progress_report(None, [a, b], 10) is None
+    assert seen[-1] == (11, 12) and _progress_report(None, [a, b], 12) is None

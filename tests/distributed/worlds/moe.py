@@ -142,5 +142,21 @@ def check_tools():
     return _one(res if dist.get_rank() == 0 else None)
 
 
+def check_lora_experts():
+    """(A world of one) LoRA on the experts (tests/distributed/worlds/lora_experts.py): zero B and the
+    adapter gradients against plain PyTorch at (1,1,1,1), megatron's SequentialMLP and the grouped
+    experts; the static MoE decode step refused on adapted experts; each family's adapters through
+    PEFT on transformers."""
+    if dist.get_world_size() != 1:
+        return {}
+    from puzzle.parallel.plan import ParallelPlan as P
+    from tests.distributed.worlds import lora_experts
+
+    return {"grads": lora_experts.check_expert_grads({"(1,1,1,1)": (P(1, 1, 1), {}),
+                                                      "(1,1,1,1) grouped": (P(1, 1, 1), {"moe_grouped_gemm": True})}),
+            "lean_decode": lora_experts.check_lean_decode_refused(),
+            "peft": lora_experts.check_peft_export(_DIRS["root"], {f: p for f, (p, _) in FAMILIES.items()})}
+
+
 if __name__ == "__main__":
-    world_main([("import", check_import), ("tools", check_tools)])
+    world_main([("import", check_import), ("lora_experts", check_lora_experts), ("tools", check_tools)])

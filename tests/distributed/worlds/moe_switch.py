@@ -10,6 +10,7 @@
   state included (experts keep an optimizer of their own at every E), repeats iteration 2 exactly;
 * the tiny MoE PPO run trained at T = 2 without sequence parallelism (the actor's experts split over
   ETP = 2, the critic's whole at E = ETP = 1) for the straight run's iterations, to compare with it;
+* LoRA on the experts (tests/distributed/worlds/lora_experts.py);
 * the tiny MoE PPO run, saved after its first iteration and resumed with every model at another
   (P, D, E) layout and the actor generating through the switch at yet another (P, D, E), repeats
   the straight run's second iteration exactly (the switch moving the lower bound of bytes).
@@ -326,8 +327,16 @@ def _plans(argv) -> dict:
     return {r: f"{s.plan} ETP={s.plan.ETP}" for r, s in validate_args(args, dist.get_world_size(), vocab).roles.items()}
 
 
+def check_lora_experts():
+    """LoRA on the experts at E = 2 (tests/distributed/worlds/lora_experts.py: gradients, the switch
+    moving adapters only, checkpoints across layouts)."""
+    from tests.distributed.worlds.lora_experts import check_four_ranks
+
+    return check_four_ranks()
+
+
 if __name__ == "__main__":
-    world_main([("pairs", check_pairs), ("overlap", check_overlap), ("packed_experts", check_packed_experts),
+    world_main([("pairs", check_pairs), ("lora_experts", check_lora_experts), ("overlap", check_overlap), ("packed_experts", check_packed_experts),
                 ("grouped_gemm_experts", check_grouped_gemm_experts),
                 ("token_budget_experts", check_token_budget_experts),
                 ("aux_loss_metric", check_aux_loss_metric_with_unequal_micro_batch_counts),

@@ -531,9 +531,18 @@ def check_lora_export():
             "target_modules": config["target_modules"]}
 
 
+def check_lora_critic():
+    """1 rank: a critic with LoRA against plain PyTorch at (1,1,1) (tests/distributed/worlds/lora_critic.py)."""
+    if dist.get_world_size() != 1:
+        return {}
+    from tests.distributed.worlds.lora_critic import check_lora_critic as check
+
+    return check()
+
+
 if __name__ == "__main__":
     world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume),
                 ("batch_invariant", check_batch_invariant), ("env_rollouts", check_env_rollouts),
                 ("partial_rollouts", check_partial_rollouts), ("env_partial", check_env_partial),
                 ("env_partial_run", check_env_partial_run),
-                ("lora_export", check_lora_export)])
+                ("lora_export", check_lora_export), ("lora_critic", check_lora_critic)])
