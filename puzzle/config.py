@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from puzzle.config_flags import check, check_at_least, fail, flag
+from puzzle.flag_checks import check_checkpoint_flags, check_turn_flags
 from puzzle.lora_config import LoRAConfig
 from puzzle.memory_levers import MemoryLevers, Recompute
 from puzzle.model_shape import ModelShape
@@ -762,25 +763,12 @@ class RunConfig:
         check(cls, self, "reward_workers", not self.reward_workers or bool(self.reward_fn or self.env),
               "needs --reward-fn (a reward model scores in the scoring stage, in the rank's process)")
         check_at_least(cls, self, 0, "reward_timeout", optional=True)
-        check_at_least(cls, self, 1, "max_turns", "max_observation_tokens")
-        check_at_least(cls, self, 0, "env_step_overlap_calls")
-        check(cls, self, "max_turns", self.max_turns == 1 or bool(self.env), "needs --env (what answers the turns)")
-        actor = self.roles.get("actor")
-        gen = actor and (actor.gen_plan or actor.plan)
-        check(cls, self, "max_turns", self.max_turns == 1 or gen is None
-              or (gen.P == 1 and not gen.has_experts_split),
-              f"multi-turn generation runs at P=1 without an expert-parallel split for now; the actor generates "
-              f"at {gen}")
+        check_turn_flags(cls, self)
         check(cls, self, "bad_reward_value", math.isfinite(self.bad_reward_value),
               f"must be a finite number (got {self.bad_reward_value})")
         check(cls, self, "reward_fn", not self.reward_fn or ":" in self.reward_fn,
               f"expected module:function, got {self.reward_fn!r}")
-        check(cls, self, "save_interval", self.save_interval is None or self.save_interval >= 1 and bool(self.save),
-              f"needs --save DIR and must be >= 1 (got {self.save_interval})")
-        for name, given in (("load_optim", not self.load_optim), ("load_rng", not self.load_rng),
-                            ("ckpt_step", self.ckpt_step is not None), ("finetune", self.finetune)):
-            check(cls, self, name, not given or bool(self.load), "needs --load DIR")
-        check_at_least(cls, self, 1, "ckpt_step", optional=True)
+        check_checkpoint_flags(cls, self)
         if self.ops.log_samples and not self.log_dir:
             fail("--log-samples", "needs --log-dir (the rows go to DIR/samples.jsonl)")
         check(cls, self, "ranks_per_node", self.ranks_per_node is None or self.ranks_per_node >= 1

@@ -11,6 +11,7 @@ import os
 import uuid
 
 from puzzle.config_flags import ArgumentError, fail  # noqa: F401  (the error of every flag check)
+from puzzle.config_flags import check, check_at_least
 
 
 
@@ -112,6 +113,30 @@ def check_algorithm_args(args) -> None:
     check_partial_rollouts(args, spec)
 
 
+def check_turn_flags(cls, cfg) -> None:
+    """The multi-turn flags of ``cfg`` (a RunConfig, ``cls``): --max-turns, --max-observation-tokens
+    and --env-step-overlap-calls in range, --max-turns > 1 with --env and an actor generation layout
+    the decode loop's turns run in (P=1, no expert-parallel split)."""
+    check_at_least(cls, cfg, 1, "max_turns", "max_observation_tokens")
+    check_at_least(cls, cfg, 0, "env_step_overlap_calls")
+    check(cls, cfg, "max_turns", cfg.max_turns == 1 or bool(cfg.env), "needs --env (what answers the turns)")
+    actor = cfg.roles.get("actor")
+    gen = actor and (actor.gen_plan or actor.plan)
+    check(cls, cfg, "max_turns", cfg.max_turns == 1 or gen is None or (gen.P == 1 and not gen.has_experts_split),
+          f"multi-turn generation runs at P=1 without an expert-parallel split for now; the actor generates at {gen}")
+
+
+def check_checkpoint_flags(cls, cfg) -> None:
+    """The checkpoint flags of ``cfg`` (a RunConfig, ``cls``): --save-interval with --save; the
+    flags that shape a resume (--no-load-optim, --no-load-rng, --ckpt-step, --finetune) with --load."""
+    check(cls, cfg, "save_interval", cfg.save_interval is None or cfg.save_interval >= 1 and bool(cfg.save),
+          f"needs --save DIR and must be >= 1 (got {cfg.save_interval})")
+    for name, given in (("load_optim", not cfg.load_optim), ("load_rng", not cfg.load_rng),
+                        ("ckpt_step", cfg.ckpt_step is not None), ("finetune", cfg.finetune)):
+        check(cls, cfg, name, not given or bool(cfg.load), "needs --load DIR")
+    check_at_least(cls, cfg, 1, "ckpt_step", optional=True)
+
+
 def check_partial_rollouts(args, spec) -> None:
     """--rl-partial-rollouts and its over-sampling factor (the layout's part: arguments.py)."""
     if args.rl_partial_rollouts_oversample < 1:
@@ -127,9 +152,6 @@ def check_partial_rollouts(args, spec) -> None:
     if args.filter_groups:
         fail("--rl-partial-rollouts", "not with --filter-groups (dynamic sampling over-generates in rounds "
                                       "of whole groups; the two would serve the same prompts twice)")
-    if getattr(args, "max_turns", 1) > 1:
-        fail("--rl-partial-rollouts", "not with --max-turns > 1 (an episode's environment state cannot be "
-                                      "carried to the next iteration yet)")
     if not args.rl_inference_logprobs_is_correction:
         fail("--rl-partial-rollouts", "needs --rl-inference-logprobs-is-correction: carried tokens were sampled "
                                       "under an older policy and the loss must weight them by the log-probs "
@@ -138,7 +160,9 @@ def check_partial_rollouts(args, spec) -> None:
 
 def check_partial_generation(gen) -> None:
     """--rl-partial-rollouts: the stop rule runs in continuous batching (P=1) and counts one
-    share's groups (the carried samples are the same on every rank)."""
+    share's groups (the carried samples are the same on every rank). Multi-turn samples (--max-turns
+    > 1) are carried mid-episode (puzzle/dataflow/partial_stage.py), at any T (the TP group's first
+    rank steps the episodes and holds their instances)."""
     if gen.P > 1:
         fail("--rl-partial-rollouts", f"needs an actor generation layout with P=1 (the quota stops continuous "
                                        f"batching; got P={gen.P})")

@@ -50,6 +50,7 @@ class EpisodeTurns:
         self.turn_ends: List[List[tuple]] = [[] for _ in range(n)]  # (response column, reward) of each reward
         self.last_error: List[Optional[str]] = [None] * n
         self.turn_index = [0] * n
+        self.spans: List[List[tuple]] = [[] for _ in range(n)]  # response columns [start, end) of each turn stepped
         self.counts: Dict[str, int] = {"tool_calls": 0, "observations_truncated": 0}
         self.stats_before = dict(runner.stats)  # the runner counts over the run: this generation's are the rise
 
@@ -62,6 +63,7 @@ class EpisodeTurns:
             calls.append(EnvCall(r, self.records[r], Turn(self.tokenizer.decode(text_ids), list(turn), self.turn_index[r],
                                                           self.tokenizer.decode(context), context), env=self.envs[r]))
             self.turn_index[r] += 1
+            self.spans[r].append((len(history), len(history) + len(turn)))
         out: List[Optional[List[int]]] = []
         for r, is_final, turn, history, (outcome, why) in zip(rows, final, turns, histories, self.runner.step(calls)):
             self.last_error[r] = why
@@ -81,6 +83,13 @@ class EpisodeTurns:
             self.counts["observations_truncated"] += cut
             out.append(ids if self.wrapper is None else self.wrapper[0] + ids + self.wrapper[1])
         return out
+
+    def resume(self, r: int, episode) -> None:
+        """Row r continues a carried episode (a partial rollout's ``partial.EpisodeState``): its
+        instance, rewards, last error and turns so far."""
+        self.envs[r], self.rewards[r], self.last_error[r] = episode.env, episode.reward, episode.last_error
+        self.turn_ends[r], self.spans[r] = list(episode.turn_rewards), list(episode.spans)
+        self.turn_index[r] = len(episode.spans)
 
     def turn_rewards(self, max_new: int):
         """[rows, max_new] float64: each step's reward at the response column of its turn's last token."""

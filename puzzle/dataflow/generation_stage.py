@@ -48,7 +48,7 @@ class GenerationStage:
         if self.ppo.rl_partial_rollouts:
             from puzzle.dataflow.partial_stage import PartialRollouts
 
-            self.partial = PartialRollouts(cfg, tokenizer, device, seq_multiple)
+            self.partial = PartialRollouts(cfg, tokenizer, device, seq_multiple, multi_turn=rewards.multi_turn)
 
     def engine(self):
         """The actor in its generation layout (the switch's shadow model when layouts differ)."""
@@ -63,20 +63,27 @@ class GenerationStage:
             batch, recs, versions, ids, stats = self.partial.run(engine, self._sample_partial, prompt_ids, records,
                                                                  refill, iteration)
             out = Rollout(batch, recs, stats=stats, versions=versions, sample_ids=ids)
+            if self.partial.episodes is not None:  # multi-turn: the carried episodes scored the rows
+                self._score_episodes(out, self.partial.episodes, iteration)
         elif self.ppo.filter_groups:
             out = self._dynamic_sampling(engine, prompt_ids, records, refill, iteration)
         else:
             out = Rollout(self.rollout(engine, prompt_ids, iteration, records=records), records)
             if self.episodes is not None:  # multi-turn: the episodes scored the rows
-                out.scores, n_bad = self.rewards.episode_scores(self.episodes, iteration)
-                out.turn_rewards = self.episodes.turn_rewards
-                out.stats.update(self.episodes.metrics(out.batch.size), bad_rewards=n_bad)
+                out.stats.update(self.episodes.metrics(out.batch.size))
+                self._score_episodes(out, self.episodes, iteration)
         if ESTIMATORS[self.ppo.advantage_estimator].needs_greedy_baseline:
             out.greedy = self.rollout(engine, prompt_ids, iteration, greedy=True)
         if self.switch:
             self.switch.release()
         out.stats.update(length_metrics(out.batch, self.tokenizer.eos_id))
         return out
+
+    def _score_episodes(self, out: Rollout, episodes, iteration: int) -> None:
+        """Multi-turn: the rows' scores and per-turn rewards are their episodes'."""
+        out.scores, n_bad = self.rewards.episode_scores(episodes, iteration)
+        out.turn_rewards = episodes.turn_rewards
+        out.stats.update(bad_rewards=n_bad)
 
     def rollout(self, engine, prompt_ids: List[List[int]], iteration: int, round_: int = 0,
                 greedy: bool = False, records: Optional[List[dict]] = None) -> RolloutBatch:
@@ -125,20 +132,37 @@ class GenerationStage:
                                        with_logprobs=with_logprobs, loss_mask=loss_mask, with_loss_mask=multi_turn)
 
     def _sample_partial(self, engine, rows: List[List[int]], partial_tokens, partial_logprobs,
-                        sample_ids: List[int], stop):
+                        sample_ids: List[int], stop, records: Optional[List[dict]] = None, episodes=None):
         """--rl-partial-rollouts: one response to each row, continuing ``partial_tokens``, stopped by
         the quota ``stop`` (one generating share, P=1: the flags' check); every rank's copy of
-        (responses, lengths, log-probs, finished)."""
-        from puzzle.dataflow.partial_stage import gather_generation, seed_of_run
+        (responses, lengths, log-probs, finished). Multi-turn (``records`` and ``episodes``, each
+        row's ``partial.EpisodeState``): each row's episode goes on (rebuilt first where it was
+        loaded from a checkpoint), and a fifth item, the rows' ``partial_stage.TurnOutcome``."""
+        from puzzle.dataflow.partial_stage import gather_generation, gather_turns, replay_episodes, seed_of_run
         from puzzle.rollout.generation import generate
+        from puzzle.rollout.turns import TurnResume
 
-        ppo, out = self.ppo, None
+        ppo, out, turns, resume, replayed = self.ppo, None, None, None, 0
         if engine.member:
-            out = generate(engine, rows, self._sampling_params(ppo.greedy), seed=seed_of_run(self.cfg),
+            params = self._sampling_params(ppo.greedy)
+            if records is not None:
+                if engine.layout.t == 0:  # the TP group's first rank steps the episodes (and holds their instances)
+                    episodes, replayed = replay_episodes(self.rewards.episodes, rows, records, partial_tokens, episodes)
+                turns = self.rewards.episodes(rows, records)
+                for r, e in enumerate(episodes):
+                    turns.resume(r, e)
+                resume = [TurnResume(tuple(e.observation.tolist()), len(e.spans), e.turn_start) for e in episodes]
+                if self.rewards.continuing_ids:  # a turn stop that is a stop id: the row goes on
+                    params = replace(params, eos_ids=tuple(i for i in params.eos_ids if i not in self.rewards.continuing_ids))
+            out = generate(engine, rows, params, seed=seed_of_run(self.cfg),
                            micro_batch_size=ppo.generation_micro_batch_size,
                            batch_invariant=ppo.batch_invariant_mode, progress=self.progress, stop=stop,
-                           partial_tokens=partial_tokens, partial_logprobs=partial_logprobs, sample_ids=sample_ids)
-        return gather_generation(out, engine.layout, len(rows), ppo.max_new_tokens, self.device)
+                           partial_tokens=partial_tokens, partial_logprobs=partial_logprobs, sample_ids=sample_ids,
+                           turns=turns, partial_turns=resume)
+        gathered = gather_generation(out, engine.layout, len(rows), ppo.max_new_tokens, self.device)
+        if records is None:
+            return gathered
+        return (*gathered, gather_turns(turns, out, engine.layout, len(rows), self.device, ppo.max_new_tokens, replayed))
 
     def _sampling_params(self, greedy: bool):
         from puzzle.rollout.generation import SamplingParams

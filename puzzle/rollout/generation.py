@@ -57,7 +57,7 @@ import torch
 from puzzle.models.batch_invariant import batch_invariant_mode
 from puzzle.rollout.partial import GroupQuota, check_resume, check_sample_ids
 from puzzle.rollout.sampling import SamplingParams
-from puzzle.rollout.turns import TurnHandler, TurnTracker
+from puzzle.rollout.turns import TurnHandler, TurnResume, TurnTracker
 
 
 @dataclass
@@ -79,6 +79,7 @@ class GenerationOutput:
     # ``step_wait_seconds``: the decode loop's time waiting for environment steps at the joins)
     observation_mask: Optional[torch.Tensor] = None
     turn_counts: Optional[dict] = None
+    turn_states: Optional[List[TurnResume]] = None  # multi-turn: each row's turn bookkeeping at the end
 
     def responses(self) -> List[List[int]]:
         """The generated tokens of every row (up to and including EOS)."""
@@ -296,6 +297,16 @@ class SlotBatch:
         if going:
             self.count[torch.tensor([s for s, _ in going], **z)] = torch.tensor([c for _, c in going], **z)
 
+    def flush_turns(self) -> List[int]:
+        """The end of the loop (a quota stop, or every row ended): every step still in flight
+        joined (``TurnTracker.flush``), the observations written into the rows' responses, and the
+        rows left running: queued, decoding, or with an observation written and not yet prefilled
+        (a row the observation ends, its episode done or its budget spent, has finished)."""
+        joined = self.turns.flush()
+        if joined:
+            self._resume(joined)
+        return list(self.queue) + [self.host_row[s] for s in self.host_active + [s for s, _ in self.appends]]
+
     def sync_host(self) -> None:
         """Host copies from the device state (after steps that updated it on the device)."""
         self.host_lens, self.host_count = self.lens.tolist(), self.count.tolist()
@@ -460,7 +471,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
              cuda_graphs: bool = False, compile_graphs: bool = False, batch_invariant: bool = False,
              progress: Optional[Callable[[int, int], None]] = None, stop: Optional[GroupQuota] = None,
              partial_tokens: Optional[List[List[int]]] = None, partial_logprobs=None,
-             sample_ids: Optional[List[int]] = None, turns: Optional[TurnHandler] = None) -> GenerationOutput:
+             sample_ids: Optional[List[int]] = None, turns: Optional[TurnHandler] = None,
+             partial_turns: Optional[List[Optional[TurnResume]]] = None) -> GenerationOutput:
     """Generate continuations of this DP rank's ``prompts`` with the actor ``engine``.
 
     Call on every rank of the engine's layout, with the same prompts on all TP/PP ranks of one
@@ -488,21 +500,17 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
 
     Multi-turn samples (puzzle/rollout/turns.py): ``turns`` answers each row's ended turns with
     observation tokens, appended to the row's response and kept KV cache by a prefill while the
-    other rows go on decoding (P=1, any D and T; not with ``stop``, partial rows or CUDA graphs);
-    the output's ``observation_mask`` marks them.
+    other rows go on decoding (P=1, any D and T; not with CUDA graphs); the output's
+    ``observation_mask`` marks them. At a ``stop`` the steps in flight are joined, their
+    observations written (``SlotBatch.flush_turns``); each row's turn state: ``turn_states``;
+    ``partial_turns`` gives a resumed row's (None: no observation in it, no turn stepped).
     """
     from puzzle.rollout.pipelined_generation import run_schedule
 
-    width = _check_inputs(engine, prompts, params, sample_offset)
-    b = len(prompts)
-    P = engine.layout.plan.P
-    resumed = check_resume(b, params, engine.arch.valid_vocab_size, partial_tokens, partial_logprobs)
-    rows_sample_ids = check_sample_ids(b, sample_offset, sample_ids)
-    _check_stop(stop, b, P)
-    _check_turns(turns, engine.layout.plan, stop, partial_tokens, cuda_graphs)
-    mbs = micro_batch_size if micro_batch_size is not None else math.ceil(b / P)
-    if not isinstance(mbs, int) or mbs < 1:
-        raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
+    b, P = len(prompts), engine.layout.plan.P
+    width, resumed, rows_sample_ids, mbs = _checked_arguments(
+        engine, prompts, params, sample_offset, micro_batch_size, cuda_graphs, stop,
+        (partial_tokens, partial_logprobs, sample_ids), turns, partial_turns)
     model = engine.module
     device = model.puzzle_device
     graphs = _decode_graphs(model, P, device, cuda_graphs, compile_graphs, batch_invariant)
@@ -513,9 +521,8 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
         _write_partial(results, *resumed)
     batches = _slot_batches(prompts, prefills, rtok, params, mbs, P, results, device,
                             graphs.cache(min(mbs, b), width) if graphs is not None and P == 1 else None)
-    tracker = None
-    if turns is not None:
-        tracker = batches[0].turns = TurnTracker(turns, b, params.max_new_tokens, engine.layout.tp_group, device)
+    tracker = batches[0].turns = _turn_tracker(turns, b, params.max_new_tokens, rtok, partial_turns,
+                                               engine.layout.tp_group, device)
     try:
         with _inference_model(model), torch.no_grad(), batch_invariant_mode(batch_invariant), \
                 _Hooks(model, width if graphs is None else graphs.width) as hooks, \
@@ -527,8 +534,9 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
                          stop.tracker() if stop is not None else None)
             if progress is not None:
                 progress(b - sum(len(sb.queue) + len(sb.host_active) for sb in batches), b)
-            if tracker is not None:
-                tracker.close()  # the last turns' steps (their rewards)
+            if tracker is not None:  # the steps still in flight joined (a quota stop: the paused rows')
+                running = {r for sb in batches for r in sb.flush_turns()}
+                tracker.close()
     finally:
         if tracker is not None:  # also on error: stop the steps' thread
             tracker.shutdown()
@@ -536,10 +544,49 @@ def generate(engine, prompts: List[List[int]], params: SamplingParams, seed: int
             for sb in batches:
                 sb.cache = None  # drop every KV cache, also on error
     out = _assemble(prompts, results, params, stepper.forward_passes)
-    if tracker is not None:
-        out.observation_mask = tracker.observation_mask
-        out.turn_counts = dict(tracker.counts, step_wait_seconds=tracker.wait_seconds)
-        out.finished = torch.ones_like(out.finished)  # an episode's end is its row's end
+    return out if tracker is None else _with_turns(out, tracker, running)
+
+
+def _checked_arguments(engine, prompts, params, sample_offset, micro_batch_size, cuda_graphs, stop,
+                       partial, turns, partial_turns):
+    """generate's arguments checked (one ValueError naming the problem; ``partial``: its
+    partial_tokens, partial_logprobs and sample_ids): the cache width, the resumed rows' (tokens,
+    log-probs) or None, each row's sample id and the micro-batch size."""
+    partial_tokens, partial_logprobs, sample_ids = partial
+    width = _check_inputs(engine, prompts, params, sample_offset)
+    b, P = len(prompts), engine.layout.plan.P
+    _check_turns(turns, engine.layout.plan, stop, partial_tokens, cuda_graphs, partial_turns)
+    resumed = check_resume(b, params, engine.arch.valid_vocab_size, partial_tokens, partial_logprobs,
+                           None if partial_turns is None else [t and t.observation for t in partial_turns])
+    rows_sample_ids = check_sample_ids(b, sample_offset, sample_ids)
+    _check_stop(stop, b, P)
+    mbs = micro_batch_size if micro_batch_size is not None else math.ceil(b / P)
+    if not isinstance(mbs, int) or mbs < 1:
+        raise ValueError(f"micro_batch_size must be an int >= 1 (got {micro_batch_size!r})")
+    return width, resumed, rows_sample_ids, mbs
+
+
+def _turn_tracker(turns: TurnHandler, rows: int, max_new: int, resumed, partial_turns, tp_group,
+                  device) -> Optional[TurnTracker]:
+    """The turns of a generation's rows (None without ``turns``), the resumed ones (partial
+    rollouts) from their state."""
+    if turns is None:
+        return None
+    tracker = TurnTracker(turns, rows, max_new, tp_group, device)
+    for r, state in enumerate(partial_turns or []):
+        if resumed[r] or state is not None:
+            tracker.resume(r, resumed[r], state or TurnResume((False,) * len(resumed[r]), 0, 0))
+    return tracker
+
+
+def _with_turns(out: GenerationOutput, tracker: TurnTracker, running: set) -> GenerationOutput:
+    """``out`` with its rows' turns: the observation mask, counts and turn states; an episode's
+    end is its row's end: every row ended but those a quota stop left ``running``."""
+    b = len(out.response_lengths)
+    out.observation_mask = tracker.observation_mask
+    out.turn_counts = dict(tracker.counts, step_wait_seconds=tracker.wait_seconds)
+    out.turn_states = [tracker.state(r) for r in range(b)]
+    out.finished = torch.tensor([r not in running for r in range(b)], dtype=torch.bool, device=out.finished.device)
     return out
 
 
@@ -554,16 +601,20 @@ def _decode_graphs(model, P: int, device, cuda_graphs: bool, compile_graphs: boo
     return DecodeGraphs.for_model(model, P, device, compile_graphs)
 
 
-def _check_turns(turns, plan, stop, partial_tokens, cuda_graphs) -> None:
+def _check_turns(turns, plan, stop, partial_tokens, cuda_graphs, partial_turns=None) -> None:
+    """Multi-turn rows run at P=1, T=1, without CUDA graphs; with a quota ``stop`` and resumed rows
+    (partial rollouts), a resumed row's turn state in ``partial_turns``."""
     if turns is None:
+        if partial_turns is not None:
+            raise ValueError("partial_turns (the turn state of resumed rows) needs turns (a multi-turn handler)")
         return
     if plan.P != 1 or plan.has_experts_split:
         raise ValueError(f"multi-turn generation (--env) runs at P=1 without an expert-parallel split for now; "
                          f"the actor generates at {plan}")
-    for given, what in ((stop is not None, "a finished-groups quota (partial rollouts)"),
-                        (partial_tokens is not None, "partial rows to resume"), (cuda_graphs, "CUDA graphs")):
-        if given:
-            raise ValueError(f"multi-turn generation (--env) does not run with {what} yet")
+    if cuda_graphs:
+        raise ValueError("multi-turn generation (--env) does not run with CUDA graphs yet")
+    if partial_turns is not None and (partial_tokens is None or len(partial_turns) != len(partial_tokens)):
+        raise ValueError("partial_turns needs partial_tokens, one entry per prompt")
 
 
 @contextlib.contextmanager

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import field, replace
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -100,10 +101,13 @@ class QuotaTracker:
 # ---------------------------------------------------------------------------------------------
 # generate's resume arguments
 # ---------------------------------------------------------------------------------------------
-def check_resume(rows: int, params, vocab: int, tokens, logprobs
+def check_resume(rows: int, params, vocab: int, tokens, logprobs, observation=None
                  ) -> Optional[Tuple[List[List[int]], List[torch.Tensor]]]:
     """``generate``'s partial_tokens / partial_logprobs checked (one ValueError naming the
-    problem); returns (tokens, float32 log-prob tensors) per row, or None without them."""
+    problem); returns (tokens, float32 log-prob tensors) per row, or None without them.
+    ``observation`` (multi-turn): per row None or its partial response's observation mask; an
+    observation token may be a stop id (Qwen's ``<|im_end|>`` closes the model's turn before a
+    tool response), a sampled one may not."""
     if tokens is None and logprobs is None:
         return None
     if tokens is None or logprobs is None:
@@ -124,7 +128,10 @@ def check_resume(rows: int, params, vocab: int, tokens, logprobs
         bad = [t for t in tok if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"row {r}: partial tokens outside [0, {vocab}): {bad[:5]}")
-        if stops.intersection(tok):
+        mask = observation[r] if observation is not None and observation[r] is not None else None
+        if mask is not None and len(mask) != len(tok):
+            raise ValueError(f"row {r}: {len(tok)} partial tokens but an observation mask of {len(mask)}")
+        if stops.intersection(t for i, t in enumerate(tok) if mask is None or not mask[i]):
             raise ValueError(f"row {r}: the partial response holds a stop id (it finished)")
         if not bool(torch.isfinite(lp).all()):
             raise ValueError(f"row {r}: partial log-probs must be finite")
@@ -149,6 +156,51 @@ def check_sample_ids(rows: int, sample_offset: int, sample_ids) -> List[int]:
 # the buffer between iterations
 # ---------------------------------------------------------------------------------------------
 @dataclass
+class EpisodeState:
+    """A multi-turn sample's episode so far (``--env`` with ``--max-turns`` > 1), carried with it.
+
+    An episode is carried only between turns of the decode loop's bookkeeping: every environment
+    step its rows asked for has answered before the quota stop is acted on, and an observation
+    not yet inserted whole is written into the response at the stop (``TurnTracker.flush``), so a
+    carried sample never has an observation pending: it resumes by a prefill of prompt + response
+    (observations included) and samples its next model token, as the uninterrupted run does
+    after the observation's last token.
+
+    The environment's instance (``env``) is carried in memory (it lives in the rank's process
+    between steps anyway: each step takes it to a worker and back): exact also for environments
+    whose steps are not reproducible, and no step is repeated. A checkpoint keeps everything but
+    the instance; after a load (``restored``) the instance is rebuilt by replaying the recorded
+    turns (``spans``) on a fresh ``reset(record)`` instance, which needs no pickle (the checkpoint
+    loader refuses them) and gives the same instance for an environment whose steps depend only on
+    its record and the turns."""
+
+    observation: torch.Tensor                 # [n] bool: True at the observation tokens of the response
+    spans: List[Tuple[int, int]] = field(default_factory=list)  # response columns [start, end) of each turn stepped
+    turn_start: int = 0                       # response column of the current turn's first token
+    reward: Optional[float] = None            # the sum of the rewards the steps gave (None: none)
+    turn_rewards: List[Tuple[int, float]] = field(default_factory=list)  # (column of its turn's last token, reward)
+    last_error: Optional[str] = None          # why the last step failed (None: it did not)
+    env: Any = None                           # the environment instance (None: a fresh one at the next step)
+    restored: bool = False                    # loaded from a checkpoint: ``env`` is rebuilt by replay
+
+    @classmethod
+    def fresh(cls) -> "EpisodeState":
+        return cls(torch.zeros(0, dtype=torch.bool))
+
+    def plain(self) -> dict:
+        """The checkpointed fields (JSON values; the instance is not among them)."""
+        return {"spans": [list(s) for s in self.spans], "turn_start": self.turn_start, "reward": self.reward,
+                "turn_rewards": [list(t) for t in self.turn_rewards], "last_error": self.last_error}
+
+    @classmethod
+    def from_plain(cls, state: dict, observation: torch.Tensor) -> "EpisodeState":
+        spans = [(int(a), int(b)) for a, b in state["spans"]]
+        return cls(observation.bool(), spans, int(state["turn_start"]),
+                   None if state["reward"] is None else float(state["reward"]),
+                   [(int(c), float(v)) for c, v in state["turn_rewards"]], state["last_error"], None, bool(spans))
+
+
+@dataclass
 class PartialSample:
     """One sample carried between iterations."""
 
@@ -161,22 +213,27 @@ class PartialSample:
     logprobs: torch.Tensor   # [n] float32: each token's log-prob as sampled (behaviour)
     versions: torch.Tensor   # [n] long: the policy version each token was sampled under
     finished: bool = False   # finished, waiting for the rest of its group
+    episode: Optional[EpisodeState] = None  # multi-turn: its episode so far
 
     @property
     def key(self) -> Tuple[int, int]:
         return self.prompt_index, self.sample_index
 
     def extended(self, tokens: torch.Tensor, logprobs: torch.Tensor, version: int,
-                 finished: bool) -> "PartialSample":
+                 finished: bool, episode: Optional[EpisodeState] = None) -> "PartialSample":
         """This sample with ``tokens`` (the whole response now: its own as a prefix) sampled
-        under ``version`` from its own length on."""
+        under ``version`` from its own length on (observation tokens inserted then too);
+        ``episode``: its episode now (multi-turn)."""
         n = len(self.tokens)
         tokens, logprobs = tokens.cpu().long(), logprobs.cpu().float()
         if len(tokens) < n or not torch.equal(tokens[:n], self.tokens):
             raise ValueError(f"sample {self.key}: the new response does not continue its tokens")
+        if episode is not None and (len(episode.observation) != len(tokens) or (self.episode is not None and not
+                                    torch.equal(episode.observation[:n], self.episode.observation))):
+            raise ValueError(f"sample {self.key}: the observation mask does not continue its own")
         versions = torch.cat([self.versions, torch.full((len(tokens) - n,), version, dtype=torch.long)])
-        return PartialSample(self.prompt_index, self.sample_index, self.sample_id, self.seed,
-                             self.started, tokens, logprobs, versions, finished)
+        return replace(self, tokens=tokens, logprobs=logprobs, versions=versions, finished=finished,
+                       episode=episode if episode is not None else self.episode)
 
 
 _FIELDS = ("prompt_index", "sample_index", "sample_id", "seed", "started")
@@ -204,6 +261,8 @@ class PartialRolloutBuffer:
         for s in samples:
             if not len(s.tokens) == len(s.logprobs) == len(s.versions):
                 raise ValueError(f"sample {s.key}: tokens, logprobs and versions differ in length")
+            if s.episode is not None and len(s.episode.observation) != len(s.tokens):
+                raise ValueError(f"sample {s.key}: its observation mask and tokens differ in length")
             self._samples[s.key] = s
 
     def group_order(self) -> List[int]:
@@ -226,26 +285,39 @@ class PartialRolloutBuffer:
             del self._samples[s.key]
         return out
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        """Plain tensors: the per-sample fields, the lengths and the concatenated sequences."""
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain tensors: the per-sample fields, the lengths and the concatenated sequences; with
+        multi-turn samples also their concatenated observation masks (``observation``) and
+        ``episodes``, each one's ``EpisodeState.plain()`` (JSON values; no environment instance)."""
         s = [self._samples[k] for k in sorted(self._samples)]
-        state = {f: torch.tensor([getattr(x, f) for x in s], dtype=torch.long) for f in _FIELDS}
+        state: Dict[str, Any] = {f: torch.tensor([getattr(x, f) for x in s], dtype=torch.long) for f in _FIELDS}
         state["finished"] = torch.tensor([x.finished for x in s], dtype=torch.bool)
         state["lengths"] = torch.tensor([len(x.tokens) for x in s], dtype=torch.long)
         for f, dtype in (("tokens", torch.long), ("logprobs", torch.float32), ("versions", torch.long)):
             state[f] = torch.cat([getattr(x, f) for x in s]) if s else torch.zeros(0, dtype=dtype)
+        if any(x.episode is not None for x in s):
+            if not all(x.episode is not None for x in s):
+                raise ValueError("partial rollout buffer: multi-turn and single-turn samples mixed")
+            state["observation"] = torch.cat([x.episode.observation for x in s])
+            state["episodes"] = [x.episode.plain() for x in s]
         return state
 
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         lengths = state["lengths"].tolist()
         if sum(lengths) != len(state["tokens"]):
             raise ValueError("partial rollout buffer state: lengths do not add up to the tokens")
         seqs = {f: torch.split(state[f], lengths) for f in ("tokens", "logprobs", "versions")}
         fields = {f: state[f].tolist() for f in _FIELDS}
+        episodes = [None] * len(lengths)
+        if "episodes" in state:
+            if len(state["episodes"]) != len(lengths) or len(state["observation"]) != len(state["tokens"]):
+                raise ValueError("partial rollout buffer state: the episodes do not match the samples")
+            masks = torch.split(state["observation"].bool(), lengths)
+            episodes = [EpisodeState.from_plain(e, m.clone()) for e, m in zip(state["episodes"], masks)]
         self._samples = {}
         self.put(PartialSample(*(fields[f][i] for f in _FIELDS), tokens=seqs["tokens"][i].clone(),
                                logprobs=seqs["logprobs"][i].clone(), versions=seqs["versions"][i].clone(),
-                               finished=bool(state["finished"][i]))
+                               finished=bool(state["finished"][i]), episode=episodes[i])
                  for i in range(len(lengths)))
 
 

@@ -30,7 +30,17 @@ How a row runs (``TurnTracker``, driven by ``SlotBatch``, puzzle/rollout/generat
   without waiting for it; an episode that wanted more is counted in ``turn_limit_cuts``), the
   token budget (an observation cut to the room left; a row that ends inside an observation or
   right after it: ``token_limit_cuts``); the handler caps each observation's own tokens
-  (``max_observation_tokens``).
+  (``max_observation_tokens``);
+- a partial rollout's quota stop (``generate(stop=)``) comes after a model call, once the joins
+  due at its clock are done; then every step still in flight is joined (``flush``: waited for,
+  whatever its due clock) and its observation written into the row's response as a join writes
+  it (log-prob 0, ``observation_mask`` True, cut to the budget: a row it takes to the budget, or
+  whose episode it ends, has ended). Which rows are paused at the stop and which observations
+  are written there depend only on the tokens (the stop, like the joins, follows the call clock),
+  never on how fast the steps ran. A row left running never has an observation pending: it is
+  carried as its response and ``TurnResume`` and resumes by a prefill of prompt + response
+  (observations included), sampling its next token as the uninterrupted run does after the
+  observation (``generate(partial_turns=)``).
 
 Where the steps run. A handler whose steps wait on worker processes (``steps_in_background``:
 the env worker pool) is stepped in one background thread from the submission on, so the pool
@@ -45,6 +55,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -63,6 +74,17 @@ class TurnHandler(Protocol):
         """For each row whose turn ended: its turn's token ids (after ``histories[i]``, the
         response before the turn) -> the observation's token ids to insert, or None when its
         episode is done. ``final``: the row ends anyway; an observation is then only counted."""
+
+
+@dataclass(frozen=True)
+class TurnResume:
+    """A row's turn bookkeeping where a partial rollout stopped it (``generate(partial_turns=)``):
+    the observation mask of its partial response, the turns stepped and the response column of
+    its current turn's first token. It never has an observation pending (``TurnTracker.flush``)."""
+
+    observation: Tuple[bool, ...]
+    turns: int
+    turn_start: int
 
 
 class _Steps:
@@ -96,6 +118,19 @@ class TurnTracker:
         self.inflight: List[_Steps] = []                 # submitted, not joined (in clock order)
         self.wait_seconds = 0.0  # the decode loop's time in joins (waiting for steps, or running them)
         self.counts = {"turns": 0, "observation_tokens": 0, "turn_limit_cuts": 0, "token_limit_cuts": 0}
+
+    def resume(self, r: int, tokens: List[int], state: TurnResume) -> None:
+        """Row r continues a partial response ``tokens`` (its first ``len(tokens)`` columns)."""
+        n = len(tokens)
+        if len(state.observation) != n or not 0 <= state.turn_start <= n or state.turns < 0:
+            raise ValueError(f"row {r}: the turn state of its partial response does not fit its {n} tokens")
+        self.tokens[r] = list(tokens)
+        self.observation_mask[r, :n] = torch.tensor(state.observation, dtype=torch.bool)
+        self.turns[r], self.turn_start[r] = state.turns, state.turn_start
+
+    def state(self, r: int) -> TurnResume:
+        n = len(self.tokens[r])
+        return TurnResume(tuple(self.observation_mask[r, :n].tolist()), self.turns[r], self.turn_start[r])
 
     def record(self, rows: List[int], tok: torch.Tensor) -> None:
         """A call's sampled tokens (one per row of ``rows``)."""
@@ -180,12 +215,17 @@ class TurnTracker:
             found = _broadcast_observations(found, [len(s.rows) for s in due], self.tp_group, self.device)
         return found
 
+    def flush(self) -> List[Tuple[int, List[int], bool]]:
+        """A partial rollout's quota stop: every step still in flight joined now, whatever its
+        due clock (waited for: an environment step, not model work), answered as ``join``
+        answers (the observations in the rows' responses, counted as at their own joins)."""
+        return self.join(max(s.due for s in self.inflight)) if self.inflight else []
+
     def close(self) -> None:
         """Joins every step still in flight (the last turns': their rewards) and stops the
         background thread. Called once the rows have ended (or on error: nothing joined)."""
         try:
-            if self.inflight:
-                self.join(max(s.due for s in self.inflight))
+            self.flush()
         finally:
             self.shutdown()
 

@@ -64,3 +64,25 @@ def test_the_tokens_are_those_of_a_full_forward_in_fewer_model_calls(res):
 def test_the_join_lag_changes_the_calls_not_the_samples_in_batch_invariant_mode(res):
     assert res["invariant_lags_equal"]  # tokens and log-probs bit for bit, at lag 0 and 3
     assert res["invariant_passes"][0] != res["invariant_passes"][1]  # in other model calls
+
+
+def test_episodes_carried_over_mid_episode_end_as_the_uninterrupted_run():
+    """Partial rollouts with multi-turn samples (tiny_runs.py ``check_env_partial``): rows stopped at a
+    quota call after call (also paused with their steps in flight: joined at the stop, the
+    observation written into the response), through a checkpoint's JSON once (the environment
+    instances rebuilt by replay), end with the tokens,
+    observation masks, turns and rewards of the uninterrupted run at the same weights (fp32); the
+    sampled log-probs agree up to a prefill's rounding, the observation tokens have none."""
+    res = run_world("distributed/worlds/tiny_runs.py", 1)[0]["env_partial"]
+    full, carried = res["full"], res["carried"]
+    assert res["calls"] >= 3 and res["after_observation"] >= 1  # carried, also right after an observation
+    assert res["in_flight"] >= 1  # a row paused with its step in flight at a stop: joined there
+    assert res["replay_mismatches"][1] == 0 and not any(res["replay_mismatches"])
+    for key in ("tokens", "mask", "spans", "scores", "turn_rewards"):
+        assert carried[key] == full[key], key
+    assert any(len(s) >= 2 for s in full["spans"]) and any(map(any, full["mask"]))  # several turns, observations
+    for lp_full, lp, mask, versions in zip(full["logprobs"], carried["logprobs"], carried["mask"], carried["versions"]):
+        assert all(v == 0.0 for v, m in zip(lp, mask) if m)
+        assert max(abs(a - b) for a, b in zip(lp_full, lp)) < 1e-5
+        assert versions == sorted(versions) and versions[0] == 0  # each token's call, in order
+    assert max(max(v) for v in carried["versions"]) == res["calls"] - 1

@@ -62,3 +62,16 @@ class Shouty:
         if turn.text.startswith("long"):
             return "y" * 100, 0.25, False
         return ("", 1.0, True) if turn.text.startswith("end") else ("fine", None, False)
+
+
+class Tally:
+    """Multi-turn and stateful: each step answers how many steps its instance has taken and gives
+    a quarter per step; done at the third step (a carried episode must keep its instance)."""
+    turn_stops = (";",)
+
+    def reset(self, record):
+        self.n = int(record.get("start", 0))
+
+    def step(self, turn):
+        self.n += 1
+        return f"#{self.n}:==", 0.25 * self.n, self.n >= 3

@@ -111,7 +111,7 @@ def test_fill_rows_are_neither_scored_nor_counted_as_bad():
             asked.append(size)
             return torch.zeros(size), size
 
-    def sample(engine, ids, seed, greedy, first_sample):  # the generation stage's sampling
+    def sample(engine, ids, seed, greedy, first_sample, records=None):  # the generation stage's sampling
         rows = len(ids)
         return SimpleNamespace(size=rows, tokens=torch.ones(rows, 3, dtype=torch.long),
                                prompt_lengths=torch.ones(rows, dtype=torch.long),
@@ -124,8 +124,58 @@ def test_fill_rows_are_neither_scored_nor_counted_as_bad():
     tok = SimpleNamespace(decode=lambda ids: "x", eos_id=0)
     generation = SimpleNamespace(engine=lambda: engine, sample=sample)
     function = AllBad()
-    rewards = SimpleNamespace(function=function, tokenizer=tok)  # the run's Rewards' scoring path
+    rewards = SimpleNamespace(function=function, tokenizer=tok, multi_turn=False)  # the run's Rewards' scoring path
     rewards.function_scores = types.MethodType(Rewards.function_scores, rewards)
     metrics = Evaluator(cfg, tok, dataset, generation, None, rewards, SimpleNamespace(synchronize=lambda: None),
                         rank=0)(0)
     assert asked == [3] and metrics["eval/bad_rewards"] == 3
+
+
+def test_multi_turn_eval_runs_episodes_and_reports_their_metrics():
+    """--env with --max-turns > 1: the eval rows are generated as episodes (the records go to the
+    generation stage), scored by them (a bad one counted, the fill row not), and eval/ gets the
+    episodes' metrics; the samples log their turns."""
+    import types
+    from types import SimpleNamespace
+
+    from puzzle.dataflow.env_turns import EpisodeResults
+    from puzzle.dataflow.evaluation import Evaluator
+    from puzzle.dataflow.reward_stage import Rewards
+    from puzzle.reward_functions.distributed import BadRewardPolicy
+
+    asked = []
+
+    def sample(engine, ids, seed, greedy, first_sample, records=None):
+        rows = len(ids)
+        asked.append((rows, records))
+        generation.episodes = EpisodeResults(torch.tensor([1.0, 0.0, 0.5, 1.0][:rows]),
+                                             torch.tensor([False, True, False, True][:rows]),
+                                             {"turns": 2.0 * rows, "observation_tokens": 3.0 * rows, "turn_limit_cuts": 0,
+                                              "token_limit_cuts": 1, "tool_calls": 1.0 * rows,
+                                              "observations_truncated": 0, "env_step_errors": 1, "env_step_timeouts": 0})
+        return SimpleNamespace(size=rows, tokens=torch.ones(rows, 4, dtype=torch.long),
+                               prompt_lengths=torch.ones(rows, dtype=torch.long),
+                               response_lengths=torch.full((rows,), 3),
+                               loss_mask=torch.tensor([[1.0, 0.0, 1.0]] * rows))
+
+    cfg = SimpleNamespace(evaluation=EvalConfig(prompts="held-out.jsonl"), log_dir=None, train_iters=1, seed=1,
+                          roles={}, ppo=SimpleNamespace(rollout_batch_size=8, micro_batch_size=1, greedy=False))
+    dataset = SimpleNamespace(prompts=[[1], [2], [3]], records=[{"answer": "a"}, {"answer": "b"}, {"answer": "c"}])
+    engine = SimpleNamespace(layout=SimpleNamespace(plan=SimpleNamespace(D=2)))
+    tok = SimpleNamespace(decode=lambda ids: "x", eos_id=0)
+    generation = SimpleNamespace(engine=lambda: engine, sample=sample, episodes=None)
+    rewards = SimpleNamespace(function=object(), tokenizer=tok, multi_turn=True, env="calculator",
+                              policy=BadRewardPolicy("default", 0.0))
+    rewards.episode_scores = types.MethodType(Rewards.episode_scores, rewards)
+    evaluator = Evaluator(cfg, tok, dataset, generation, None, rewards, SimpleNamespace(synchronize=lambda: None), rank=0)
+    metrics = evaluator(0)
+    assert asked == [(4, [{"answer": "a"}, {"answer": "b"}, {"answer": "c"}, {"answer": "a"}])]  # + 1 fill row
+    assert metrics["eval/bad_rewards"] == 1  # row 1; the fill row's bad episode is not counted
+    assert metrics["eval/reward"] == 0.5 and metrics["eval/accuracy"] == 1 / 3
+    assert metrics["eval/env_turns_per_sample"] == 2.0 and metrics["eval/env_tool_calls_per_sample"] == 1.0
+    assert metrics["eval/env_step_errors"] == 1 and metrics["eval/env_token_limit_cuts"] == 1
+    from puzzle.dataflow.evaluation import _turns_of
+
+    tok.decode = lambda ids: "".join(map(str, ids))
+    assert _turns_of(sample(None, [[1]], 0, True, 0), 0, tok) == {
+        "turns": [{"model": "1"}, {"observation": "1"}, {"model": "1"}], "tool_calls": 1, "observation_tokens": 1}

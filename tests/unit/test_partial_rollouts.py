@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from puzzle.rollout.partial import (GroupQuota, PartialRolloutBuffer, PartialSample, check_resume,
+from puzzle.rollout.partial import (EpisodeState, GroupQuota, PartialRolloutBuffer, PartialSample, check_resume,
                                     check_sample_ids, staleness)
 from puzzle.rollout.sampling import SamplingParams
 
@@ -203,3 +203,48 @@ def test_nothing_lost_or_duplicated_over_iterations(seed):
     again, _, _ = _simulate(seed)
     assert [(s.key, s.tokens.tolist(), s.versions.tolist()) for s in again] == \
         [(s.key, s.tokens.tolist(), s.versions.tolist()) for s in trained]
+
+
+def _episode_sample(prompt, index, tokens, observation, spans, reward=None, env=None):
+    s = _sample(prompt, index, tokens=tokens)
+    return PartialSample(**{**s.__dict__, "episode": EpisodeState(torch.tensor(observation, dtype=torch.bool), spans,
+                                                                  len(tokens), reward, [(e - 1, 0.5) for _, e in spans[:1]], "why",
+                                                                  env)})
+
+
+def test_resume_allows_stop_ids_in_observations_only():
+    p = SamplingParams(6, eos_id=9)
+    check_resume(1, p, 100, [[1, 9, 2]], [[0.0] * 3], observation=[[False, True, False]])  # Qwen's <|im_end|>
+    with pytest.raises(ValueError, match="holds a stop id"):
+        check_resume(1, p, 100, [[1, 9, 2]], [[0.0] * 3], observation=[[True, False, False]])
+    with pytest.raises(ValueError, match="observation mask of 2"):
+        check_resume(1, p, 100, [[1, 9, 2]], [[0.0] * 3], observation=[[True, False]])
+
+
+def test_episodes_are_carried_and_checkpointed_without_their_instance():
+    env = object()
+    a = _episode_sample(3, 0, [4, 5, 6, 7], [False, True, True, False], [(0, 1)], reward=0.5, env=env)
+    b = _episode_sample(1, 1, [8], [False], [], env=None)
+    grown = a.extended(torch.tensor([4, 5, 6, 7, 2]), torch.zeros(5), version=3, finished=False,
+                       episode=EpisodeState(torch.tensor([False, True, True, False, False]), [(0, 1)], 3))
+    assert grown.versions.tolist() == [0, 0, 0, 0, 3] and grown.episode.turn_start == 3
+    with pytest.raises(ValueError, match="observation mask does not continue"):
+        a.extended(torch.tensor([4, 5, 6, 7]), torch.zeros(4), 3, False, EpisodeState(torch.tensor([False] * 4)))
+    buf = PartialRolloutBuffer()
+    buf.put([a, b])
+    state = buf.state_dict()
+    assert state["observation"].tolist() == [False, False, True, True, False]  # (1, 1) first, then (3, 0)
+    assert state["episodes"][1] == {"spans": [[0, 1]], "turn_start": 4, "reward": 0.5, "turn_rewards": [[0, 0.5]],
+                                    "last_error": "why"}
+    loaded = PartialRolloutBuffer()
+    loaded.load_state_dict(state)
+    x, y = {s.key: s for s in loaded.take()}[(3, 0)], a
+    assert torch.equal(x.episode.observation, y.episode.observation) and x.episode.spans == y.episode.spans
+    assert (x.episode.reward, x.episode.turn_rewards, x.episode.last_error, x.episode.turn_start) == (0.5, [(0, 0.5)], "why", 4)
+    assert x.episode.env is None and x.episode.restored  # its instance is rebuilt by replaying its turn
+    assert not EpisodeState.from_plain(EpisodeState.fresh().plain(), torch.zeros(0)).restored  # nothing to replay
+    buf.put([_sample(5, 0, tokens=[1])])
+    with pytest.raises(ValueError, match="mixed"):
+        buf.state_dict()
+    with pytest.raises(ValueError, match="observation mask and tokens differ"):
+        PartialRolloutBuffer().put([_episode_sample(6, 0, [1, 2], [False], [(0, 1)])])

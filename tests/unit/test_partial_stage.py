@@ -149,7 +149,6 @@ def cfg(*extra, world=1):
     (["--rl-partial-rollouts"], "--rl-partial-rollouts", "--rl-inference-logprobs-is-correction"),
     (PARTIAL + ["--advantage-estimator", "remax"], "--rl-partial-rollouts", "remax"),
     (PARTIAL + ["--filter-groups"], "--rl-partial-rollouts", "--filter-groups"),
-    (PARTIAL + ["--env", "calculator", "--max-turns", "2"], "--rl-partial-rollouts", "--max-turns"),
 ])
 def test_bad_partial_flags_refused_at_start(extra, flag, text):
     with pytest.raises(ArgumentError) as e:
@@ -164,6 +163,15 @@ def test_partial_generation_layouts():
     with pytest.raises(ArgumentError, match="--rl-partial-rollouts: needs an actor generation layout with P=1"):
         cfg(*PARTIAL, "--pipeline-model-parallel-size", "2", world=2)
     assert cfg(*PARTIAL, "--actor-gen-tensor-model-parallel-size", "2", world=2).ppo.rl_partial_rollouts
+
+
+def test_multi_turn_partial_rollouts_run_in_one_generating_share():
+    env = ["--env", "calculator", "--max-turns", "2"]
+    assert cfg(*PARTIAL, *env).ppo.rl_partial_rollouts
+    # T = 2, D = 1: the TP group's first rank steps the episodes and holds their instances
+    assert cfg(*PARTIAL, *env, "--actor-gen-tensor-model-parallel-size", "2", world=2).max_turns == 2
+    with pytest.raises(ArgumentError, match="--rl-partial-rollouts: the actor generates in 2 data-parallel"):
+        cfg(*PARTIAL, *env, world=2)
 
 
 def test_train_state_keeps_the_buffer_and_refuses_to_drop_it():
@@ -191,3 +199,125 @@ def test_train_state_keeps_the_buffer_and_refuses_to_drop_it():
         train_state(None).load_state_dict(state)
     with pytest.raises(ValueError, match="no partial rollouts state"):
         train_state(stage()).load_state_dict({k: v for k, v in state.items() if k != "partial_rollouts"})
+
+
+# ---- multi-turn samples -------------------------------------------------------------------------
+OBS = (2, 3)  # a sample longer than 4 tokens: its turn [0, 2) is answered by 2 observation tokens
+
+
+def episode_of(sample_id):
+    """(the whole response's observation columns, the turns' spans, the rewards (column, value))."""
+    n = length_of(sample_id)
+    if n <= 4:
+        return [], [(0, n)], [(n - 1, 1.0)]
+    return list(OBS), [(0, 2), (4, n)], [(1, 0.25), (n - 1, 1.0)]
+
+
+class FakeTurnGenerator(FakeGenerator):
+    """FakeGenerator's samples as episodes: a long one's 3rd and 4th tokens are an observation
+    (log-prob 0) after its first turn (reward 0.25), its end a last turn (reward 1.0). The episode's
+    instance counts its steps; a restored one (a checkpoint) is rebuilt as a replay would."""
+
+    def __call__(self, engine, rows, partial_tokens, partial_logprobs, sample_ids, stop, records=None, episodes=None):
+        from puzzle.dataflow.partial_stage import TurnOutcome
+        from puzzle.rollout.partial import EpisodeState
+
+        assert records is not None and len(episodes) == len(rows)
+        for sid, toks in zip(sample_ids, partial_tokens):
+            assert list(toks) == [token_with_observation(sid, i) for i in range(len(toks))]
+        plain = [[token_of(sid, i) for i in range(len(t))] for sid, t in zip(sample_ids, partial_tokens)]
+        resp, lengths, lps, finished = super().__call__(engine, rows, plain, partial_logprobs, sample_ids, stop)
+        states = []
+        for r, (sid, e) in enumerate(zip(sample_ids, episodes)):
+            n_before, n = len(partial_tokens[r]), int(lengths[r])
+            obs, spans, rewards = episode_of(sid)
+            assert e.observation.tolist() == [c in obs for c in range(n_before)]  # carried as it was
+            env = {"steps": len(e.spans)} if e.restored else (e.env or {"steps": 0})
+            assert env["steps"] == len(e.spans)  # the instance the episode left
+            for c in obs:
+                if c < n:  # the carried ones are as given (log-prob 0 too)
+                    resp[r, c], lps[r, c] = 90 + c, 0.0
+            done = [sp for sp in spans if sp[1] <= n and (sp[1] < n or bool(finished[r]) or sp[1] in OBS)]
+            env = {"steps": len(done)}
+            turn_start = max([b + (2 if b == OBS[0] else 0) for _, b in done], default=0)
+            states.append(EpisodeState(torch.tensor([c in obs for c in range(n)]), done, min(turn_start, n),
+                                       sum(v for c, v in rewards if any(b - 1 == c for _, b in done)) if done else None,
+                                       [(c, v) for c, v in rewards if any(b - 1 == c for _, b in done)], None, env))
+        return resp, lengths, lps, finished, TurnOutcome(states, {"turns": 1.0, "tool_calls": 1.0}, 0)
+
+
+def token_with_observation(sample_id, pos):
+    return 90 + pos if pos in episode_of(sample_id)[0] else token_of(sample_id, pos)
+
+
+def turn_stage():
+    st = stage()
+    st.multi_turn = True
+    return st
+
+
+def test_multi_turn_samples_carry_their_episodes_into_the_batch():
+    st, gen, draw = turn_stage(), FakeTurnGenerator(), prompts_from(0)
+    carried_observations = 0
+    for it in range(1, 7):
+        batch, records, versions, ids, stats = st.run(None, gen, *draw(), draw, it)
+        episodes = st.episodes
+        for b, sid in enumerate(ids):
+            n = int(batch.response_lengths[b])
+            obs, spans, rewards = episode_of(sid)
+            assert batch.tokens[b, 2:2 + n].tolist() == [token_with_observation(sid, i) for i in range(n)]
+            assert batch.loss_mask[b].tolist() == [0.0 if c in obs else 1.0 for c in range(R)]  # no loss on observations
+            assert float(episodes.scores[b]) == sum(v for _, v in rewards) and not bool(episodes.bad[b])
+            assert episodes.turn_rewards[b].tolist() == [sum(v for c, v in rewards if c == k) for k in range(R)]
+            assert all(float(batch.gen_logprobs[b, c]) == 0.0 for c in obs)
+            carried_observations += bool(obs) and int(versions[b, 0]) < int(versions[b, OBS[-1]])
+        # the per-sample metrics are the trained samples' own, over the iterations that generated them
+        assert stats["env_turns_per_sample"] == sum(len(episode_of(i)[1]) for i in ids) / (G * N)
+        assert stats["env_tool_calls_per_sample"] == sum(bool(episode_of(i)[0]) for i in ids) / (G * N)
+        assert stats["env_observation_tokens_per_sample"] == sum(len(episode_of(i)[0]) for i in ids) / (G * N)
+        assert stats["env_replay_mismatches"] == 0 and stats["env_step_errors"] == 0
+    assert carried_observations > 0  # an episode stopped before its observation came back to take it
+
+
+def test_multi_turn_state_dict_resumes_as_uninterrupted():
+    straight_st = turn_stage()
+    straight = run(straight_st, FakeTurnGenerator(), prompts_from(0), 5)
+    st, gen, draw = turn_stage(), FakeTurnGenerator(), prompts_from(0)
+    run(st, gen, draw, 2)
+    state = json.loads(json.dumps(st.state_dict()))
+    assert state["buffer"]["episodes"] and "env" not in state["buffer"]["episodes"][0]
+    resumed_st = turn_stage()
+    resumed_st.load_state_dict(state)
+    assert all(s.episode.restored == bool(s.episode.spans) for s in list(resumed_st.buffer._samples.values()))
+    for (b1, _, v1, i1, s1), (b2, _, v2, i2, s2) in zip(straight[2:], run(resumed_st, gen, draw, 3, first=3)):
+        assert torch.equal(b1.tokens, b2.tokens) and torch.equal(b1.loss_mask, b2.loss_mask)
+        assert torch.equal(v1, v2) and i1 == i2 and s1 == s2
+    with pytest.raises(ValueError, match="multi-turn samples, this run's single-turn"):
+        stage().load_state_dict(state)
+
+
+def test_replay_rebuilds_restored_instances_and_counts_what_differs():
+    from puzzle.dataflow.partial_stage import replay_episodes
+    from puzzle.rollout.partial import EpisodeState
+
+    class Turns:  # EpisodeTurns' step: an instance per row, rebuilt by the steps; "9" answers differently
+        def __init__(self, prompts, records):
+            self.envs, self.calls = [None] * len(prompts), []
+            made.append(self)
+
+        def step(self, rows, turns, histories, final):
+            self.calls.append((rows, turns, histories, final))
+            for r in rows:
+                self.envs[r] = (self.envs[r] or 0) + 1
+            return [[7, 7] if t != [9] else [8, 8] for t in turns]
+
+    made = []
+    tokens = [[1, 2, 7, 7, 3, 7, 7, 4], [9, 7, 7, 5], [6]]
+    eps = [EpisodeState(torch.tensor([c in (2, 3, 5, 6) for c in range(8)]), [(0, 2), (4, 5)], 7, restored=True),
+           EpisodeState(torch.tensor([False, True, True, False]), [(0, 1)], 3, restored=True),
+           EpisodeState(torch.zeros(1, dtype=torch.bool), [], 0, env="kept")]
+    out, differ = replay_episodes(Turns, [[1]] * 3, [{}] * 3, tokens, eps)
+    assert differ == 1  # row 1's replayed observation [8, 8] is not the recorded [7, 7]
+    assert [e.env for e in out] == [2, 1, "kept"] and not any(e.restored for e in out)
+    assert made[0].calls == [([0, 1], [[1, 2], [9]], [[], []], [False, False]), ([0], [[3]], [[1, 2, 7, 7]], [False])]
+    assert replay_episodes(Turns, [], [], [], [eps[2]]) == ([eps[2]], 0) and len(made) == 1  # nothing restored

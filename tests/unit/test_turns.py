@@ -10,7 +10,7 @@ import torch
 
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.rollout.generation import _check_turns
-from puzzle.rollout.turns import TurnTracker
+from puzzle.rollout.turns import TurnResume, TurnTracker
 
 
 class Handler:
@@ -117,15 +117,62 @@ def test_pipelined_generation_is_refused_naming_the_layout():
         _check_turns(Handler(), plan, None, None, False)
 
 
-def test_partial_rollouts_and_graphs_are_refused():
+def test_graphs_are_refused_and_partial_rows_need_their_turn_state_shape():
     for plan in (ParallelPlan(1, 2, 1), ParallelPlan(1, 1, 2)):  # D > 1 and T > 1 run
         _check_turns(Handler(), plan, None, None, False)
-    _check_turns(None, ParallelPlan(2, 1, 1), None, None, True)  # no turns: nothing checked
     plan = ParallelPlan(1, 2, 1)
-    for args, what in (((object(), None, False), "finished-groups quota"), ((None, [[1]], False), "partial rows"),
-                       ((None, None, True), "CUDA graphs")):
-        with pytest.raises(ValueError, match=what):
-            _check_turns(Handler(), plan, *args)
+    _check_turns(Handler(), plan, object(), [[1]], False, [None])  # partial rollouts: a quota, resumed rows
+    _check_turns(None, ParallelPlan(2, 1, 1), None, None, True)  # no turns: nothing checked
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        _check_turns(Handler(), plan, None, None, True)
+    with pytest.raises(ValueError, match="needs turns"):
+        _check_turns(None, plan, None, [[1]], False, [None])
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        _check_turns(Handler(), plan, None, [[1], [2]], False, [None])
+
+
+def test_a_row_stopped_with_its_step_in_flight_resumes_as_the_uninterrupted_one():
+    """A quota stop right after the turn [1, 7, 8] paused its row (its step due 3 calls later):
+    ``flush`` joins the step at once and writes its observation, ``state`` is what a new tracker
+    ``resume``s from; fed the same sampled tokens after it, it ends as the row that was never
+    stopped (tokens, mask, handler calls, counts)."""
+    sampled = [1, 7, 8, 2, 9, 4, 4]
+    whole = TurnTracker(Handler(overlap_calls=3), rows=1, max_new=12)
+    want = run(whole, sampled)
+    whole.close()
+    h = Handler(overlap_calls=3)
+    first = TurnTracker(h, rows=1, max_new=12)
+    for clock, t in enumerate(sampled[:3], start=1):
+        first.record([0], torch.tensor([t]))
+        status = first.end_turns([0], [False], clock)
+    assert status == ["pause"] and first.next_due() == 6 and h.calls == []
+    assert first.flush() == [(0, [5, 6], True)] and first.next_due() is None  # joined now, not at call 6
+    assert first.tokens[0] == [1, 7, 8, 5, 6] and first.flush() == []
+    state = first.state(0)
+    assert state == TurnResume((False,) * 3 + (True,) * 2, 1, 5)
+    second = TurnTracker(h, rows=1, max_new=12)
+    second.resume(0, first.tokens[0], state)
+    assert run(second, sampled[3:]) == want
+    second.close()
+    assert torch.equal(second.observation_mask, whole.observation_mask)
+    assert h.calls == [(0, [1, 7, 8], [], False), (0, [2, 9], [1, 7, 8, 5, 6], True)]
+    counts = {k: first.counts[k] + second.counts[k] for k in first.counts}
+    assert counts == whole.counts == {"turns": 2, "observation_tokens": 2, "turn_limit_cuts": 1,
+                                      "token_limit_cuts": 0}
+    with pytest.raises(ValueError, match="does not fit its 2 tokens"):
+        second.resume(0, [1, 2], state)
+
+
+def test_a_flushed_observation_that_fills_the_budget_or_ends_the_episode_ends_the_row():
+    tr = TurnTracker(Handler(obs=[5] * 10, overlap_calls=4), rows=2, max_new=6)
+    for clock, toks in enumerate(([1, 0], [9, 9]), start=1):
+        tr.record([0, 1], torch.tensor(toks))
+        status = tr.end_turns([0, 1], [False, False], clock)
+    assert status == ["pause", "pause"]
+    # row 0: 10 observation tokens, room for 4 (counted as the whole run counts it); row 1's episode is done
+    assert tr.flush() == [(0, [5, 5, 5, 5], False), (1, [], False)]
+    assert tr.counts["token_limit_cuts"] == 1 and tr.counts["observation_tokens"] == 4
+    assert tr.flush() == []
 
 
 def test_an_appended_segment_attends_to_its_rows_cached_keys():

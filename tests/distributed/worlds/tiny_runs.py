@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import tempfile
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -264,6 +265,204 @@ def check_env_rollouts():
             "forward_passes": out.forward_passes}
 
 
+def check_env_partial():
+    """1 rank: multi-turn episodes (a stateful environment, tests/unit/env_fixtures.py ``Tally``)
+    stopped by a quota of one finished row per call and carried over, call after call, until
+    every row ended; after the first stop the carried episodes go through a checkpoint's JSON and
+    their instances are rebuilt by replay. Returns the carried rows' final tokens, masks,
+    log-probs, per-token call index and episodes next to the uninterrupted run's (same weights)."""
+    if dist.get_world_size() != 1:
+        return {}
+    from puzzle.config import ModelArch
+    from puzzle.data.tokenizers import build_tokenizer
+    from puzzle.dataflow.env_turns import EpisodeTurns
+    from puzzle.dataflow.partial_stage import gather_turns, replay_episodes
+    from puzzle.engine.model_engine import ModelEngine
+    from puzzle.parallel.groups import layout_for
+    from puzzle.parallel.plan import ParallelPlan
+    from puzzle.reward_functions.env_runner import EnvRunner
+    from puzzle.reward_functions.environments import EnvSpec
+    from puzzle.rollout import SamplingParams, generate
+    from puzzle.rollout.partial import EpisodeState, GroupQuota, PartialSample
+    from puzzle.rollout.turns import TurnResume
+
+    tok = build_tokenizer("ByteLevelTokenizer")
+    arch = ModelArch.llama(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                           vocab_size=tok.vocab_size, make_vocab_size_divisible_by=64, seq_length=64)
+    engine = ModelEngine("actor", arch, layout_for(ParallelPlan(1, 1, 1)), trainable=False, seed=5)
+    runner = EnvRunner(EnvSpec.of("tests.unit.env_fixtures:Tally"), 0, None)
+    prompts = [tok.encode(t) for t in ("2+2=", "a long question?", "x", "tool: ", "12*3", "why")]
+    records = [{"start": r % 2} for r in range(len(prompts))]
+    stops = [[t] for t in range(0, 256, 6)]  # a turn ends at about one sampled byte in six
+    params = SamplingParams(28, temperature=1.0, eos_id=tok.eos_id, pad_id=tok.pad_id)
+
+    def episodes(rows_prompts, rows_records):  # steps joined 2 calls after their turns: some in flight at a stop
+        return EpisodeTurns(runner, tok, rows_prompts, rows_records, 4, 12, stops, overlap_calls=2)
+
+    full_turns = episodes(prompts, records)
+    full = generate(engine, prompts, params, seed=3, sample_ids=list(range(len(prompts))), turns=full_turns)
+    samples = {r: PartialSample(r // 2, r % 2, r, 3, 0, torch.zeros(0, dtype=torch.long), torch.zeros(0),
+                                torch.zeros(0, dtype=torch.long), episode=EpisodeState.fresh()) for r in range(len(prompts))}
+    done, calls, after_observation, replayed = {}, 0, 0, []
+    with _counting_flush() as in_flight:
+        while samples:
+            rows = sorted(samples)
+            eps = [samples[r].episode for r in rows]
+            part = [samples[r].tokens.tolist() for r in rows]
+            recs = [records[r] for r in rows]
+            eps, mismatches = replay_episodes(episodes, [prompts[r] for r in rows], recs, part, eps)
+            replayed.append(mismatches)
+            turns = episodes([prompts[r] for r in rows], recs)
+            for k, e in enumerate(eps):
+                turns.resume(k, e)
+            out = generate(engine, [prompts[r] for r in rows], params, seed=3, sample_ids=rows,
+                           stop=GroupQuota(tuple(rows), 1), partial_tokens=part,
+                           partial_logprobs=[samples[r].logprobs for r in rows], turns=turns,
+                           partial_turns=[TurnResume(tuple(e.observation.tolist()), len(e.spans), e.turn_start)
+                                          for e in eps])
+            outcome = gather_turns(turns, out, engine.layout, len(rows), engine.module.puzzle_device, 28, mismatches)
+            for k, r in enumerate(rows):
+                n = int(out.response_lengths[k])
+                s = samples.pop(r).extended(out.response_tokens[k, :n], out.logprobs[k, :n], calls,
+                                            bool(out.finished[k]), outcome.states[k])
+                (done if s.finished else samples)[r] = s
+                after_observation += not s.finished and bool(n and s.episode.observation[-1])
+            if calls == 0:  # through a checkpoint: the instances are rebuilt by replay at the next call
+                samples = {s.sample_id: s for s in _through_json(samples.values())}
+            calls += 1
+    lengths = full.response_lengths.tolist()
+    done = [done[r] for r in sorted(done)]
+    return {"calls": calls, "after_observation": after_observation, "in_flight": len(in_flight),
+            "replay_mismatches": replayed,
+            "full": {"tokens": [full.response_tokens[r, :n].tolist() for r, n in enumerate(lengths)],
+                     "mask": [full.observation_mask[r, :n].tolist() for r, n in enumerate(lengths)],
+                     "logprobs": [full.logprobs[r, :n].tolist() for r, n in enumerate(lengths)],
+                     "scores": [v for v, _ in full_turns.scores()],
+                     "turn_rewards": [list(map(list, t)) for t in full_turns.turn_ends],
+                     "spans": [list(map(list, sp)) for sp in full_turns.spans]},
+            "carried": {"tokens": [s.tokens.tolist() for s in done], "mask": [s.episode.observation.tolist() for s in done],
+                        "logprobs": [s.logprobs.tolist() for s in done], "versions": [s.versions.tolist() for s in done],
+                        "scores": [s.episode.reward for s in done],
+                        "turn_rewards": [list(map(list, s.episode.turn_rewards)) for s in done],
+                        "spans": [list(map(list, s.episode.spans)) for s in done]}}
+
+
+@contextlib.contextmanager
+def _counting_flush():
+    """A list of the paused rows whose steps were still in flight at a quota stop (joined by
+    ``TurnTracker.flush`` there), filled while the block runs."""
+    from puzzle.rollout.turns import TurnTracker
+
+    flush, rows = TurnTracker.flush, []
+
+    def counted(tracker):
+        joined = flush(tracker)
+        rows.extend(r for r, _, _ in joined)
+        return joined
+
+    with mock.patch.object(TurnTracker, "flush", counted):
+        yield rows
+
+
+def _through_json(samples):
+    """Carried samples as a checkpoint keeps them (trainer_state.json) and loads them back."""
+    import json
+
+    from puzzle.rollout.partial import PartialRolloutBuffer
+
+    buf = PartialRolloutBuffer()
+    buf.put(samples)
+    state = json.loads(json.dumps({k: v.tolist() if isinstance(v, torch.Tensor) else v
+                                   for k, v in buf.state_dict().items()}))
+    loaded = PartialRolloutBuffer()
+    dtypes = {"logprobs": torch.float32, "observation": torch.bool, "finished": torch.bool}
+    loaded.load_state_dict({k: v if k == "episodes" else torch.tensor(v, dtype=dtypes.get(k, torch.long))
+                            for k, v in state.items()})
+    return loaded.take()
+
+
+#: the tiny tool run (examples/run_grpo_tiny_tool.sh) with --rl-partial-rollouts on a planted long tail
+#: (``tool_long_tail``), evaluated before and after on 4 held-out prompts: 3 iterations of 4 groups of 4
+TOOL_PARTIAL = ["--rl-partial-rollouts", "--rl-inference-logprobs-is-correction", "--rl-partial-rollouts-oversample", "3",
+                "--n-samples-per-prompt", "4", "--rollout-batch-size", "4", "--global-batch-size", "16",
+                "--micro-batch-size", "16", "--max-new-tokens", "9", "--reward-timeout", "0", "--train-iters", "3",
+                "--lr", "1e-2"]
+TOOL_EVAL = ["--eval-prompts", "puzzle/data/bundled/tiny_tool_last_digits_eval.jsonl", "--eval-iters", "1"]
+
+
+@contextlib.contextmanager
+def tool_long_tail(log, close_call: int):
+    """Samples whose global index is 3 mod 9 close the prompt's tool call at once (``close_call``,
+    "]") and then never end before --max-new-tokens; the others end after one token. ``log`` gets
+    each iteration's trained samples: their ids, per-token policy versions, loss masks, scores."""
+    from puzzle.dataflow import generation_stage
+    from puzzle.rollout import pipelined_generation
+
+    originals = (pipelined_generation.sample_tokens, generation_stage.GenerationStage.run)
+
+    def sample_tokens(logits, params, *, sample_ids=None, step=0, **kw):
+        if sample_ids is not None and params.eos_id is not None:
+            step = torch.as_tensor(step, device=logits.device)
+            long = sample_ids % 9 == 3
+            logits = logits.clone()
+            logits[long & (step == 0), close_call] += 1e4
+            logits[~long & (step >= 1), params.eos_id] += 1e4
+            logits[long, params.eos_id] -= 1e4
+        return originals[0](logits, params, sample_ids=sample_ids, step=step, **kw)
+
+    def run(self, prompt_ids, records, refill, iteration):
+        out = originals[1](self, prompt_ids, records, refill, iteration)
+        log.setdefault("trained", {})[iteration] = (out.sample_ids, out.versions.tolist(),
+                                                    out.batch.loss_mask.cpu().tolist(), out.scores.cpu().tolist(),
+                                                    out.batch.response_lengths.tolist())
+        return out
+
+    pipelined_generation.sample_tokens, generation_stage.GenerationStage.run = sample_tokens, run
+    try:
+        yield
+    finally:
+        pipelined_generation.sample_tokens, generation_stage.GenerationStage.run = originals
+
+
+def check_env_partial_run():
+    """1 rank: the tiny tool run with partial rollouts on a planted long tail (its long samples call
+    the calculator at once: carried over mid-episode, their observation written at the stop), with
+    multi-turn evaluation before and after training, saved at iteration 2; then resumed there. The
+    trained samples of each iteration, the evaluation's metrics, the straight and resumed rows."""
+    if dist.get_world_size() != 1:
+        return {}
+    import json
+
+    from puzzle.arguments import parse_args, validate_args
+    from puzzle.cli import _eval_dataset
+    from puzzle.data.prompts import load_prompt_dataset
+    from puzzle.data.tokenizers import build_tokenizer
+    from puzzle.dataflow.trainer import PPOTrainer
+    from tests.harness import REPO
+
+    log = {}
+    tok = build_tokenizer("ByteLevelTokenizer")
+    base = tiny_flags(REPO / "examples" / "run_grpo_tiny_tool.sh") + TOOL_PARTIAL
+    with tempfile.TemporaryDirectory(prefix="puzzle-env-partial-") as d, tool_long_tail(log, tok.encode("]")[0]):
+        cfg = validate_args(parse_args(base + TOOL_EVAL + ["--save", os.path.join(d, "ck"), "--save-interval", "2",
+                                                           "--log-dir", os.path.join(d, "log")]), 1, tok.vocab_size)
+        dataset = load_prompt_dataset(cfg.prompt_data, tok, cfg.prompt_key, max_prompt_len=cfg.ppo.max_prompt_length)
+        trainer = PPOTrainer(cfg, tok, dataset, _eval_dataset(cfg, tok))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        with open(os.path.join(d, "log", "metrics.jsonl")) as f:
+            straight = [json.loads(line) for line in f]
+        trained = log.pop("trained")
+        resumed = train_in_world(base + ["--load", os.path.join(d, "ck"), "--ckpt-step", "2"])
+    keys = set(resumed["rows"][0])
+    return {"trained": {str(k): v for k, v in trained.items()}, "resumed": resumed["rows"],
+            "straight": [{k: v for k, v in row.items() if k in keys} for row in straight if "reward_mean" in row],
+            "eval": [{k: v for k, v in row.items() if k.startswith("eval/")} for row in straight
+                     if any(k.startswith("eval/") for k in row)]}
+
+
 def check_lora_export():
     """1 rank: a LoRA actor on a tiny HF Llama base (its adapters non-zero) exported as a PEFT adapter
     directory and, merged, as an HF model: PEFT on transformers and the merged model give the greedy
@@ -344,5 +543,6 @@ def check_lora_critic():
 if __name__ == "__main__":
     world_main([("runs", check_ppo_layouts), ("grpo_resume", check_grpo_resume),
                 ("batch_invariant", check_batch_invariant), ("env_rollouts", check_env_rollouts),
-                ("partial_rollouts", check_partial_rollouts), ("lora_export", check_lora_export),
-                ("lora_critic", check_lora_critic)])
+                ("partial_rollouts", check_partial_rollouts), ("env_partial", check_env_partial),
+                ("env_partial_run", check_env_partial_run),
+                ("lora_export", check_lora_export), ("lora_critic", check_lora_critic)])
