@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from puzzle.config_flags import check, check_at_least, fail, flag
-from puzzle.flag_checks import check_checkpoint_flags, check_turn_flags
+from puzzle.config_checks import check_checkpoint_flags, check_turn_flags
 from puzzle.lora_config import LoRAConfig
 from puzzle.memory_levers import MemoryLevers, Recompute
 from puzzle.model_shape import ModelShape

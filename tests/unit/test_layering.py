@@ -4,8 +4,8 @@ Every ``import`` / ``from ... import`` of every module under puzzle/ counts, whe
 (module level, inside a function, under ``if TYPE_CHECKING``): a function-local import does not
 hide an arrow. The layers, from the bottom:
 
-    0  config, config_flags, plan_layouts, parallel, fail_fast, model_shape, checkpoint_errors,
-       lora_config, memory_levers
+    0  config, config_flags, config_checks, plan_layouts, parallel, fail_fast, model_shape,
+       checkpoint_errors, lora_config, memory_levers
        (flags' values, process layouts, bad input, the one model-shape type)
     1  models                                             (GPTModel builders, parameter layout/names)
     2  engine, rollout, pipeline, switch, algorithms, data  (model engines, generation, schedules, math)
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "puzzle"
 
 LAYERS = [
-    {"config", "config_flags", "plan_layouts", "parallel", "fail_fast", "model_shape", "checkpoint_errors",
-     "lora_config", "memory_levers"},
+    {"config", "config_flags", "config_checks", "plan_layouts", "parallel", "fail_fast", "model_shape",
+     "checkpoint_errors", "lora_config", "memory_levers"},
     {"models"},
     {"engine", "rollout", "pipeline", "switch", "algorithms", "data"},
     {"dataflow", "checkpointing", "checkpoint_metadata", "rng_state", "save_failures", "reward_functions", "metrics", "run_control", "weight_sources"},
