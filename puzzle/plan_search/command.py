@@ -251,23 +251,65 @@ def partial_refused(cfg) -> str:
     return ""
 
 
+def _planning_config(argv: List[str], world_size: int):
+    from puzzle.arguments import build_parser, config_for_planning
+
+    args = build_parser(prog="predict_mode", raise_errors=True).parse_args(
+        list(argv) + ["--world-size", str(world_size)])
+    return config_for_planning(args)
+
+
+def _own_layouts(cfg):
+    return placement_from_config(cfg), {"scoring": cfg.score_placement, "training": cfg.train_placement}
+
+
+def pool_layouts(cfg):
+    """(the training pool's plans, placements, the generation pool's plan) of a run with a
+    generation pool of its own (--rl-desired-lag with --actor-gen-rank-offset), else None."""
+    gen = cfg.roles["actor"].gen_plan
+    if set(gen.ranks) & set(cfg.roles["actor"].plan.ranks):
+        return None
+    plans, placements = _own_layouts(cfg)
+    plans["actor"] = {s: q for s, q in plans["actor"].items() if s != "generation"}
+    return plans, placements, gen
+
+
+def predict_modes(argvs: Dict[str, List[str]], lengths, world_size: int = 1,
+                  profile: str = "cpu_long_tail_1rank"):
+    """The long tail's three modes priced, each at the layouts of its own train_ppo.py flags
+    (``argvs``: {'sync': ..., 'partial': ..., 'overlap': ...}; a mode left out: the sync flags'
+    layouts, the overlap at every split) on ``world_size`` ranks under ``lengths`` (a
+    puzzle.plan_search.long_tail.ResponseLengths) with ``profile`` (a bundled name or a file):
+    the report (its ``choice``, each mode's seconds) puzzle.bench.long_tail prints beside its
+    measurement. The overlap's flags need a generation pool of their own."""
+    from puzzle.plan_search.long_tail import compare_modes
+
+    cfg = _planning_config(argvs["sync"], world_size)
+    job = job_from_config(cfg, load_profile(profile))
+    partial = _planning_config(argvs["partial"], world_size) if "partial" in argvs else cfg
+    overlap = None
+    if "overlap" in argvs:
+        overlap = pool_layouts(_planning_config(argvs["overlap"], world_size))
+        if overlap is None:
+            raise ValueError("predict_modes: the overlap's flags give no generation pool (--actor-gen-rank-offset)")
+    return compare_modes(job, lengths, cfg.ppo.n_samples_per_prompt, partial.ppo.rl_partial_rollouts_oversample,
+                         *_own_layouts(cfg), partial_refused=partial_refused(partial),
+                         partial_layouts=_own_layouts(partial), overlap_layouts=overlap)
+
+
 def predict_mode(argv: List[str], lengths, world_size: int = 1, profile: str = "cpu_long_tail_1rank",
                  gen_ranks: Optional[List[int]] = None) -> str:
     """The long tail's advisory mode ('sync', 'partial' or 'overlap') for a run of train_ppo.py
     flags ``argv`` (its own layouts) on ``world_size`` ranks priced under ``lengths`` (a
     puzzle.plan_search.long_tail.ResponseLengths) with ``profile`` (a bundled name or a file), the
-    overlap with ``gen_ranks`` generation ranks (None: every split): what puzzle.bench.long_tail
-    compares its measurement with."""
-    from puzzle.arguments import build_parser, config_for_planning
+    overlap with ``gen_ranks`` generation ranks (None: every split); :func:`predict_modes` prices
+    each mode at its own flags' layouts."""
     from puzzle.plan_search.long_tail import compare_modes
 
-    args = build_parser(prog="predict_mode", raise_errors=True).parse_args(
-        list(argv) + ["--world-size", str(world_size)])
-    cfg = config_for_planning(args)
+    cfg = _planning_config(argv, world_size)
     job = job_from_config(cfg, load_profile(profile))
-    plans, placements = placement_from_config(cfg), {"scoring": cfg.score_placement, "training": cfg.train_placement}
-    return compare_modes(job, lengths, cfg.ppo.n_samples_per_prompt, cfg.ppo.rl_partial_rollouts_oversample, plans,
-                         placements, gen_ranks=gen_ranks, partial_refused=partial_refused(cfg)).choice
+    return compare_modes(job, lengths, cfg.ppo.n_samples_per_prompt, cfg.ppo.rl_partial_rollouts_oversample,
+                         *_own_layouts(cfg), gen_ranks=gen_ranks, partial_refused=partial_refused(cfg)).choice
 
 
 #: the levers the search may turn on: full recompute of every layer, offload during inference,
