@@ -223,19 +223,20 @@ def lengths_from_config(cfg, metrics: Optional[str] = None):
 def long_tail_report(cfg, profile, own_layouts: bool = False, plans=None, placements=None, lengths=None):
     """The long tail's three modes priced for the run (puzzle.plan_search.long_tail.compare_modes):
     the colocated ones at the run's own layouts (``own_layouts``, --dry-run: the overlap at a
-    quarter, half and three quarters of the ranks for generation), at ``plans`` / ``placements``
-    (a search's: the overlap at every split), else searched."""
+    quarter, half and three quarters of the ranks for generation; a run with a generation pool
+    of its own: the overlap at its layouts, the colocated modes searched), at ``plans`` /
+    ``placements`` (a search's: the overlap at every split), else searched."""
     from puzzle.plan_search.long_tail import coarse_splits, compare_modes
 
     job = job_from_config(cfg, profile)
     job = replace(job, workload=replace(job.workload, mean_gen_len=None))
-    if own_layouts:
-        plans, placements = placement_from_config(cfg), {"scoring": cfg.score_placement,
-                                                         "training": cfg.train_placement}
+    pool = pool_layouts(cfg) if own_layouts else None
+    if own_layouts and pool is None:
+        plans, placements = _own_layouts(cfg)
     return compare_modes(job, lengths or lengths_from_config(cfg), cfg.ppo.n_samples_per_prompt,
                          cfg.ppo.rl_partial_rollouts_oversample, plans, placements,
                          gen_ranks=coarse_splits(cfg.world_size) if own_layouts else None,
-                         partial_refused=partial_refused(cfg))
+                         partial_refused=partial_refused(cfg), overlap_layouts=pool)
 
 
 def partial_refused(cfg) -> str:
