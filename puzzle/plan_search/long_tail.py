@@ -17,10 +17,13 @@ generating, so finished rows below a live one still cost. Three ways to run an i
   while the other W ranks score and train batch k; an iteration lasts
   ``max(generation on G ranks, scoring + training on W ranks) + the switch`` (the new weights
   from the training layout to the generation pool, every byte of it: the pools share no rank;
-  taken as exposed). Every split G + W = N whose two pools fit memory is priced: the training
-  pool's plans are the plan search's for W ranks (whose objective and memory still count a
-  generation stage of its own there: conservative), the generation pool's the fastest generation
-  plan of the actor alone on G ranks that fits.
+  taken as exposed). On a CPU host whose ranks share cores (the profile's ``host_cores``) the
+  longer pool's work beyond the shorter one's runs at :meth:`Profile.busy_ranks_factor` of its
+  pool (its ranks get the cores the waiting pool leaves). Every split G + W = N whose two pools
+  fit memory is priced: the training pool's plans are the plan search's for W ranks (whose
+  objective and memory still count a generation stage of its own there: conservative), the
+  generation pool's the fastest generation plan of the actor alone on G ranks that fits; or the
+  run's own pools (:meth:`LongTailPricer.overlap_at`, what puzzle.bench.long_tail runs).
 
 The steps' widths come from a deterministic simulation (:func:`simulate`): seeded draws from
 the distribution, continuous batching over the slots in serving order, the quota rule of
@@ -462,7 +465,8 @@ class LongTailPricer:
         gen = self.sync_generation(cm, gen_plan)
         switch = cm.switch(self.actor, plans["actor"]["training"], gen_plan)[1]
         both = min(gen, side)  # both pools busy
-        rest = (gen - both) * self.profile.busy_ranks_factor(n_gen) + (side - both) * self.profile.busy_ranks_factor(n_train)
+        factor = self.profile.busy_ranks_factor
+        rest = (gen - both) * factor(n_gen) + (side - both) * factor(n_train)
         last = n_train + n_gen - 1
         layout = f"generation {fmt_plan(gen_plan)} on ranks {n_train}..{last}; training pool " + _layout(plans)
         return ModeEstimate("overlap", both + rest + switch, gen, side, switch, layout, flags)

@@ -54,9 +54,12 @@ HARDWARE_FIELDS = {
 #: ``graph_decode_efficiency``); 1.0, the bound itself, where a profile does not say.
 #: host_link_bandwidth: bytes/s of pinned host <-> device copies per direction (PCIe 4.0 x16);
 #: host_cores: the CPU cores the ``ranks_per_node`` ranks of a node share, where the ranks are
-#: processes on a CPU host (0: every rank has a device of its own, as on GPUs). The tables are
-#: measured with every rank busy; work on fewer busy ranks runs faster (:meth:`Profile.busy_ranks_factor`).
-OPTIONAL_HARDWARE_FIELDS = {"graph_decode_efficiency": 1.0, "host_link_bandwidth": 25e9, "host_cores": 0.0}
+#: processes on a CPU host (0: every rank has a device of its own, as on GPUs), and
+#: host_background_load: the host's other runnable processes while the profile was measured (its
+#: 1-minute load average before the profiling world started). The tables are measured with every
+#: rank busy beside that load; work on fewer busy ranks runs faster (:meth:`Profile.busy_ranks_factor`).
+OPTIONAL_HARDWARE_FIELDS = {"graph_decode_efficiency": 1.0, "host_link_bandwidth": 25e9, "host_cores": 0.0,
+                            "host_background_load": 0.0}
 #: optional per-size tables ({size: seconds}, sizes powers of two):
 #: ``allreduce_latency_s_by_ranks``: the latency of an all-reduce over a group of that many ranks
 #: of one node, every group of the node busy at once (a CPU host with more ranks than cores waits
@@ -161,6 +164,7 @@ class Profile:
     graph_decode_efficiency: float = OPTIONAL_HARDWARE_FIELDS["graph_decode_efficiency"]
     host_link_bandwidth: float = OPTIONAL_HARDWARE_FIELDS["host_link_bandwidth"]
     host_cores: float = OPTIONAL_HARDWARE_FIELDS["host_cores"]
+    host_background_load: float = OPTIONAL_HARDWARE_FIELDS["host_background_load"]
     allreduce_latency_s_by_ranks: Dict[int, float] = field(default_factory=dict)
     decode_step_overhead_s_by_tp: Dict[int, float] = field(default_factory=dict)
 
@@ -204,13 +208,14 @@ class Profile:
 
     def busy_ranks_factor(self, busy: int) -> float:
         """The time of work on ``busy`` ranks of a node while its other ranks idle, as a fraction of
-        the profiled time (every rank busy): a CPU host's ``host_cores`` shared by the busy ranks,
-        each at most one core: min(1, cores / ranks_per_node) / min(1, cores / busy); 1.0 where
-        ranks do not share cores (``host_cores`` 0, GPUs)."""
+        the profiled time (every rank busy): a CPU host's ``host_cores`` shared by the busy ranks
+        and the background load b, each at most one core: min(1, cores / (ranks_per_node + b)) /
+        min(1, cores / (busy + b)) (2 cores, 4 ranks: 0.5 for 2 busy ranks on an idle host, 0.85
+        beside a load of 9); 1.0 where ranks do not share cores (``host_cores`` 0, GPUs)."""
         if self.host_cores <= 0 or busy <= 0:
             return 1.0
-        busy = min(busy, self.ranks_per_node)
-        return min(1.0, self.host_cores / self.ranks_per_node) / min(1.0, self.host_cores / busy)
+        busy, bg, cores = min(busy, self.ranks_per_node), self.host_background_load, self.host_cores
+        return min(1.0, cores / (self.ranks_per_node + bg)) / min(1.0, cores / (busy + bg))
 
     def decode_step_overhead(self, T: int) -> float:
         """The host's share of one decode step at tensor-parallel degree T (per model call)."""

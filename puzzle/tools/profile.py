@@ -43,7 +43,9 @@ of the (P, D, T) = (1, procs/T, T) layout at once):
   ``gemm_half_efficiency_flops`` from a small GEMM), memory streaming rate (``hbm_bandwidth``:
   a large tensor copy), ``device_memory_bytes`` (GPU memory, or host RAM / procs on CPU),
   ``memory_reserved_bytes`` (the worker's resident memory before any model: torch, megatron),
-  ``host_cores`` on a CPU host (the cores the ranks share).
+  ``host_cores`` on a CPU host (the cores the ranks share) and ``host_background_load`` (its
+  1-minute load average before the profiling world started: the other work the tables were
+  measured beside).
 
 ``--procs``: how many ranks share this host in the run the profile is for. A CPU "device" is a
 share of the host: 4 ranks on 2 cores each run at about half speed and their collectives wait
@@ -177,6 +179,8 @@ def merge_raw(raws: List[dict]) -> dict:
                                  for T, rows in raws[0].get("allreduce_by_ranks", {}).items()}
     for k in ("peak_flops", "gemm_half_flops", "hbm_bandwidth"):
         out[k] = mean(r[k] for r in raws)
+    if all("background_load" in r for r in raws):
+        out["background_load"] = round(mean(r["background_load"] for r in raws), 2)
     out["wall_s"] = round(sum(r.get("wall_s", 0.0) for r in raws), 1)
     out["worlds"] = len(raws)
     return out
@@ -205,13 +209,14 @@ def measure_raw(spec: dict, timeout: int = 600) -> dict:
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['procs']}",
                    "-m", "puzzle.tools.profile", "--out", "-", "--worker", spec_path]
-        t0 = time.perf_counter()
+        t0, background = time.perf_counter(), os.getloadavg()[0]  # the host's other work, before ours starts
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(res_path):
             tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-40:])
             raise RuntimeError(f"profiler world failed (rc={proc.returncode}):\n{tail}")
         raw = json.loads(Path(res_path).read_text())
     raw["wall_s"] = round(time.perf_counter() - t0, 1)
+    raw["background_load"] = round(background, 2)
     return raw
 
 
@@ -266,6 +271,7 @@ def build_profile(spec: dict, raw: dict):
               decode_step_overhead_s=0.0)
     prof = Profile(name=spec.get("name") or raw["device_name"], comment="", **hw,
                    host_cores=float(raw.get("host_cores", 0)),
+                   host_background_load=float(raw.get("background_load", 0.0)) if raw.get("host_cores") else 0.0,
                    allreduce_latency_s_by_ranks={n: float(f"{v:.4g}") for n, v in by_ranks.items()} if len(by_ranks) > 1 else {})
     shape = ModelShape(sh["num_layers"], sh["hidden_size"], sh["ffn_hidden_size"], sh["num_attention_heads"],
                        sh["num_query_groups"], raw["padded_vocab"], sh["swiglu"])
@@ -319,7 +325,8 @@ def build_profile(spec: dict, raw: dict):
         f"share of a generate() decode step (hooks), decode_step_overhead_s(_by_tp) = rest of the step (per T). {comm_note}. "
         f"GEMM peak {raw['peak_flops'] / 1e9:.1f} GFLOP/s, memory copy {raw['hbm_bandwidth'] / 1e9:.1f} GB/s. "
         f"One host: inter-node figures = intra-node"
-        + (f"; its {prof.host_cores:g} cores shared by the {spec['procs']} ranks" if prof.host_cores else "")
+        + (f"; its {prof.host_cores:g} cores shared by the {spec['procs']} ranks beside a background load of "
+           f"{prof.host_background_load:g} (the load average before they started)" if prof.host_cores else "")
         + ". See puzzle/tools/profile.py.")
     return prof
 
