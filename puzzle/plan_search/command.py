@@ -276,10 +276,11 @@ def pool_layouts(cfg):
 
 
 def predict_modes(argvs: Dict[str, List[str]], lengths, world_size: int = 1,
-                  profile: str = "cpu_long_tail_1rank"):
+                  profile: str = "cpu_long_tail_1rank", gen_ranks: Optional[List[int]] = None):
     """The long tail's three modes priced, each at the layouts of its own train_ppo.py flags
     (``argvs``: {'sync': ..., 'partial': ..., 'overlap': ...}; a mode left out: the sync flags'
-    layouts, the overlap at every split) on ``world_size`` ranks under ``lengths`` (a
+    layouts, the overlap searched over ``gen_ranks`` generation ranks, None: every split) on
+    ``world_size`` ranks under ``lengths`` (a
     puzzle.plan_search.long_tail.ResponseLengths) with ``profile`` (a bundled name or a file):
     the report (its ``choice``, each mode's seconds) puzzle.bench.long_tail prints beside its
     measurement. The overlap's flags need a generation pool of their own."""
@@ -295,7 +296,8 @@ def predict_modes(argvs: Dict[str, List[str]], lengths, world_size: int = 1,
             raise ValueError("predict_modes: the overlap's flags give no generation pool (--actor-gen-rank-offset)")
     return compare_modes(job, lengths, cfg.ppo.n_samples_per_prompt, partial.ppo.rl_partial_rollouts_oversample,
                          *_own_layouts(cfg), partial_refused=partial_refused(partial),
-                         partial_layouts=_own_layouts(partial), overlap_layouts=overlap)
+                         partial_layouts=_own_layouts(partial), overlap_layouts=overlap,
+                         gen_ranks=gen_ranks)
 
 
 def predict_mode(argv: List[str], lengths, world_size: int = 1, profile: str = "cpu_long_tail_1rank",

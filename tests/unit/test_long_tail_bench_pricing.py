@@ -54,7 +54,7 @@ def test_each_mode_is_priced_at_the_layouts_the_bench_runs():
     over = report.estimate("overlap")
     assert over.layout == "generation (1,1,2)@2 on ranks 2..3; training pool actor (1,2,1)"
     # the overlap's flags only change its estimate: the searched pool generates at (1,2,1)@2
-    searched = predict_modes({"sync": _argvs()["sync"]}, TAIL, RANKS, PROFILE).estimate("overlap")
+    searched = predict_modes({"sync": _argvs()["sync"]}, TAIL, RANKS, PROFILE, gen_ranks=[2]).estimate("overlap")
     assert "(1,1,2)@2" not in searched.layout
     with pytest.raises(ValueError, match="no generation pool"):
         predict_modes({**_argvs(), "overlap": _argvs()["sync"]}, TAIL, RANKS, PROFILE)
