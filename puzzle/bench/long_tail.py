@@ -1,7 +1,7 @@
 """Benchmark: trained samples/s of a tiny GRPO run, synchronous against --rl-partial-rollouts and
 against the overlap of a generation pool and a training pool (--rl-desired-lag 1).
 
-    python -m puzzle.bench.long_tail [--iterations 6] [--repeats 2] [--max-new-tokens 192] [--n-samples 4] [--oversample 2] [--out rows.json]
+    python -m puzzle.bench.long_tail [--iterations 6] [--repeats 2] [--warmup 2] [--max-new-tokens 192] [--n-samples 4] [--oversample 2] [--profile cpu_long_tail_4ranks] [--out rows.json]
 
 In ONE run (one 4-rank torchrun world; ``MODES`` and ``LAYOUTS`` give each mode's layouts, also in
 the rows), the tiny GRPO model of examples/run_grpo_tiny.sh (random
@@ -11,15 +11,26 @@ exponential, mean/max ~0.16 of --max-new-tokens, the same draw, without its row 
 cap) and ``all_equal`` (every response at the cap). A random model has no length distribution of
 its own, so the lengths are planted: each sample's end-of-sequence token is made the argmax
 once its response reaches the length drawn for its (seed, sample index), and is never sampled
-before; the log-probs recorded are the model's. Each run (``PPOTrainer.train``) has one
-warm-up iteration and ``--iterations`` timed ones; ``--repeats`` runs of each mode, the first
-mode alternating between repeats (load from other processes falls on both). samples/s = trained
-samples / the summed iteration wall times (the metrics' ``samples_per_sec``) of a mode's timed
-iterations (the overlap's: the training pool's iterations, each from waiting for its batch to
-the end of its training); ``ratio_<mode>_over_sync`` the median of the repeats' own ratios. The JSON rows
-also carry generation seconds per iteration (the overlap's: the training pool's wait for its batch,
-and ``generation_pool_s_per_iteration`` the generation pool's own) and the trained responses' mean
-length.
+before; the log-probs recorded are the model's. Each run (``PPOTrainer.train``) has ``--warmup``
+untimed iterations (partial rollouts' carried buffer fills; the overlap's pipeline fills) and
+``--iterations`` timed ones; the overlap's run has two more untimed ones after them (its drain:
+the training step of the next-to-last batch sends no weights, so that iteration does not wait
+for a generation and lasts its training alone; timed, it would flatter the overlap by about
+(n x generation) / ((n-1) x generation + training) over n timed iterations). ``--repeats`` runs
+of each mode, the first mode alternating between repeats (load from other processes falls on
+both). samples/s = trained samples / the summed iteration wall times (the metrics'
+``samples_per_sec``) of a mode's timed iterations (the overlap's: the training pool's iterations,
+each from waiting for its batch to the end of its training, its weights' switch to the generation
+pool included, which waits for the generation pool's current batch); ``ratio_<mode>_over_sync``
+the median of the repeats' own ratios. The JSON rows also carry generation seconds per iteration
+(the overlap's: the training pool's wait for its batch, and ``generation_pool_s_per_iteration``
+the generation pool's own), scoring and training seconds, the trained responses' mean length and
+the host's load average at the start and the end of the distribution's runs.
+
+Beside the measurement, each distribution's ratio row carries the plan search's prediction
+(``prediction``: puzzle.plan_search.command.predict_modes with each mode's own flags and layouts,
+the planted distribution and ``--profile``): the mode it chooses, each mode's estimated seconds
+per iteration and samples/s, the measured fastest mode and whether the two agree.
 
 Read with the lengths: in a short run the partial mode trains shorter responses on average than
 were drawn (the long ones are still carried), which makes its scoring and training cheaper; and
@@ -98,9 +109,9 @@ def _lengths(kind: str, cap: int):
     return (x * cap).long().clamp(min=1)
 
 
-def _train(argv) -> list:
+def _train(argv, timed: range) -> list:
     """One run of ``argv`` (PPOTrainer.train, the prompt loader its own) in this world; its
-    metric rows after the first (warm-up) iteration."""
+    metric rows of the ``timed`` iterations (rank 0's; the other ranks: none)."""
     import tempfile
 
     import torch.distributed as dist
@@ -127,7 +138,24 @@ def _train(argv) -> list:
             run.close()
         rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))] if dist.get_rank() == 0 else []
         dist.barrier()  # rank 0 has read its directory before it goes
-    return [r for r in rows if r.get("iteration", 0) > 1]
+    return [r for r in rows if r.get("iteration", 0) in timed]
+
+
+def mode_argv(args, mode: str) -> list:
+    """The train_ppo.py flags of ``mode``'s runs (without --train-iters)."""
+    R = args.max_new_tokens
+    extra = ["--rl-partial-rollouts-oversample", str(args.oversample)] if mode == "partial" else []
+    return MODEL + RUN + MODES[mode] + extra + [
+        "--n-samples-per-prompt", str(args.n_samples), "--seq-length", str(R + 16),
+        "--max-position-embeddings", str(R + 16), "--max-new-tokens", str(R)]
+
+
+#: untimed iterations after the timed ones: the overlap's drain (see the module docstring)
+DRAIN = {"overlap": 2}
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
 
 
 def _run(args, kind: str) -> list:
@@ -135,18 +163,16 @@ def _run(args, kind: str) -> list:
     other processes that comes and goes falls on both); per mode the timed iterations of all
     repeats summed, and the ratio of the modes the median of the repeats' own ratios."""
     R = args.max_new_tokens
-    acc = {mode: {"seconds": 0.0, "samples": 0, "gen": [], "lengths": []} for mode in MODES}
-    ratios = []
+    acc = {mode: {"seconds": 0.0, "samples": 0, "gen": [], "pool": [], "score": [], "train": [], "lengths": []}
+           for mode in MODES}
+    ratios, load = [], [round(os.getloadavg()[0], 2)]
+    timed = range(args.warmup + 1, args.warmup + args.iterations + 1)
     for rep in range(args.repeats):
         per = {}
         for mode in (list(MODES) if rep % 2 == 0 else list(MODES)[::-1]):
-            extra = ["--rl-partial-rollouts-oversample", str(args.oversample)] if mode == "partial" else []
-            argv = MODEL + RUN + MODES[mode] + extra + [
-                "--n-samples-per-prompt", str(args.n_samples), "--seq-length", str(R + 16),
-                "--max-position-embeddings", str(R + 16), "--max-new-tokens", str(R),
-                "--train-iters", str(args.iterations + 1)]
+            argv = mode_argv(args, mode) + ["--train-iters", str(timed.stop - 1 + DRAIN.get(mode, 0))]
             with planted_lengths(_lengths(kind, R)):
-                rows = _train(argv)
+                rows = _train(argv, timed)
             if not rows:  # not rank 0
                 continue
             samples = args.n_samples * ROLLOUT_BATCH * len(rows)
@@ -155,25 +181,49 @@ def _run(args, kind: str) -> list:
             a = acc[mode]
             a["seconds"] += seconds
             a["samples"] += samples
-            a["gen"] += [r["time_generate"] for r in rows]
-            a["pool"] = a.get("pool", []) + [r["generation_pool_seconds"] for r in rows if "generation_pool_seconds" in r]
-            a["lengths"] += [r["response_length_mean"] for r in rows]
+            for key, metric in (("gen", "time_generate"), ("pool", "generation_pool_seconds"), ("score", "time_score"),
+                                ("train", "time_train"), ("lengths", "response_length_mean")):
+                a[key] += [r[metric] for r in rows if metric in r]
         if per:
             ratios.append({m: per[m] / per["sync"] for m in MODES if m != "sync"})
     if not ratios:
         return []
+    load.append(round(os.getloadavg()[0], 2))
     out = []
     for mode, a in acc.items():
         out.append({"distribution": kind, "mode": mode, "samples_per_s": a["samples"] / a["seconds"],
-                    "seconds": a["seconds"], "generation_s_per_iteration": sum(a["gen"]) / len(a["gen"]),
-                    "response_length_mean": sum(a["lengths"]) / len(a["lengths"]),
-                    **({"generation_pool_s_per_iteration": sum(a["pool"]) / len(a["pool"])} if a.get("pool") else {}),
-                    "iterations": args.iterations, "repeats": args.repeats, "max_new_tokens": R,
+                    "seconds": a["seconds"], "generation_s_per_iteration": _mean(a["gen"]),
+                    **({"generation_pool_s_per_iteration": _mean(a["pool"])} if a["pool"] else {}),
+                    "score_s_per_iteration": _mean(a["score"]), "train_s_per_iteration": _mean(a["train"]),
+                    "response_length_mean": _mean(a["lengths"]),
+                    "iterations": args.iterations, "warmup": args.warmup, "repeats": args.repeats, "max_new_tokens": R,
                     "n_samples_per_prompt": args.n_samples, "ranks": RANKS, "layouts": LAYOUTS[mode],
                     **({"oversample": args.oversample} if mode == "partial" else {})})
-    out.append({"distribution": kind, **{f"ratio_{m}_over_sync": statistics.median(r[m] for r in ratios)
-                                         for m in MODES if m != "sync"}, "ratios_of_repeats": ratios})
+    medians = {m: statistics.median(r[m] for r in ratios) for m in MODES if m != "sync"}
+    out.append({"distribution": kind, **{f"ratio_{m}_over_sync": v for m, v in medians.items()},
+                "ratios_of_repeats": ratios, "load_average": load,
+                "prediction": prediction(args, kind, medians)})
     return out
+
+
+def prediction(args, kind: str, medians: dict) -> dict:
+    """The plan search's choice for ``kind`` (each mode priced at its own flags' layouts, the
+    planted distribution, ``--profile``) beside the measured fastest mode (by the median ratios)."""
+    from puzzle.plan_search.command import predict_modes
+    from puzzle.plan_search.long_tail import ResponseLengths
+
+    R = args.max_new_tokens
+    lengths = ResponseLengths("fixed", R) if kind == "all_equal" else ResponseLengths("exponential", R, mean=0.16 * R)
+    report = predict_modes({m: mode_argv(args, m) for m in MODES}, lengths, RANKS, args.profile)
+    fastest = max(medians, key=medians.get) if max(medians.values()) > 1.0 else "sync"
+    samples = args.n_samples * ROLLOUT_BATCH
+    est = {e.mode: e.iteration_s for e in report.estimates if e.available}
+    return {"profile": args.profile, "lengths": lengths.describe(), "predicted": report.choice,
+            "measured_fastest": fastest, "matches": report.choice == fastest,
+            "estimated_s_per_iteration": {m: round(v, 3) for m, v in est.items()},
+            "estimated_samples_per_s": {m: round(samples / v, 3) for m, v in est.items()},
+            "estimated_ratio_over_sync": {m: round(est["sync"] / est[m], 3) for m in est if m != "sync"},
+            "layouts": {e.mode: e.layout for e in report.estimates if e.available}}
 
 
 def _worker(args) -> int:
@@ -191,8 +241,11 @@ def _worker(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iterations", type=int, default=6, help="timed iterations per run (after one warm-up)")
+    ap.add_argument("--iterations", type=int, default=6, help="timed iterations per run (after --warmup untimed ones)")
     ap.add_argument("--repeats", type=int, default=2, help="runs of each mode")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations at the start of each run")
+    ap.add_argument("--profile", default="cpu_long_tail_4ranks",
+                    help="the plan-search profile the prediction is priced with (a bundled name or a file)")
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--n-samples", type=int, default=4, help="--n-samples-per-prompt (the group size)")
     ap.add_argument("--oversample", type=float, default=2.0, help="--rl-partial-rollouts-oversample")
@@ -202,11 +255,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
+    if args.iterations < 1 or args.warmup < 0 or args.repeats < 1:
+        ap.error("--iterations and --repeats must be >= 1, --warmup >= 0")
+    if os.path.exists(args.profile):  # the workers run in the repository's root
+        args.profile = os.path.abspath(args.profile)
+    from puzzle.plan_search.profile_data import ProfileError, load_profile
+
+    try:
+        load_profile(args.profile)
+    except ProfileError as e:
+        ap.error(f"--profile: {e}")
     from puzzle.bench.worker_ranks import torchrun_rows
 
     rows = []
     rc = torchrun_rows("puzzle.bench.long_tail", RANKS, [
-        "--iterations", str(args.iterations), "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens),
+        "--iterations", str(args.iterations), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+        "--profile", args.profile, "--max-new-tokens", str(args.max_new_tokens),
         "--n-samples", str(args.n_samples), "--oversample", str(args.oversample),
         "--distributions", args.distributions], rows)
     if args.out:

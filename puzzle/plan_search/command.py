@@ -233,19 +233,20 @@ def lengths_from_config(cfg, metrics: Optional[str] = None):
 def long_tail_report(cfg, profile, own_layouts: bool = False, plans=None, placements=None, lengths=None):
     """The long tail's three modes priced for the run (puzzle.plan_search.long_tail.compare_modes):
     the colocated ones at the run's own layouts (``own_layouts``, --dry-run: the overlap at a
-    quarter, half and three quarters of the ranks for generation), at ``plans`` / ``placements``
-    (a search's: the overlap at every split), else searched."""
+    quarter, half and three quarters of the ranks for generation; a run with a generation pool
+    of its own: the overlap at its layouts, the colocated modes searched), at ``plans`` /
+    ``placements`` (a search's: the overlap at every split), else searched."""
     from puzzle.plan_search.long_tail import coarse_splits, compare_modes
 
     job = job_from_config(cfg, profile)
     job = replace(job, workload=replace(job.workload, mean_gen_len=None))
-    if own_layouts:
-        plans, placements = placement_from_config(cfg), {"scoring": cfg.score_placement,
-                                                         "training": cfg.train_placement}
+    pool = pool_layouts(cfg) if own_layouts else None
+    if own_layouts and pool is None:
+        plans, placements = _own_layouts(cfg)
     return compare_modes(job, lengths or lengths_from_config(cfg), cfg.ppo.n_samples_per_prompt,
                          cfg.ppo.rl_partial_rollouts_oversample, plans, placements,
                          gen_ranks=coarse_splits(cfg.world_size) if own_layouts else None,
-                         partial_refused=partial_refused(cfg))
+                         partial_refused=partial_refused(cfg), overlap_layouts=pool)
 
 
 def partial_refused(cfg) -> str:
@@ -261,23 +262,67 @@ def partial_refused(cfg) -> str:
     return ""
 
 
+def _planning_config(argv: List[str], world_size: int):
+    from puzzle.arguments import build_parser, config_for_planning
+
+    args = build_parser(prog="predict_mode", raise_errors=True).parse_args(
+        list(argv) + ["--world-size", str(world_size)])
+    return config_for_planning(args)
+
+
+def _own_layouts(cfg):
+    return placement_from_config(cfg), {"scoring": cfg.score_placement, "training": cfg.train_placement}
+
+
+def pool_layouts(cfg):
+    """(the training pool's plans, placements, the generation pool's plan) of a run with a
+    generation pool of its own (--rl-desired-lag with --actor-gen-rank-offset), else None."""
+    gen = cfg.roles["actor"].gen_plan
+    if set(gen.ranks) & set(cfg.roles["actor"].plan.ranks):
+        return None
+    plans, placements = _own_layouts(cfg)
+    plans["actor"] = {s: q for s, q in plans["actor"].items() if s != "generation"}
+    return plans, placements, gen
+
+
+def predict_modes(argvs: Dict[str, List[str]], lengths, world_size: int = 1,
+                  profile: str = "cpu_long_tail_1rank", gen_ranks: Optional[List[int]] = None):
+    """The long tail's three modes priced, each at the layouts of its own train_ppo.py flags
+    (``argvs``: {'sync': ..., 'partial': ..., 'overlap': ...}; a mode left out: the sync flags'
+    layouts, the overlap searched over ``gen_ranks`` generation ranks, None: every split) on
+    ``world_size`` ranks under ``lengths`` (a
+    puzzle.plan_search.long_tail.ResponseLengths) with ``profile`` (a bundled name or a file):
+    the report (its ``choice``, each mode's seconds) puzzle.bench.long_tail prints beside its
+    measurement. The overlap's flags need a generation pool of their own."""
+    from puzzle.plan_search.long_tail import compare_modes
+
+    cfg = _planning_config(argvs["sync"], world_size)
+    job = job_from_config(cfg, load_profile(profile))
+    partial = _planning_config(argvs["partial"], world_size) if "partial" in argvs else cfg
+    overlap = None
+    if "overlap" in argvs:
+        overlap = pool_layouts(_planning_config(argvs["overlap"], world_size))
+        if overlap is None:
+            raise ValueError("predict_modes: the overlap's flags give no generation pool (--actor-gen-rank-offset)")
+    return compare_modes(job, lengths, cfg.ppo.n_samples_per_prompt, partial.ppo.rl_partial_rollouts_oversample,
+                         *_own_layouts(cfg), partial_refused=partial_refused(partial),
+                         partial_layouts=_own_layouts(partial), overlap_layouts=overlap,
+                         gen_ranks=gen_ranks)
+
+
 def predict_mode(argv: List[str], lengths, world_size: int = 1, profile: str = "cpu_long_tail_1rank",
                  gen_ranks: Optional[List[int]] = None) -> str:
     """The long tail's advisory mode ('sync', 'partial' or 'overlap') for a run of train_ppo.py
     flags ``argv`` (its own layouts) on ``world_size`` ranks priced under ``lengths`` (a
     puzzle.plan_search.long_tail.ResponseLengths) with ``profile`` (a bundled name or a file), the
-    overlap with ``gen_ranks`` generation ranks (None: every split): what puzzle.bench.long_tail
-    compares its measurement with."""
-    from puzzle.arguments import build_parser, config_for_planning
+    overlap with ``gen_ranks`` generation ranks (None: every split); :func:`predict_modes` prices
+    each mode at its own flags' layouts."""
     from puzzle.plan_search.long_tail import compare_modes
 
-    args = build_parser(prog="predict_mode", raise_errors=True).parse_args(
-        list(argv) + ["--world-size", str(world_size)])
-    cfg = config_for_planning(args)
+    cfg = _planning_config(argv, world_size)
     job = job_from_config(cfg, load_profile(profile))
-    plans, placements = placement_from_config(cfg), {"scoring": cfg.score_placement, "training": cfg.train_placement}
-    return compare_modes(job, lengths, cfg.ppo.n_samples_per_prompt, cfg.ppo.rl_partial_rollouts_oversample, plans,
-                         placements, gen_ranks=gen_ranks, partial_refused=partial_refused(cfg)).choice
+    return compare_modes(job, lengths, cfg.ppo.n_samples_per_prompt, cfg.ppo.rl_partial_rollouts_oversample,
+                         *_own_layouts(cfg), gen_ranks=gen_ranks, partial_refused=partial_refused(cfg)).choice
 
 
 #: the levers the search may turn on: full recompute of every layer, offload during inference,

@@ -505,7 +505,7 @@ class CostModel:
             return 0.0
         prof = self.profile
         if self.workload.distributed_optimizer:
-            return (n - 1) / n * 6.0 * phe / prof.bandwidth(inter) + 2 * prof.latency(inter)
+            return (n - 1) / n * 6.0 * phe / prof.bandwidth(inter) + 2 * prof.allreduce_latency(n, inter)
         return prof.allreduce_time(4.0 * phe, n, inter)
 
     def _router_grad_sum(self, role: ModelRole, plan: ParallelPlan, inter: bool) -> float:
@@ -555,7 +555,7 @@ class CostModel:
         phe = trained_expert_params_on_rank(role, plan)
         if D > 1:
             if w.distributed_optimizer:  # reduce-scatter fp32 grads + all-gather bf16 params
-                dp = (D - 1) / D * 6.0 * phi / prof.bandwidth(dp_x) + 2 * prof.latency(dp_x)
+                dp = (D - 1) / D * 6.0 * phi / prof.bandwidth(dp_x) + 2 * prof.allreduce_latency(D, dp_x)
             else:
                 dp = prof.allreduce_time(4.0 * phi, D, dp_x)
         else:
@@ -630,8 +630,8 @@ class CostModel:
             prefill = self._pipelined_prefill(role, plan, b, m)
         t_dec, token_return = self._decode_step(role, plan, bm)
         # the host's share of a decode step (planning, sampling, state update: the profile's
-        # decode_step_overhead_s, per model call) is paid by every micro-batch a stage serves
-        decode = waves * steps * (max(m, P) * (t_dec + self.profile.decode_step_overhead_s) + token_return)
+        # decode step overhead at T, per model call) is paid by every micro-batch a stage serves
+        decode = waves * steps * (max(m, P) * (t_dec + self.profile.decode_step_overhead(plan.T)) + token_return)
         cost = TaskCost(role.name, "generate", plan, m, t_dec, prefill, 1, prefill + decode)
         self._cache[key] = cost
         return cost
@@ -645,7 +645,7 @@ class CostModel:
         key = ("step", role, plan, rows)
         if key not in self._cache:
             t_dec, _ = self._decode_step(role, plan, rows)
-            self._cache[key] = t_dec + self.profile.decode_step_overhead_s
+            self._cache[key] = t_dec + self.profile.decode_step_overhead(plan.T)
         return self._cache[key]
 
     def prefill_seconds(self, role: ModelRole, plan: ParallelPlan, rows: int, tokens: float) -> float:

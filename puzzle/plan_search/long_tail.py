@@ -17,10 +17,13 @@ generating, so finished rows below a live one still cost. Three ways to run an i
   while the other W ranks score and train batch k; an iteration lasts
   ``max(generation on G ranks, scoring + training on W ranks) + the switch`` (the new weights
   from the training layout to the generation pool, every byte of it: the pools share no rank;
-  taken as exposed). Every split G + W = N whose two pools fit memory is priced: the training
-  pool's plans are the plan search's for W ranks (whose objective and memory still count a
-  generation stage of its own there: conservative), the generation pool's the fastest generation
-  plan of the actor alone on G ranks that fits.
+  taken as exposed). On a CPU host whose ranks share cores (the profile's ``host_cores``) the
+  longer pool's work beyond the shorter one's runs at :meth:`Profile.busy_ranks_factor` of its
+  pool (its ranks get the cores the waiting pool leaves). Every split G + W = N whose two pools
+  fit memory is priced: the training pool's plans are the plan search's for W ranks (whose
+  objective and memory still count a generation stage of its own there: conservative), the
+  generation pool's the fastest generation plan of the actor alone on G ranks that fits; or the
+  run's own pools (:meth:`LongTailPricer.overlap_at`, what puzzle.bench.long_tail runs).
 
 The steps' widths come from a deterministic simulation (:func:`simulate`): seeded draws from
 the distribution, continuous batching over the slots in serving order, the quota rule of
@@ -426,7 +429,8 @@ class LongTailPricer:
         return ModeEstimate("partial", gen + side + switch, gen, side, switch, _layout(plans), flags)
 
     def overlap_split(self, n_gen: int) -> ModeEstimate:
-        """The lag-1 overlap with ``n_gen`` generation ranks after the training pool's ranks."""
+        """The lag-1 overlap with ``n_gen`` generation ranks after the training pool's ranks: the
+        training pool's plans searched, the generation pool's fastest plan that fits."""
         N, w = self.job.world_size, self.w
         n_train = N - n_gen
         flags = f"--rl-desired-lag 1, {n_gen} generation + {n_train} training ranks"
@@ -438,16 +442,34 @@ class LongTailPricer:
         plans = {m: {s: q for s, q in st.items() if not (m == "actor" and s == "generation")}
                  for m, st in pool.plans.items()}
         cm = self._cost_model(self.mean)
-        side, _ = self._train_side(cm, plans, pool.placements)
         options, _ = candidate_plans(self.actor.shape, n_gen, n_train, w, "generation", self.profile.ranks_per_node)
         mem = MemoryModel(self.profile, w)
         options = [q for q in options if mem.model_alone(self.actor, q, "generation").fits]
         if not options:
             return ModeEstimate("overlap", flags=flags, why_not=f"no generation layout fits {n_gen} ranks")
-        gen, gen_plan = min((self.sync_generation(cm, q), q) for q in options)
+        _, gen_plan = min((self.sync_generation(cm, q), q) for q in options)
+        return self.overlap_at(plans, pool.placements, gen_plan, flags)
+
+    def overlap_at(self, plans, placements, gen_plan: ParallelPlan, flags: str = "") -> ModeEstimate:
+        """The lag-1 overlap at given layouts: the training pool's ``plans`` / ``placements`` (no
+        actor generation plan among them) and the generation pool's ``gen_plan`` on the ranks
+        after them (its offset). The pools work at once while both have work; on a CPU host whose
+        ranks share cores, the pool still working once the other waits runs faster
+        (:meth:`Profile.busy_ranks_factor`): its rest of the work at that factor."""
+        n_train, n_gen = gen_plan.offset, gen_plan.size
+        flags = flags or f"--rl-desired-lag 1, {n_gen} generation + {n_train} training ranks"
+        if not MemoryModel(self.profile, self.w).model_alone(self.actor, gen_plan, "generation").fits:
+            return ModeEstimate("overlap", flags=flags, why_not=f"generation {fmt_plan(gen_plan)} does not fit")
+        cm = self._cost_model(self.mean)
+        side, _ = self._train_side(cm, plans, placements)
+        gen = self.sync_generation(cm, gen_plan)
         switch = cm.switch(self.actor, plans["actor"]["training"], gen_plan)[1]
-        layout = f"generation {fmt_plan(gen_plan)} on ranks {n_train}..{N - 1}; training pool " + _layout(plans)
-        return ModeEstimate("overlap", max(gen, side) + switch, gen, side, switch, layout, flags)
+        both = min(gen, side)  # both pools busy
+        factor = self.profile.busy_ranks_factor
+        rest = (gen - both) * factor(n_gen) + (side - both) * factor(n_train)
+        last = n_train + n_gen - 1
+        layout = f"generation {fmt_plan(gen_plan)} on ranks {n_train}..{last}; training pool " + _layout(plans)
+        return ModeEstimate("overlap", both + rest + switch, gen, side, switch, layout, flags)
 
     def overlap(self, gen_ranks: Optional[Sequence[int]] = None) -> ModeEstimate:
         """The fastest split that fits, over ``gen_ranks`` generation ranks (None: every split)."""
@@ -482,16 +504,22 @@ def coarse_splits(world: int) -> List[int]:
 def compare_modes(job: PPOJob, lengths: ResponseLengths, group_size: int, oversample: float,
                   plans: Optional[dict] = None, placements: Optional[dict] = None,
                   margin: float = OFF_POLICY_MARGIN, gen_ranks: Optional[Sequence[int]] = None,
-                  partial_refused: str = "") -> LongTailReport:
+                  partial_refused: str = "", partial_layouts: Optional[tuple] = None,
+                  overlap_layouts: Optional[tuple] = None) -> LongTailReport:
     """The three modes of ``job`` priced under ``lengths`` and the advisory choice. ``plans`` /
     ``placements``: the colocated modes' layouts (the run's own for --dry-run); None: searched.
     ``gen_ranks``: the overlap's generation pool sizes to price (None: every split).
-    ``partial_refused``: why the run cannot take partial rollouts (its estimator, ...), if so."""
+    ``partial_refused``: why the run cannot take partial rollouts (its estimator, ...), if so.
+    The layouts a run of each mode has (what puzzle.bench.long_tail runs): ``partial_layouts``
+    (plans, placements) for partial rollouts (default ``plans``); ``overlap_layouts`` (the
+    training pool's plans, placements, the generation pool's plan) for the overlap instead of
+    the splits of ``gen_ranks``."""
     pricer = LongTailPricer(job, lengths, group_size, oversample)
     if plans is None:
         found = similarity_search(job)
         plans, placements = found.plans, found.placements
     partial = (ModeEstimate("partial", why_not=partial_refused) if partial_refused
-               else pricer.partial(plans, placements))
-    estimates = [pricer.sync(plans, placements), partial, pricer.overlap(gen_ranks)]
+               else pricer.partial(*(partial_layouts or (plans, placements))))
+    overlap = pricer.overlap_at(*overlap_layouts) if overlap_layouts else pricer.overlap(gen_ranks)
+    estimates = [pricer.sync(plans, placements), partial, overlap]
     return LongTailReport(lengths, estimates, choose(estimates, margin))

@@ -52,8 +52,23 @@ HARDWARE_FIELDS = {
 #: optional hardware fields (name -> default): the fraction of a decode step's weight + KV-cache
 #: read bound that a CUDA-graph-replayed step reaches (puzzle.bench.decode_step prints it as
 #: ``graph_decode_efficiency``); 1.0, the bound itself, where a profile does not say.
-#: host_link_bandwidth: bytes/s of pinned host <-> device copies per direction (PCIe 4.0 x16)
-OPTIONAL_HARDWARE_FIELDS = {"graph_decode_efficiency": 1.0, "host_link_bandwidth": 25e9}
+#: host_link_bandwidth: bytes/s of pinned host <-> device copies per direction (PCIe 4.0 x16);
+#: host_cores: the CPU cores the ``ranks_per_node`` ranks of a node share, where the ranks are
+#: processes on a CPU host (0: every rank has a device of its own, as on GPUs), and
+#: host_background_load: the host's other runnable processes while the profile was measured (its
+#: 1-minute load average before the profiling world started). The tables are measured with every
+#: rank busy beside that load; work on fewer busy ranks runs faster (:meth:`Profile.busy_ranks_factor`).
+OPTIONAL_HARDWARE_FIELDS = {"graph_decode_efficiency": 1.0, "host_link_bandwidth": 25e9, "host_cores": 0.0,
+                            "host_background_load": 0.0}
+#: optional per-size tables ({size: seconds}, sizes powers of two):
+#: ``allreduce_latency_s_by_ranks``: the latency of an all-reduce over a group of that many ranks
+#: of one node, every group of the node busy at once (a CPU host with more ranks than cores waits
+#: for its scheduler at every hop of a ring: a group of 4 measured ~4x a pair's latency on 2
+#: cores); ``decode_step_overhead_s_by_tp``: the rest of a decode step at that tensor-parallel
+#: degree (the collectives of the embedding and the vocab-parallel sampling grow with T). Where a
+#: table lacks a size, the scalar field (``intra_node_latency_s``, ``decode_step_overhead_s``)
+#: stands for it.
+OPTIONAL_TABLE_FIELDS = ("allreduce_latency_s_by_ranks", "decode_step_overhead_s_by_tp")
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "swiglu")
 
 
@@ -148,6 +163,10 @@ class Profile:
     comment: str = ""
     graph_decode_efficiency: float = OPTIONAL_HARDWARE_FIELDS["graph_decode_efficiency"]
     host_link_bandwidth: float = OPTIONAL_HARDWARE_FIELDS["host_link_bandwidth"]
+    host_cores: float = OPTIONAL_HARDWARE_FIELDS["host_cores"]
+    host_background_load: float = OPTIONAL_HARDWARE_FIELDS["host_background_load"]
+    allreduce_latency_s_by_ranks: Dict[int, float] = field(default_factory=dict)
+    decode_step_overhead_s_by_tp: Dict[int, float] = field(default_factory=dict)
 
     # ---- primitives the cost model uses ------------------------------------------------
     def bandwidth(self, inter_node: bool) -> float:
@@ -168,11 +187,39 @@ class Profile:
     def hbm_time(self, nbytes: float) -> float:
         return nbytes / self.hbm_bandwidth
 
+    def allreduce_latency(self, n: int, inter_node: bool) -> float:
+        """Latency of an all-reduce over n ranks: ``allreduce_latency_s_by_ranks[n]`` inside a node
+        where measured (beyond the largest measured size m: its latency x (n-1)/(m-1), the hops of
+        a ring), else the scalar latency."""
+        table = self.allreduce_latency_s_by_ranks
+        if inter_node or not table:
+            return self.latency(inter_node)
+        if n in table:
+            return table[n]
+        m = max(table)
+        return table[m] * (n - 1) / (m - 1) if n > m and m > 1 else self.latency(inter_node)
+
     def allreduce_time(self, nbytes: float, n: int, inter_node: bool) -> float:
-        """Ring all-reduce of ``nbytes`` over n ranks: 2(n-1)/n * bytes / bus bandwidth + latency."""
+        """Ring all-reduce of ``nbytes`` over n ranks: 2(n-1)/n * bytes / bus bandwidth + latency
+        (:meth:`allreduce_latency`)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return 2.0 * (n - 1) / n * nbytes / self.bandwidth(inter_node) + self.latency(inter_node)
+        return 2.0 * (n - 1) / n * nbytes / self.bandwidth(inter_node) + self.allreduce_latency(n, inter_node)
+
+    def busy_ranks_factor(self, busy: int) -> float:
+        """The time of work on ``busy`` ranks of a node while its other ranks idle, as a fraction of
+        the profiled time (every rank busy): a CPU host's ``host_cores`` shared by the busy ranks
+        and the background load b, each at most one core: min(1, cores / (ranks_per_node + b)) /
+        min(1, cores / (busy + b)) (2 cores, 4 ranks: 0.5 for 2 busy ranks on an idle host, 0.85
+        beside a load of 9); 1.0 where ranks do not share cores (``host_cores`` 0, GPUs)."""
+        if self.host_cores <= 0 or busy <= 0:
+            return 1.0
+        busy, bg, cores = min(busy, self.ranks_per_node), self.host_background_load, self.host_cores
+        return min(1.0, cores / (self.ranks_per_node + bg)) / min(1.0, cores / (busy + bg))
+
+    def decode_step_overhead(self, T: int) -> float:
+        """The host's share of one decode step at tensor-parallel degree T (per model call)."""
+        return self.decode_step_overhead_s_by_tp.get(T, self.decode_step_overhead_s)
 
     def layer_table(self, shape) -> LayerTable:
         """The profiled table of this shape, else the analytic roofline from the constants."""
@@ -187,6 +234,8 @@ class Profile:
     def to_json(self) -> dict:
         hw = {k: getattr(self, k) for k in HARDWARE_FIELDS}
         hw.update({k: getattr(self, k) for k, d in OPTIONAL_HARDWARE_FIELDS.items() if getattr(self, k) != d})
+        hw.update({k: {str(n): v for n, v in sorted(getattr(self, k).items())} for k in OPTIONAL_TABLE_FIELDS
+                   if getattr(self, k)})
         return {"_comment": self.comment, "name": self.name, "hardware": hw,
                 "layers": [t.to_json() for t in self.layers.values() if not t.name.startswith("analytic")]}
 
@@ -227,6 +276,22 @@ def _points(raw, where: str) -> Dict[int, List[Tuple[float, float]]]:
     return out
 
 
+def _size_table(raw, where: str) -> Dict[int, float]:
+    """{size: seconds} of a JSON object {"<power of two>": seconds}."""
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where} must be an object {{size: seconds}}")
+    out = {}
+    for k, v in raw.items():
+        try:
+            n = int(k)
+        except (TypeError, ValueError):
+            raise ProfileError(f"{where}: key {k!r} is not a number of ranks") from None
+        if n < 1 or n & (n - 1):
+            raise ProfileError(f"{where}: {n} is not a power of two")
+        out[n] = _num(v, f"{where}[{k}]", float)
+    return out
+
+
 def validate_profile(data: dict) -> Profile:
     """Check a profile dictionary (the JSON format) and build the :class:`Profile`.
     Raises :class:`ProfileError` naming the offending field."""
@@ -246,7 +311,7 @@ def validate_profile(data: dict) -> Profile:
         if vals[k] <= 0 and k not in ("memory_reserved_bytes", "layer_overhead_s", "decode_step_overhead_s",
                                        "intra_node_latency_s", "inter_node_latency_s"):
             raise ProfileError(f"hardware.{k} must be > 0, got {hw[k]!r}")
-    unknown = set(hw) - set(HARDWARE_FIELDS) - set(OPTIONAL_HARDWARE_FIELDS)
+    unknown = set(hw) - set(HARDWARE_FIELDS) - set(OPTIONAL_HARDWARE_FIELDS) - set(OPTIONAL_TABLE_FIELDS)
     if unknown:
         raise ProfileError(f"profile hardware has unknown fields {sorted(unknown)}")
     for k, default in OPTIONAL_HARDWARE_FIELDS.items():
@@ -254,6 +319,8 @@ def validate_profile(data: dict) -> Profile:
     for k in ("gemm_efficiency", "graph_decode_efficiency"):
         if not 0 < vals[k] <= 1:
             raise ProfileError(f"hardware.{k} must be in (0, 1], got {vals[k]}")
+    for k in OPTIONAL_TABLE_FIELDS:
+        vals[k] = _size_table(hw.get(k, {}), f"hardware.{k}")
     prof = Profile(name=str(data["name"]), comment=str(data.get("_comment", "")), **vals)
     if not isinstance(data["layers"], list):
         raise ProfileError("profile 'layers' must be a list")

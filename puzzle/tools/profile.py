@@ -25,9 +25,12 @@ of the (P, D, T) = (1, procs/T, T) layout at once):
   removed); ``decode_step_overhead_s``: the rest of a measured decode step (embedding, sampling
   beyond its modelled exchange, the Python loop) beyond the step the cost model itself estimates
   from these tables at P = 1 (layers, their TP all-reduces, KV read, LM head, sampling exchange),
-  median over every T and batch size.
+  median over every T and batch size; ``decode_step_overhead_s_by_tp`` the median of each T (the
+  embedding's and the sampling's other collectives make it grow with T).
 * collectives over groups of 2 ranks (pairs run at the same time, as in a run): all-reduce
   latency/bandwidth fit ``t = latency + 2(n-1)/n * bytes / bandwidth`` -> ``intra_node_*``;
+  all-reduce over the groups of every larger T of ``--tp-sizes`` (the TP groups, all at once):
+  each group size's latency -> ``allreduce_latency_s_by_ranks`` (4 ranks on 2 cores: ~4x a pair's);
   point-to-point send/recv is fitted too (recorded in the comment; the cost model uses the
   all-reduce figures for both). Bandwidths are *per bf16 byte*: the cost model counts 2 bytes per
   element, so a run in fp32 (CPU) moves twice that and the reported bandwidth is halved.
@@ -39,7 +42,10 @@ of the (P, D, T) = (1, procs/T, T) layout at once):
 * GEMM rate (``peak_flops``: best fp32/bf16 matmul rate seen, ``gemm_efficiency`` 1.0,
   ``gemm_half_efficiency_flops`` from a small GEMM), memory streaming rate (``hbm_bandwidth``:
   a large tensor copy), ``device_memory_bytes`` (GPU memory, or host RAM / procs on CPU),
-  ``memory_reserved_bytes`` (the worker's resident memory before any model: torch, megatron).
+  ``memory_reserved_bytes`` (the worker's resident memory before any model: torch, megatron),
+  ``host_cores`` on a CPU host (the cores the ranks share) and ``host_background_load`` (its
+  1-minute load average before the profiling world started: the other work the tables were
+  measured beside).
 
 ``--procs``: how many ranks share this host in the run the profile is for. A CPU "device" is a
 share of the host: 4 ranks on 2 cores each run at about half speed and their collectives wait
@@ -168,8 +174,13 @@ def merge_raw(raws: List[dict]) -> dict:
                          for i, row in enumerate(rows)] for T, rows in raws[0][part].items()}
     for k in ("allreduce", "p2p"):
         out[k] = [[b, mean(r[k][i][1] for r in raws)] for i, (b, _) in enumerate(raws[0][k])]
+    out["allreduce_by_ranks"] = {T: [[b, mean(r["allreduce_by_ranks"][T][i][1] for r in raws)]
+                                     for i, (b, _) in enumerate(rows)]
+                                 for T, rows in raws[0].get("allreduce_by_ranks", {}).items()}
     for k in ("peak_flops", "gemm_half_flops", "hbm_bandwidth"):
         out[k] = mean(r[k] for r in raws)
+    if all("background_load" in r for r in raws):
+        out["background_load"] = round(mean(r["background_load"] for r in raws), 2)
     out["wall_s"] = round(sum(r.get("wall_s", 0.0) for r in raws), 1)
     out["worlds"] = len(raws)
     return out
@@ -198,13 +209,14 @@ def measure_raw(spec: dict, timeout: int = 600) -> dict:
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec['procs']}",
                    "-m", "puzzle.tools.profile", "--out", "-", "--worker", spec_path]
-        t0 = time.perf_counter()
+        t0, background = time.perf_counter(), os.getloadavg()[0]  # the host's other work, before ours starts
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(res_path):
             tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-40:])
             raise RuntimeError(f"profiler world failed (rc={proc.returncode}):\n{tail}")
         raw = json.loads(Path(res_path).read_text())
     raw["wall_s"] = round(time.perf_counter() - t0, 1)
+    raw["background_load"] = round(background, 2)
     return raw
 
 
@@ -242,10 +254,14 @@ def build_profile(spec: dict, raw: dict):
         lat, bw = _fit_latency_bw(raw["allreduce"], 1.0)
         p2p_lat, p2p_bw = _fit_latency_bw(raw["p2p"], 1.0)
         bw, p2p_bw = bw * to_bf16, p2p_bw * to_bf16
-        comm_note = (f"all-reduce (pairs, {spec['procs']} ranks busy) {lat * 1e6:.0f} us + bytes/{bw / 1e9:.3f} GB/s; "
-                     f"p2p send/recv {p2p_lat * 1e6:.0f} us + bytes/{p2p_bw / 1e9:.3f} GB/s (per bf16 byte)")
+        # latency of each larger group (its fitted intercept; the ring's bytes term 2(n-1)/n)
+        by_ranks = {2: lat, **{int(T): _fit_latency_bw(pts, 2.0 * (int(T) - 1) / int(T))[0]
+                               for T, pts in raw.get("allreduce_by_ranks", {}).items()}}
+        comm_note = (f"all-reduce (pairs, {spec['procs']} ranks busy) {lat * 1e6:.0f} us + bytes/{bw / 1e9:.3f} GB/s"
+                     + "".join(f", over {n} ranks {v * 1e6:.0f} us" for n, v in sorted(by_ranks.items()) if n > 2)
+                     + f"; p2p send/recv {p2p_lat * 1e6:.0f} us + bytes/{p2p_bw / 1e9:.3f} GB/s (per bf16 byte)")
     else:
-        lat, bw = 5e-5, 1e10
+        lat, bw, by_ranks = 5e-5, 1e10, {}
         comm_note = "collectives not measured (one rank): placeholder 50 us, 10 GB/s"
     hw = dict(device_memory_bytes=int(raw["device_memory_bytes"]), memory_reserved_bytes=int(raw["reserved_bytes"]),
               ranks_per_node=int(raw["ranks_per_node"]), intra_node_bandwidth=bw, inter_node_bandwidth=bw,
@@ -253,7 +269,10 @@ def build_profile(spec: dict, raw: dict):
               peak_flops=float(raw["peak_flops"]), gemm_efficiency=1.0,
               gemm_half_efficiency_flops=float(raw["gemm_half_flops"]), layer_overhead_s=1e-6,
               decode_step_overhead_s=0.0)
-    prof = Profile(name=spec.get("name") or raw["device_name"], comment="", **hw)
+    prof = Profile(name=spec.get("name") or raw["device_name"], comment="", **hw,
+                   host_cores=float(raw.get("host_cores", 0)),
+                   host_background_load=float(raw.get("background_load", 0.0)) if raw.get("host_cores") else 0.0,
+                   allreduce_latency_s_by_ranks={n: float(f"{v:.4g}") for n, v in by_ranks.items()} if len(by_ranks) > 1 else {})
     shape = ModelShape(sh["num_layers"], sh["hidden_size"], sh["ffn_hidden_size"], sh["num_attention_heads"],
                        sh["num_query_groups"], raw["padded_vocab"], sh["swiglu"])
     role = ModelRole("actor", shape, True, True)
@@ -286,22 +305,29 @@ def build_profile(spec: dict, raw: dict):
         swiglu=bool(sh["swiglu"]), seq_len=max(spec["seq_lengths"]), fwd_s=fwd, bwd_s=bwd, decode_s=dec)
     # host overhead of a decode step: the measured step minus the decode step the cost model itself
     # estimates from the tables above at the measured point (P = 1: layers, their TP all-reduces,
-    # KV read, LM head, vocab-parallel sampling exchange), median over every T and batch size
-    over = []
+    # KV read, LM head, vocab-parallel sampling exchange): per T the median over its batch sizes
+    # (the embedding's and the sampling's other collectives grow with T), and the median over
+    # every T and batch size (the scalar, for other T)
+    over = {}
     for T in spec["tp_sizes"]:
         for d in raw["decode"][str(T)]:
             w = PPOWorkload(int(d["seqs"]), prompt_len=DECODE_PROMPT_LEN, gen_len=spec["decode_steps"])
             modelled = CostModel(prof, w).generation_cost(role, ParallelPlan(1, 1, T)).t_stage
-            over.append(d["step_s"] - modelled)
-    prof.decode_step_overhead_s = float(f"{max(statistics.median(over), 0.0):.4g}")
+            over.setdefault(T, []).append(d["step_s"] - modelled)
+    prof.decode_step_overhead_s = float(f"{max(statistics.median(sum(over.values(), [])), 0.0):.4g}")
+    if len(over) > 1:
+        prof.decode_step_overhead_s_by_tp = {T: float(f"{max(statistics.median(v), 0.0):.4g}") for T, v in over.items()}
     prof.comment = (
         f"Measured by `python -m puzzle.tools.profile` on {raw['device_name']} with {spec['procs']} ranks on this host "
         f"(torch {raw['torch']}, {raw['dtype']}, OMP_NUM_THREADS={raw['omp']}), {raw['wall_s']} s. Layer tables: whole "
         f"{L}-layer GPTModel micro-batch fwd/bwd with the PPO log-prob loss, minus the cost model's LM-head and per-layer "
         f"TP all-reduce estimates, per layer (layers + their share of per-micro-batch fixed costs; exact for {L} layers); decode: per-layer "
-        f"share of a generate() decode step (hooks), decode_step_overhead_s = rest of the step. {comm_note}. "
+        f"share of a generate() decode step (hooks), decode_step_overhead_s(_by_tp) = rest of the step (per T). {comm_note}. "
         f"GEMM peak {raw['peak_flops'] / 1e9:.1f} GFLOP/s, memory copy {raw['hbm_bandwidth'] / 1e9:.1f} GB/s. "
-        f"One host: inter-node figures = intra-node. See puzzle/tools/profile.py.")
+        f"One host: inter-node figures = intra-node"
+        + (f"; its {prof.host_cores:g} cores shared by the {spec['procs']} ranks beside a background load of "
+           f"{prof.host_background_load:g} (the load average before they started)" if prof.host_cores else "")
+        + ". See puzzle/tools/profile.py.")
     return prof
 
 
@@ -417,12 +443,14 @@ def _hardware(dev, dtype) -> dict:
 
 
 class _Collectives:
-    """All-reduce and send/recv over pairs (0,1), (2,3), ... all at once, per message size; sampled
-    in the worker's rounds like every other point (medians over all rounds)."""
+    """All-reduce and send/recv over pairs (0,1), (2,3), ... all at once, per message size, and
+    all-reduce over the groups of every larger T of ``group_sizes`` (the TP groups of (1, world/T,
+    T), all at once); sampled in the worker's rounds like every other point (medians over all
+    rounds)."""
 
     SIZES = (256, 4096, 65536, 262144)
 
-    def __init__(self, dev, dtype, rank: int, world: int):
+    def __init__(self, dev, dtype, rank: int, world: int, group_sizes=()):
         import torch
         import torch.distributed as dist
 
@@ -433,12 +461,29 @@ class _Collectives:
             g = dist.new_group(p)
             if rank in p:
                 self.mine = (g, p)
+        self.groups = {}  # T -> this rank's group of T ranks
+        for T in sorted(t for t in group_sizes if 2 < t <= world and world % t == 0):
+            for i in range(world // T):
+                g = dist.new_group(list(range(i * T, (i + 1) * T)))
+                if i == rank // T:
+                    self.groups[T] = g
         self.ar = {n: [] for n in self.bufs}
         self.pp = {n: [] for n in self.bufs}
+        self.ar_groups = {T: {n: [] for n in self.bufs} for T in self.groups}
 
     def sample(self, reps: int, keep: bool) -> None:
         import torch.distributed as dist
 
+        for T, g in self.groups.items():
+            for n, x in self.bufs.items():
+                dist.barrier()
+                for _ in range(reps):
+                    _sync(self.dev)
+                    t = time.perf_counter()
+                    dist.all_reduce(x, group=g)
+                    _sync(self.dev)
+                    if keep:
+                        self.ar_groups[T][n].append(time.perf_counter() - t)
         for n, x in self.bufs.items():
             dist.barrier()
             if self.mine is None:
@@ -466,9 +511,11 @@ class _Collectives:
 
     def results(self) -> dict:
         if self.mine is None:
-            return {"allreduce": [], "p2p": []}
+            return {"allreduce": [], "p2p": [], "allreduce_by_ranks": {}}
         return {"allreduce": [[n * self.esz, statistics.median(self.ar[n])] for n in self.bufs],
-                "p2p": [[n * self.esz, statistics.median(self.pp[n])] for n in self.bufs]}
+                "p2p": [[n * self.esz, statistics.median(self.pp[n])] for n in self.bufs],
+                "allreduce_by_ranks": {str(T): [[n * self.esz, statistics.median(v[n])] for n in self.bufs]
+                                       for T, v in self.ar_groups.items()}}
 
 
 class _TPoints:
@@ -593,7 +640,7 @@ def _measure(spec, world, rank, dev, dtype, comm: _CommTimer) -> tuple:
     barrier), as the ranks of a run are busy together; one untimed warm-up sample per point first."""
     import torch.distributed as dist
 
-    coll = _Collectives(dev, dtype, rank, world)
+    coll = _Collectives(dev, dtype, rank, world, spec["tp_sizes"])
     points = {T: _TPoints(spec, T, world, dev, comm) for T in spec["tp_sizes"]}
     reps, rounds = spec["repeats"], _rounds(spec)
     per_round = -(-reps // rounds)                   # samples of a point per round
@@ -664,10 +711,14 @@ def worker(spec_path: str) -> None:
                           for i, (b, _) in enumerate(comm_raw["allreduce"])],
             "p2p": [[b, statistics.median(g["comm"]["p2p"][i][1] for g in gathered if g["comm"]["p2p"])]
                     for i, (b, _) in enumerate(comm_raw["p2p"])],
+            "allreduce_by_ranks": {T: [[b, statistics.median(g["comm"]["allreduce_by_ranks"][T][i][1] for g in gathered)]
+                                       for i, (b, _) in enumerate(rows)]
+                                   for T, rows in comm_raw.get("allreduce_by_ranks", {}).items()},
             "elem_bytes": torch.tensor([], dtype=dtype).element_size(), "padded_vocab": padded,
             "device_name": (torch.cuda.get_device_name() if dev.type != "cpu" else f"cpu-{os.cpu_count()}cores-{world}ranks"),
             "device_memory_bytes": (torch.cuda.get_device_properties(dev).total_memory if dev.type != "cpu"
                                     else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world),
+            "host_cores": len(os.sched_getaffinity(0)) if dev.type == "cpu" else 0,  # (GPUs: a device each)
             "reserved_bytes": rss, "ranks_per_node": world, "torch": torch.__version__, "dtype": str(dtype),
             "omp": os.environ.get("OMP_NUM_THREADS", "unset"),
         }
