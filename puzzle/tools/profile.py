@@ -240,6 +240,23 @@ def _fit_latency_bw(points, factor: float):
     return a, 1.0 / c
 
 
+def _fitted_collectives(spec: dict, raw: dict, to_bf16: float):
+    """(all-reduce latency over pairs, its bandwidth per bf16 byte, the latency per larger group
+    size, a note for the profile's comment) from the worker's collective timings."""
+    if not raw.get("allreduce"):
+        return 5e-5, 1e10, {}, "collectives not measured (one rank): placeholder 50 us, 10 GB/s"
+    lat, bw = _fit_latency_bw(raw["allreduce"], 1.0)
+    p2p_lat, p2p_bw = _fit_latency_bw(raw["p2p"], 1.0)
+    bw, p2p_bw = bw * to_bf16, p2p_bw * to_bf16
+    # latency of each larger group (its fitted intercept; the ring's bytes term 2(n-1)/n)
+    by_ranks = {2: lat, **{int(T): _fit_latency_bw(pts, 2.0 * (int(T) - 1) / int(T))[0]
+                           for T, pts in raw.get("allreduce_by_ranks", {}).items()}}
+    note = (f"all-reduce (pairs, {spec['procs']} ranks busy) {lat * 1e6:.0f} us + bytes/{bw / 1e9:.3f} GB/s"
+            + "".join(f", over {n} ranks {v * 1e6:.0f} us" for n, v in sorted(by_ranks.items()) if n > 2)
+            + f"; p2p send/recv {p2p_lat * 1e6:.0f} us + bytes/{p2p_bw / 1e9:.3f} GB/s (per bf16 byte)")
+    return lat, bw, by_ranks, note
+
+
 def build_profile(spec: dict, raw: dict):
     """Profile from the worker's raw measurements (see the module docstring for the attribution)."""
     from puzzle.parallel.plan import ParallelPlan
@@ -250,19 +267,7 @@ def build_profile(spec: dict, raw: dict):
     sh = spec["shape"]
     elt = raw["elem_bytes"]  # bytes per element of the measured run (4 on CPU fp32)
     to_bf16 = 2.0 / elt
-    if raw.get("allreduce"):
-        lat, bw = _fit_latency_bw(raw["allreduce"], 1.0)
-        p2p_lat, p2p_bw = _fit_latency_bw(raw["p2p"], 1.0)
-        bw, p2p_bw = bw * to_bf16, p2p_bw * to_bf16
-        # latency of each larger group (its fitted intercept; the ring's bytes term 2(n-1)/n)
-        by_ranks = {2: lat, **{int(T): _fit_latency_bw(pts, 2.0 * (int(T) - 1) / int(T))[0]
-                               for T, pts in raw.get("allreduce_by_ranks", {}).items()}}
-        comm_note = (f"all-reduce (pairs, {spec['procs']} ranks busy) {lat * 1e6:.0f} us + bytes/{bw / 1e9:.3f} GB/s"
-                     + "".join(f", over {n} ranks {v * 1e6:.0f} us" for n, v in sorted(by_ranks.items()) if n > 2)
-                     + f"; p2p send/recv {p2p_lat * 1e6:.0f} us + bytes/{p2p_bw / 1e9:.3f} GB/s (per bf16 byte)")
-    else:
-        lat, bw, by_ranks = 5e-5, 1e10, {}
-        comm_note = "collectives not measured (one rank): placeholder 50 us, 10 GB/s"
+    lat, bw, by_ranks, comm_note = _fitted_collectives(spec, raw, to_bf16)
     hw = dict(device_memory_bytes=int(raw["device_memory_bytes"]), memory_reserved_bytes=int(raw["reserved_bytes"]),
               ranks_per_node=int(raw["ranks_per_node"]), intra_node_bandwidth=bw, inter_node_bandwidth=bw,
               intra_node_latency_s=lat, inter_node_latency_s=lat, hbm_bandwidth=float(raw["hbm_bandwidth"]),
