@@ -259,6 +259,26 @@ def _lora_checkpoint_reshards(eng):
     """The trained actor's adapters and Adam state saved at (2,1,2) (puzzle.checkpointing's role
     state dict: the adapters alone) and loaded at (1,4,1): the same adapters and moments, compared
     as whole tensors."""
+    other = ModelEngine("actor", LORA_ARCH, layout_for(ParallelPlan(1, 4, 1)), trainable=True,
+                        optim=OptimConfig(lr=1e-3), seed=9, lora=LORA)  # another seed: the load must set A
+    role_state_through_checkpoint(eng, other)
+    whole = {(label, what): _whole_adapters(e, what) for label, e in (("saved", eng), ("loaded", other))
+             for what in (None, "exp_avg", "exp_avg_sq")}
+    if dist.get_rank() != 0:
+        return None
+    out = {}
+    for what in (None, "exp_avg", "exp_avg_sq"):
+        a, b = whole["saved", what], whole["loaded", what]
+        out[what or "weights"] = {"names_agree": sorted(a) == sorted(b) and len(a) > 0,
+                                  "equal": all(torch.equal(a[n], b[n]) for n in a),
+                                  "nonzero": sum(bool(a[n].abs().sum() > 0) for n in a)}
+    return out
+
+
+def role_state_through_checkpoint(eng, other) -> None:
+    """``eng``'s role state dict (puzzle.checkpointing's: a LoRA actor's adapters alone, with their
+    Adam state) saved by megatron's dist_checkpointing into a fresh directory and loaded into
+    ``other`` (another layout); the directory removed."""
     import os
     import shutil
     import tempfile
@@ -274,23 +294,12 @@ def _lora_checkpoint_reshards(eng):
         os.makedirs(path)
     dist.barrier()
     dist_checkpointing.save(_role_sharded_state_dict(eng, is_loading=False, with_optimizer=True), path)
-    other = ModelEngine("actor", LORA_ARCH, layout_for(ParallelPlan(1, 4, 1)), trainable=True,
-                        optim=OptimConfig(lr=1e-3), seed=9, lora=LORA)  # another seed: the load must set A
     state = dist_checkpointing.load(_role_sharded_state_dict(other, is_loading=True, with_optimizer=True), path)
     _load_model_state(other, state["model"])
     other.optimizer.load_state_dict(state["optimizer"])
-    whole = {(label, what): _whole_adapters(e, what) for label, e in (("saved", eng), ("loaded", other))
-             for what in (None, "exp_avg", "exp_avg_sq")}
-    if dist.get_rank() != 0:
-        return None
-    shutil.rmtree(root[0], ignore_errors=True)
-    out = {}
-    for what in (None, "exp_avg", "exp_avg_sq"):
-        a, b = whole["saved", what], whole["loaded", what]
-        out[what or "weights"] = {"names_agree": sorted(a) == sorted(b) and len(a) > 0,
-                                  "equal": all(torch.equal(a[n], b[n]) for n in a),
-                                  "nonzero": sum(bool(a[n].abs().sum() > 0) for n in a)}
-    return out
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root[0], ignore_errors=True)
 
 
 def _whole_adapters(eng, state_key=None):

@@ -14,8 +14,6 @@ one, moe_switch.py in the 4-rank world), not a world of its own.
 """
 
 import os
-import shutil
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -185,26 +183,14 @@ def _checkpoint_reshards(eng, other):
     """The adapters and their Adam moments saved at ``eng``'s layout, loaded into ``other`` (another
     layout, other adapter values; puzzle.checkpointing's role state dict: the adapters alone),
     compared whole."""
-    from megatron.core import dist_checkpointing
+    from tests.distributed.worlds.foundation import role_state_through_checkpoint
 
-    from puzzle.checkpointing import _load_model_state, _role_sharded_state_dict
-
-    root = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(root)
-    path = os.path.join(root[0], "actor")
-    if dist.get_rank() == 0:
-        os.makedirs(path)
-    dist.barrier()
-    dist_checkpointing.save(_role_sharded_state_dict(eng, is_loading=False, with_optimizer=True), path)
-    state = dist_checkpointing.load(_role_sharded_state_dict(other, is_loading=True, with_optimizer=True), path)
-    _load_model_state(other, state["model"])
-    other.optimizer.load_state_dict(state["optimizer"])
+    role_state_through_checkpoint(eng, other)
     keys = (None, "exp_avg", "exp_avg_sq")
     whole = {(label, k): _whole(e, k) for label, e in (("saved", eng), ("loaded", other)) for k in keys}
     dist.barrier()
     if dist.get_rank() != 0:
         return None
-    shutil.rmtree(root[0], ignore_errors=True)
     out = {}
     for k in keys:
         a, b = whole["saved", k], whole["loaded", k]
