@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import List, Optional
 
 STOPS = tuple(chr(c) for c in range(32, 64))  # 32 one-byte turn stops
@@ -47,7 +43,7 @@ class SleepyEcho:
         return f"={self.n}", 1.0, False
 
 
-def _worker(args, out: str) -> None:
+def _worker(args) -> None:
     import megatron_patches
 
     megatron_patches.apply()
@@ -107,7 +103,8 @@ def _worker(args, out: str) -> None:
                      "model_calls": o.forward_passes, "env_steps": o.turn_counts["turns"],
                      "observation_tokens": o.turn_counts["observation_tokens"],
                      "tokens": int(o.response_lengths.sum())})
-    Path(out).write_text(json.dumps(rows))
+    for row in rows:
+        print("ROW " + json.dumps(row), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -119,27 +116,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if min(args.overlap_calls) < 0 or args.rows < 1 or args.workers < 1 or args.repeats < 1 or args.sleep_ms < 0:
         raise SystemExit("--overlap-calls must be >= 0; --rows, --workers, --repeats >= 1; --sleep-ms >= 0")
-    if args.worker_out:
-        _worker(args, args.worker_out)
+    if args.worker:
+        _worker(args)
         return 0
-    with tempfile.TemporaryDirectory(prefix="puzzle-envturns-") as tmp:
-        out = os.path.join(tmp, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-               "-m", "puzzle.bench.env_turns", "--worker-out", out, "--sleep-ms", str(args.sleep_ms),
-               "--rows", str(args.rows), "--workers", str(args.workers), "--repeats", str(args.repeats),
-               "--overlap-calls", *map(str, args.overlap_calls)]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0 or not os.path.exists(out):
-            print("\n".join((proc.stdout + proc.stderr).splitlines()[-30:]), file=sys.stderr)
-            return 1
-        rows = json.loads(Path(out).read_text())
-    for row in rows:
-        print(json.dumps(row), flush=True)
+    from puzzle.bench.worker_ranks import torchrun_rows
+
+    rows = []
+    rc = torchrun_rows("puzzle.bench.env_turns", 1, [
+        "--sleep-ms", str(args.sleep_ms), "--rows", str(args.rows), "--workers", str(args.workers),
+        "--repeats", str(args.repeats), "--overlap-calls", *map(str, args.overlap_calls)], rows)
+    if rc:
+        return rc
     sync = next((r for r in rows if r["overlap_calls"] == 0), None)
     best = max(rows, key=lambda r: r["overlap_calls"])
     if sync is not None and best is not sync and sync["step_wait_seconds"] > 0:
