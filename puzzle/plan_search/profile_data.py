@@ -249,17 +249,23 @@ def _num(v, where: str, typ) -> float:
     return typ(v)
 
 
+def _power_of_two_key(key, where: str, what: str, label: str = "") -> int:
+    """A table's key (a JSON string) as the power of two it names (``what``: what the key is)."""
+    try:
+        n = int(key)
+    except (TypeError, ValueError):
+        raise ProfileError(f"{where}: key {key!r} is not {what}") from None
+    if n < 1 or n & (n - 1):
+        raise ProfileError(f"{where}: {label}{n} is not a power of two")
+    return n
+
+
 def _points(raw, where: str) -> Dict[int, List[Tuple[float, float]]]:
     if not isinstance(raw, dict) or not raw:
         raise ProfileError(f"{where} must be a non-empty object {{T: [[x, seconds], ...]}}")
     out = {}
     for tk, pts in raw.items():
-        try:
-            T = int(tk)
-        except (TypeError, ValueError):
-            raise ProfileError(f"{where}: key {tk!r} is not a tensor-parallel degree") from None
-        if T < 1 or T & (T - 1):
-            raise ProfileError(f"{where}: T={T} is not a power of two")
+        T = _power_of_two_key(tk, where, "a tensor-parallel degree", "T=")
         if not isinstance(pts, list) or not pts:
             raise ProfileError(f"{where}[{tk}] must be a non-empty list of [x, seconds]")
         row = []
@@ -282,13 +288,7 @@ def _size_table(raw, where: str) -> Dict[int, float]:
         raise ProfileError(f"{where} must be an object {{size: seconds}}")
     out = {}
     for k, v in raw.items():
-        try:
-            n = int(k)
-        except (TypeError, ValueError):
-            raise ProfileError(f"{where}: key {k!r} is not a number of ranks") from None
-        if n < 1 or n & (n - 1):
-            raise ProfileError(f"{where}: {n} is not a power of two")
-        out[n] = _num(v, f"{where}[{k}]", float)
+        out[_power_of_two_key(k, where, "a number of ranks")] = _num(v, f"{where}[{k}]", float)
     return out
 
 

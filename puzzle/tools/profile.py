@@ -482,25 +482,13 @@ class _Collectives:
         for T, g in self.groups.items():
             for n, x in self.bufs.items():
                 dist.barrier()
-                for _ in range(reps):
-                    _sync(self.dev)
-                    t = time.perf_counter()
-                    dist.all_reduce(x, group=g)
-                    _sync(self.dev)
-                    if keep:
-                        self.ar_groups[T][n].append(time.perf_counter() - t)
+                self._time_allreduce(x, g, reps, self.ar_groups[T][n] if keep else None)
         for n, x in self.bufs.items():
             dist.barrier()
             if self.mine is None:
                 continue
             g, p = self.mine
-            for _ in range(reps):
-                _sync(self.dev)
-                t = time.perf_counter()
-                dist.all_reduce(x, group=g)
-                _sync(self.dev)
-                if keep:
-                    self.ar[n].append(time.perf_counter() - t)
+            self._time_allreduce(x, g, reps, self.ar[n] if keep else None)
             for _ in range(reps):
                 _sync(self.dev)
                 t = time.perf_counter()
@@ -513,6 +501,19 @@ class _Collectives:
                 _sync(self.dev)
                 if keep:
                     self.pp[n].append((time.perf_counter() - t) / 2)  # one direction of a ping-pong
+
+    def _time_allreduce(self, x, group, reps: int, into) -> None:
+        """``reps`` all-reduces of ``x`` over ``group``, each timed alone (device synced) and
+        appended to ``into`` (None: a warm-up, not kept)."""
+        import torch.distributed as dist
+
+        for _ in range(reps):
+            _sync(self.dev)
+            t = time.perf_counter()
+            dist.all_reduce(x, group=group)
+            _sync(self.dev)
+            if into is not None:
+                into.append(time.perf_counter() - t)
 
     def results(self) -> dict:
         if self.mine is None:
