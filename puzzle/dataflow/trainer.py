@@ -241,11 +241,10 @@ class PPOTrainer:
             batch, metrics = self._iteration(*next_prompts(), refill=next_prompts)
             self._run_metrics(batch, metrics)  # collective
             self.logger.log(metrics)
-            if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
+            if self._save_due():
                 self._save()
                 saved = self.iteration
-            self.progress(self.iteration, "exit check")
-            reason = self.exit_control.reason_to_exit(self.iteration) if self.exit_control else None
+            reason = self._exit_reason()
             if reason:
                 if self.rank == 0:
                     print(f"exiting after iteration {self.iteration}: {reason}"
@@ -293,11 +292,10 @@ class PPOTrainer:
             if work.train is None:
                 continue  # no iteration ended (the first rounds fill the pipeline)
             self.iteration = work.train  # the batches trained (the same count on both pools)
-            if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
+            if self._save_due():
                 self._save_overlapped(generated)
                 saved = self.iteration
-            self.progress(self.iteration, "exit check")
-            reason = self.exit_control.reason_to_exit(self.iteration) if self.exit_control else None
+            reason = self._exit_reason()
             if reason:
                 if self.rank == 0:
                     print(f"exiting after iteration {self.iteration}: {reason}; the {generated - self.iteration} "
@@ -310,6 +308,17 @@ class PPOTrainer:
             self._receive_in_flight(generated)  # an exit's batches in flight (saved, or dropped)
         for work, _ in sends:
             work.wait()
+
+    def _save_due(self) -> bool:
+        """--save-interval: the iteration just ended saves."""
+        cfg = self.cfg
+        return bool(cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0)
+
+    def _exit_reason(self) -> Optional[str]:
+        """Why the run stops after the iteration just ended (--exit-interval, --exit-duration-in-mins,
+        a signal), or None."""
+        self.progress(self.iteration, "exit check")
+        return self.exit_control.reason_to_exit(self.iteration) if self.exit_control else None
 
     def _receive_in_flight(self, generated: int) -> None:
         """The training pool takes in every batch generated up to ``generated`` not received yet."""
