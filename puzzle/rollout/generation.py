@@ -555,7 +555,7 @@ def _checked_arguments(engine, prompts, params, sample_offset, micro_batch_size,
     partial_tokens, partial_logprobs, sample_ids = partial
     width = _check_inputs(engine, prompts, params, sample_offset)
     b, P = len(prompts), engine.layout.plan.P
-    _check_turns(turns, engine.layout.plan, stop, partial_tokens, cuda_graphs, partial_turns)
+    _check_turns(turns, engine.layout.plan, partial_tokens, cuda_graphs, partial_turns)
     resumed = check_resume(b, params, engine.arch.valid_vocab_size, partial_tokens, partial_logprobs,
                            None if partial_turns is None else [t and t.observation for t in partial_turns])
     rows_sample_ids = check_sample_ids(b, sample_offset, sample_ids)
@@ -601,9 +601,9 @@ def _decode_graphs(model, P: int, device, cuda_graphs: bool, compile_graphs: boo
     return DecodeGraphs.for_model(model, P, device, compile_graphs)
 
 
-def _check_turns(turns, plan, stop, partial_tokens, cuda_graphs, partial_turns=None) -> None:
-    """Multi-turn rows run at P=1, T=1, without CUDA graphs; with a quota ``stop`` and resumed rows
-    (partial rollouts), a resumed row's turn state in ``partial_turns``."""
+def _check_turns(turns, plan, partial_tokens, cuda_graphs, partial_turns=None) -> None:
+    """Multi-turn rows run at P=1 (any T) without an expert-parallel split, without CUDA graphs;
+    resumed rows (partial rollouts) with each one's turn state in ``partial_turns``."""
     if turns is None:
         if partial_turns is not None:
             raise ValueError("partial_turns (the turn state of resumed rows) needs turns (a multi-turn handler)")

@@ -114,21 +114,21 @@ def test_pipelined_generation_is_refused_naming_the_layout():
     plan = ParallelPlan(2, 1, 1)
     with pytest.raises(ValueError, match=re.escape(f"runs at P=1 without an expert-parallel split for now; "
                                                    f"the actor generates at {plan}")):
-        _check_turns(Handler(), plan, None, None, False)
+        _check_turns(Handler(), plan, None, False)
 
 
 def test_graphs_are_refused_and_partial_rows_need_their_turn_state_shape():
     for plan in (ParallelPlan(1, 2, 1), ParallelPlan(1, 1, 2)):  # D > 1 and T > 1 run
-        _check_turns(Handler(), plan, None, None, False)
+        _check_turns(Handler(), plan, None, False)
     plan = ParallelPlan(1, 2, 1)
-    _check_turns(Handler(), plan, object(), [[1]], False, [None])  # partial rollouts: a quota, resumed rows
-    _check_turns(None, ParallelPlan(2, 1, 1), None, None, True)  # no turns: nothing checked
+    _check_turns(Handler(), plan, [[1]], False, [None])  # partial rollouts: resumed rows
+    _check_turns(None, ParallelPlan(2, 1, 1), None, True)  # no turns: nothing checked
     with pytest.raises(ValueError, match="CUDA graphs"):
-        _check_turns(Handler(), plan, None, None, True)
+        _check_turns(Handler(), plan, None, True)
     with pytest.raises(ValueError, match="needs turns"):
-        _check_turns(None, plan, None, [[1]], False, [None])
+        _check_turns(None, plan, [[1]], False, [None])
     with pytest.raises(ValueError, match="one entry per prompt"):
-        _check_turns(Handler(), plan, None, [[1], [2]], False, [None])
+        _check_turns(Handler(), plan, [[1], [2]], False, [None])
 
 
 def test_a_row_stopped_with_its_step_in_flight_resumes_as_the_uninterrupted_one():
