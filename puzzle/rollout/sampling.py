@@ -92,7 +92,7 @@ class SamplingParams:
 # ---------------------------------------------------------------------------------------------
 # small collectives (fixed rank order => identical results on every TP rank)
 # ---------------------------------------------------------------------------------------------
-def _tp_size(group) -> int:
+def tp_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
@@ -102,10 +102,10 @@ def tp_rank(group) -> int:
 
 def _gather(x: torch.Tensor, group) -> torch.Tensor:
     """[T, *x.shape]: x from every TP rank, in rank order."""
-    if _tp_size(group) == 1:
+    if tp_size(group) == 1:
         return x.unsqueeze(0)
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_tp_size(group))]
+    parts = [torch.empty_like(x) for _ in range(tp_size(group))]
     dist.all_gather(parts, x, group=group)
     return torch.stack(parts)
 
@@ -136,7 +136,7 @@ def mask_padding(logits: torch.Tensor, start: int, true_vocab: int) -> torch.Ten
 def vocab_parallel_argmax(values: torch.Tensor, start: int, group) -> torch.Tensor:
     """Global argmax ids [n] of vocab-parallel values [n, V/T]; ties -> lowest global id."""
     idx = values.argmax(dim=-1)  # first maximal index locally
-    if _tp_size(group) == 1:
+    if tp_size(group) == 1:
         return idx + start
     best = values.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
     pairs = torch.stack([best.double(), (idx + start).double()], dim=-1)  # [n, 2]

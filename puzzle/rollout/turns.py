@@ -60,6 +60,8 @@ from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
+from puzzle.rollout.sampling import tp_rank, tp_size
+
 
 class TurnHandler(Protocol):
     """What answers the rows' turns (the dataflow's environment episodes). Optional attributes:
@@ -108,7 +110,7 @@ class TurnTracker:
         if self.overlap_calls < 0:
             raise ValueError(f"overlap_calls must be >= 0 (got {self.overlap_calls})")
         self.tp_group, self.device = tp_group, device
-        self.stepping = _tp_rank(tp_group) == 0  # this rank calls the handler
+        self.stepping = tp_rank(tp_group) == 0  # this rank calls the handler
         background = self.stepping and bool(getattr(handler, "steps_in_background", False))
         self.executor = _Stepper(handler) if background else None
         self.tokens: List[List[int]] = [[] for _ in range(rows)]  # each row's response so far
@@ -211,7 +213,7 @@ class TurnTracker:
             for s, obs in zip(due, found):
                 if len(obs) != len(s.rows):
                     raise ValueError(f"the turn handler answered {len(obs)} observations for {len(s.rows)} turns")
-        if _tp_size(self.tp_group) > 1:
+        if tp_size(self.tp_group) > 1:
             found = _broadcast_observations(found, [len(s.rows) for s in due], self.tp_group, self.device)
         return found
 
@@ -280,18 +282,6 @@ class _Stepper:
             self.queue, self.closing = [], True
             self.ready.notify()
         self.thread.join()
-
-
-def _tp_size(group) -> int:
-    import torch.distributed as dist
-
-    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
-
-
-def _tp_rank(group) -> int:
-    import torch.distributed as dist
-
-    return 0 if group is None or not dist.is_initialized() else dist.get_rank(group)
 
 
 def _broadcast_observations(found, counts: List[int], group, device) -> List[List[Optional[List[int]]]]:
