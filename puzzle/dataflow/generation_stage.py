@@ -115,9 +115,7 @@ class GenerationStage:
             if multi_turn:
                 turns = self.rewards.episodes(rows[part * share:(part + 1) * share],
                                               records[part * share:(part + 1) * share])
-            params = self._sampling_params(greedy)
-            if multi_turn and self.rewards.continuing_ids:  # a turn stop that is a stop id: the row goes on
-                params = replace(params, eos_ids=tuple(i for i in params.eos_ids if i not in self.rewards.continuing_ids))
+            params = self._sampling_params(greedy, multi_turn)
             out = generate(engine, rows[part * share:(part + 1) * share], params, seed=seed,
                            micro_batch_size=ppo.generation_micro_batch_size,
                            cuda_graphs=ppo.cuda_graph_generation, compile_graphs=ppo.compile_generation,
@@ -144,7 +142,7 @@ class GenerationStage:
 
         ppo, out, turns, resume, replayed = self.ppo, None, None, None, 0
         if engine.member:
-            params = self._sampling_params(ppo.greedy)
+            params = self._sampling_params(ppo.greedy, records is not None)
             if records is not None:
                 if engine.layout.t == 0:  # the TP group's first rank steps the episodes (and holds their instances)
                     episodes, replayed = replay_episodes(self.rewards.episodes, rows, records, partial_tokens, episodes)
@@ -152,8 +150,6 @@ class GenerationStage:
                 for r, e in enumerate(episodes):
                     turns.resume(r, e)
                 resume = [TurnResume(tuple(e.observation.tolist()), len(e.spans), e.turn_start) for e in episodes]
-                if self.rewards.continuing_ids:  # a turn stop that is a stop id: the row goes on
-                    params = replace(params, eos_ids=tuple(i for i in params.eos_ids if i not in self.rewards.continuing_ids))
             out = generate(engine, rows, params, seed=seed_of_run(self.cfg),
                            micro_batch_size=ppo.generation_micro_batch_size,
                            batch_invariant=ppo.batch_invariant_mode, progress=self.progress, stop=stop,
@@ -164,13 +160,18 @@ class GenerationStage:
             return gathered
         return (*gathered, gather_turns(turns, out, engine.layout, len(rows), self.device, ppo.max_new_tokens, replayed))
 
-    def _sampling_params(self, greedy: bool):
+    def _sampling_params(self, greedy: bool, multi_turn: bool = False):
+        """The run's sampling parameters; multi-turn, a turn stop that is a stop id does not end
+        the row (the row goes on after its observation)."""
         from puzzle.rollout.generation import SamplingParams
 
         ppo = self.ppo
+        eos_ids = tuple(self.tokenizer.eos_ids)
+        if multi_turn and self.rewards.continuing_ids:
+            eos_ids = tuple(i for i in eos_ids if i not in self.rewards.continuing_ids)
         return SamplingParams(max_new_tokens=ppo.max_new_tokens, temperature=ppo.temperature, top_k=ppo.top_k,
                               top_p=ppo.top_p, greedy=greedy, eos_id=self.tokenizer.eos_id,
-                              pad_id=self.tokenizer.pad_id, eos_ids=tuple(self.tokenizer.eos_ids))
+                              pad_id=self.tokenizer.pad_id, eos_ids=eos_ids)
 
     def _dynamic_sampling(self, engine, prompt_ids: List[List[int]], records: List[dict],
                           refill: Optional[Callable], iteration: int) -> Rollout:
