@@ -6,12 +6,15 @@ against the overlap of a generation pool and a training pool (--rl-desired-lag 1
 In ONE run (one 4-rank torchrun world; ``MODES`` and ``LAYOUTS`` give each mode's layouts, also in
 the rows), the tiny GRPO model of examples/run_grpo_tiny.sh (random
 weights) trains with whole iterations (generation, rewards, scoring, training) on two
-response-length distributions: ``long_tailed`` (``puzzle.bench.packing.response_lengths``'
-exponential, mean/max ~0.16 of --max-new-tokens, the same draw, without its row forced to the
-cap) and ``all_equal`` (every response at the cap). A random model has no length distribution of
-its own, so the lengths are planted: each sample's end-of-sequence token is made the argmax
-once its response reaches the length drawn for its (seed, sample index), and is never sampled
-before; the log-probs recorded are the model's. Each run (``PPOTrainer.train``) has ``--warmup``
+response-length distributions (``DISTRIBUTIONS``): ``long_tailed`` as
+``puzzle.bench.packing.response_lengths`` draws it (exponential, mean/max ~0.16 of
+--max-new-tokens, the first row of each rollout at the cap: the sample of every
+rollout-batch-size-th global index, a response truncated at --max-new-tokens, as the runs of
+issue #36 had) and ``all_equal`` (every response at the cap); on request also
+``long_tailed_uncapped`` (the same exponential without the rows at the cap, what this bench drew
+before). A random model has no length distribution of its own, so the lengths are planted: each
+sample's end-of-sequence token is made the argmax once its response reaches the length drawn for
+its (seed, sample index), and is never sampled before; the log-probs recorded are the model's. Each run (``PPOTrainer.train``) has ``--warmup``
 untimed iterations (partial rollouts' carried buffer fills; the overlap's pipeline fills) and
 ``--iterations`` timed ones; the overlap's run has two more untimed ones after them (its drain:
 the training step of the next-to-last batch sends no weights, so that iteration does not wait
@@ -71,10 +74,23 @@ LAYOUTS = {"sync": "train 1,4,1; generate 1,1,4", "partial": "train 1,4,1; gener
 TABLE = 4096  # planted lengths drawn per (seed, sample index) mod this
 
 
+#: each distribution's draw: (kind, mean as a fraction of the cap or None, rows at the cap: 1 in a rollout)
+DISTRIBUTIONS = {"long_tailed": ("exponential", 0.16, True), "all_equal": ("fixed", None, False),
+                 "long_tailed_uncapped": ("exponential", 0.16, False)}
+
+
+def response_lengths(kind: str, cap: int, samples: int):
+    """The plan search's ResponseLengths of distribution ``kind`` (``samples`` per rollout)."""
+    from puzzle.plan_search.long_tail import ResponseLengths
+
+    shape, mean, capped = DISTRIBUTIONS[kind]
+    return ResponseLengths(shape, cap, mean=(mean or 0.0) * cap, cap_every=samples if capped else 0)
+
+
 @contextlib.contextmanager
-def planted_lengths(lengths):
+def planted_lengths(lengths, cap: int = 0, cap_every: int = 0):
     """EOS the argmax of a row from the step its planted length ends at and never before
-(``lengths``: [TABLE])."""
+    (``lengths``: [TABLE]; ``cap_every`` k > 0: the samples of index 0, k, 2k, ... at ``cap``)."""
     import torch
 
     from puzzle.rollout import pipelined_generation
@@ -86,7 +102,11 @@ def planted_lengths(lengths):
         eos = None if params.eos_id is None else params.eos_id - vocab_start(logits.shape[1], kw.get("tp_group"))
         if sample_ids is not None and eos is not None and 0 <= eos < logits.shape[1]:  # (this TP rank's shard)
             s = int(seed) if not isinstance(seed, torch.Tensor) else int(seed.reshape(-1)[0])
-            want = lengths[(sample_ids.cpu() * 2654435761 + s * 97) % TABLE].to(logits.device)
+            ids = sample_ids.cpu()
+            want = lengths[(ids * 2654435761 + s * 97) % TABLE]
+            if cap_every:
+                want = torch.where(ids % cap_every == 0, cap, want)
+            want = want.to(logits.device)
             stop = torch.as_tensor(step, device=logits.device) >= want - 1
             logits = logits.clone()
             logits[:, eos] += torch.where(stop, 1e4, -1e4).to(logits.dtype)  # no other ends
@@ -102,10 +122,11 @@ def planted_lengths(lengths):
 def _lengths(kind: str, cap: int):
     import torch
 
-    if kind == "all_equal":
+    shape, mean, _ = DISTRIBUTIONS[kind]
+    if shape == "fixed":
         return torch.full((TABLE,), cap, dtype=torch.long)
     g = torch.Generator().manual_seed(0)
-    x = torch.empty(TABLE).exponential_(1.0 / 0.16, generator=g).clamp(max=1.0)
+    x = torch.empty(TABLE).exponential_(1.0 / mean, generator=g).clamp(max=1.0)
     return (x * cap).long().clamp(min=1)
 
 
@@ -167,11 +188,12 @@ def _run(args, kind: str) -> list:
            for mode in MODES}
     ratios, load = [], [round(os.getloadavg()[0], 2)]
     timed = range(args.warmup + 1, args.warmup + args.iterations + 1)
+    samples_per_rollout = args.n_samples * ROLLOUT_BATCH
     for rep in range(args.repeats):
         per = {}
         for mode in (list(MODES) if rep % 2 == 0 else list(MODES)[::-1]):
             argv = mode_argv(args, mode) + ["--train-iters", str(timed.stop - 1 + DRAIN.get(mode, 0))]
-            with planted_lengths(_lengths(kind, R)):
+            with planted_lengths(_lengths(kind, R), R, response_lengths(kind, R, samples_per_rollout).cap_every):
                 rows = _train(argv, timed)
             if not rows:  # not rank 0
                 continue
@@ -210,13 +232,11 @@ def prediction(args, kind: str, medians: dict) -> dict:
     """The plan search's choice for ``kind`` (each mode priced at its own flags' layouts, the
     planted distribution, ``--profile``) beside the measured fastest mode (by the median ratios)."""
     from puzzle.plan_search.command import predict_modes
-    from puzzle.plan_search.long_tail import ResponseLengths
 
-    R = args.max_new_tokens
-    lengths = ResponseLengths("fixed", R) if kind == "all_equal" else ResponseLengths("exponential", R, mean=0.16 * R)
+    samples = args.n_samples * ROLLOUT_BATCH
+    lengths = response_lengths(kind, args.max_new_tokens, samples)
     report = predict_modes({m: mode_argv(args, m) for m in MODES}, lengths, RANKS, args.profile)
     fastest = max(medians, key=medians.get) if max(medians.values()) > 1.0 else "sync"
-    samples = args.n_samples * ROLLOUT_BATCH
     est = {e.mode: e.iteration_s for e in report.estimates if e.available}
     return {"profile": args.profile, "lengths": lengths.describe(), "predicted": report.choice,
             "measured_fastest": fastest, "matches": report.choice == fastest,
@@ -249,7 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--n-samples", type=int, default=4, help="--n-samples-per-prompt (the group size)")
     ap.add_argument("--oversample", type=float, default=2.0, help="--rl-partial-rollouts-oversample")
-    ap.add_argument("--distributions", default="long_tailed,all_equal")
+    ap.add_argument("--distributions", default="long_tailed,all_equal",
+                    help="comma-separated, of: " + ", ".join(DISTRIBUTIONS))
     ap.add_argument("--out", default=None, help="also write the rows to this JSON file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -257,6 +278,9 @@ def main(argv=None) -> int:
         return _worker(args)
     if args.iterations < 1 or args.warmup < 0 or args.repeats < 1:
         ap.error("--iterations and --repeats must be >= 1, --warmup >= 0")
+    unknown = [k for k in args.distributions.split(",") if k not in DISTRIBUTIONS]
+    if unknown:
+        ap.error(f"--distributions: unknown {', '.join(unknown)} (known: {', '.join(DISTRIBUTIONS)})")
     if os.path.exists(args.profile):  # the workers run in the repository's root
         args.profile = os.path.abspath(args.profile)
     from puzzle.plan_search.profile_data import ProfileError, load_profile

@@ -125,7 +125,6 @@ def pool_routing_table(actor, gen_plan, ranks_per_node=None):
     """The routing table from the actor's training layout to ``gen_plan`` on the generation
     pool: the table between the same layouts on the training ranks, each destination moved by
     the pools' distance (the generation pool has as many ranks as the actor's training layout)."""
-    from puzzle.switch.routing import RoutingTable
     from puzzle.switch.shadow import routing_table_for
 
     src = actor.layout.plan
@@ -133,11 +132,7 @@ def pool_routing_table(actor, gen_plan, ranks_per_node=None):
     base = routing_table_for(actor.arch, actor.role, src, replace(gen_plan, offset=src.offset),
                              dtype_bytes=torch.tensor([], dtype=dtype).element_size(),
                              ranks_per_node=ranks_per_node)
-    delta = gen_plan.offset - src.offset
-    ops = [replace(o, dst_rank=o.dst_rank + delta) for o in base.ops]
-    dst_place = {name: {r + delta: replace(h, rank=r + delta) for r, h in holders.items()}
-                 for name, holders in base._dst_place.items()}  # (bytes_lacking's view of the destination)
-    return RoutingTable(ops, base.specs, src, gen_plan, base._src_place, dst_place, base.dtype_bytes)
+    return base.with_destination_moved(gen_plan.offset - src.offset, gen_plan)
 
 
 class PoolSwitch:

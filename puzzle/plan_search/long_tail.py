@@ -71,7 +71,11 @@ class ResponseLengths:
       --expected-response-length-p50/-p99; ``p50 == p99``: every response at p50);
     * ``exponential``: mean ``mean`` (puzzle.bench.packing's long tail);
     * ``measured``: piecewise linear through ``points`` (quantile, length), e.g. a run's logged
-      response_length_p10/p50/p90/max (:func:`from_metrics`)."""
+      response_length_p10/p50/p90/max (:func:`from_metrics`).
+
+    ``cap_every`` k > 0: besides, the samples of global index 0, k, 2k, ... run to the cap (a
+    rollout's response truncated at --max-new-tokens, as puzzle.bench.packing draws its long tail:
+    the first row of each rollout of k samples at the cap); 0: none."""
 
     kind: str
     cap: int
@@ -79,6 +83,7 @@ class ResponseLengths:
     p99: float = 0.0
     mean: float = 0.0
     points: Tuple[Tuple[float, float], ...] = ()
+    cap_every: int = 0
 
     def __post_init__(self):
         if not isinstance(self.cap, int) or self.cap < 1:
@@ -92,6 +97,8 @@ class ResponseLengths:
             raise ValueError("response lengths: measured points must rise in quantile and not fall in length")
         elif self.kind not in ("fixed", "lognormal", "exponential", "measured"):
             raise ValueError(f"response lengths: unknown kind {self.kind!r}")
+        if isinstance(self.cap_every, bool) or not isinstance(self.cap_every, int) or self.cap_every < 0:
+            raise ValueError(f"response lengths: cap_every must be an integer >= 0 (got {self.cap_every!r})")
 
     @classmethod
     def from_percentiles(cls, p50: float, p99: float, cap: int) -> "ResponseLengths":
@@ -115,17 +122,25 @@ class ResponseLengths:
                     break
         return max(1, min(self.cap, int(x)))
 
+    def length_of(self, sample: int, u: float) -> int:
+        """The length of the sample of global index ``sample`` drawn at quantile ``u``."""
+        return self.cap if self.cap_every and sample % self.cap_every == 0 else self.quantile(u)
+
     def expected_mean(self, n: int = 4096) -> float:
-        return sum(self.quantile((i + 0.5) / n) for i in range(n)) / n
+        drawn = sum(self.quantile((i + 0.5) / n) for i in range(n)) / n
+        return drawn + (self.cap - drawn) / self.cap_every if self.cap_every else drawn
 
     def describe(self) -> str:
         if self.kind == "fixed":
             return f"every response at --max-new-tokens {self.cap}"
         if self.kind == "lognormal":
-            return f"log-normal, p50 {self.p50:g}, p99 {self.p99:g} of {self.cap} tokens"
-        if self.kind == "exponential":
-            return f"exponential, mean {self.mean:g}, capped at {self.cap} tokens"
-        return "measured (" + ", ".join(f"p{round(100 * u)} {x:g}" for u, x in self.points) + f") of {self.cap} tokens"
+            text = f"log-normal, p50 {self.p50:g}, p99 {self.p99:g} of {self.cap} tokens"
+        elif self.kind == "exponential":
+            text = f"exponential, mean {self.mean:g}, capped at {self.cap} tokens"
+        else:
+            text = "measured (" + ", ".join(f"p{round(100 * u)} {x:g}" for u, x in self.points) + f") of {self.cap} tokens"
+        return text + (f", 1 in {self.cap_every} samples (the first of each rollout) at the cap" if self.cap_every
+                       else "")
 
 
 def check_percentiles(p50, p99, cap: int, names=("p50", "p99", "max_new_tokens")) -> None:
@@ -234,11 +249,19 @@ def _generate(rows: List[_Row], slots: int, needed: Optional[int], prompt_len: i
 
 def simulate(lengths: ResponseLengths, groups: int, group_size: int, *, slots: Optional[int] = None,
              oversample: Optional[float] = None, prompt_len: int = 1, iterations: int = 12, warmup: int = 4,
-             seed: int = 0) -> List[Trace]:
+             seed: int = 0, replica: Tuple[int, int] = (0, 1)) -> List[Trace]:
     """Traces of the measured iterations of one generation replica serving ``groups`` groups of
     ``group_size`` per iteration: synchronous (``oversample`` None: every served row finishes) or
     with partial rollouts (serve ceil(oversample x groups) groups, carried first, stop at the quota
-    of ``groups`` whole finished groups, carry the rest). ``slots``: KV-cache rows (None: all)."""
+    of ``groups`` whole finished groups, carry the rest). ``slots``: KV-cache rows (None: all).
+    ``replica`` (d, D): this one is replica d of D, each serving ``groups`` of an iteration's
+    groups in turn (the global sample indices :meth:`ResponseLengths.length_of` keys on)."""
+    d, D = replica
+
+    def group_of(serial: int) -> List[_Row]:
+        first = ((serial // groups) * groups * D + d * groups + serial % groups) * group_size
+        return [_Row(lengths.length_of(first + j, rng.random()), serial) for j in range(group_size)]
+
     rng = random.Random(seed)
     buffer: List[List[_Row]] = []
     serial = 0
@@ -249,7 +272,7 @@ def simulate(lengths: ResponseLengths, groups: int, group_size: int, *, slots: O
         tr = Trace()
         served, buffer = buffer[:want], buffer[want:]
         while len(served) < want:
-            served.append([_Row(lengths.quantile(rng.random()), serial) for _ in range(group_size)])
+            served.append(group_of(serial))
             serial += 1
         done_before = sum(all(r.finished for r in g) for g in served)
         todo = [r for g in served for r in g if not r.finished]
@@ -364,13 +387,16 @@ class LongTailPricer:
         self.mean = lengths.expected_mean()
         self._sims: Dict[tuple, List[Trace]] = {}
 
-    def _simulate(self, groups: int, group_size: int, oversample: Optional[float], seed: int = 0) -> List[Trace]:
+    def _simulate(self, groups: int, group_size: int, oversample: Optional[float],
+                  replica: Tuple[int, int] = (0, 1)) -> List[Trace]:
         fixed = self.lengths.kind == "fixed"  # no draws: one replica and a short cycle stand for all
-        key = (groups, group_size, oversample, 0 if fixed else seed)
+        replica = (0, 1) if fixed else replica
+        key = (groups, group_size, oversample, replica)
         if key not in self._sims:
             rounds = dict(iterations=2, warmup=2) if fixed else {}
             self._sims[key] = simulate(self.lengths, groups, group_size, slots=self.w.generation_micro_batch_size,
-                                       oversample=oversample, prompt_len=self.w.prompt_len, seed=seed, **rounds)
+                                       oversample=oversample, prompt_len=self.w.prompt_len, seed=replica[0],
+                                       replica=replica, **rounds)
         return self._sims[key]
 
     def _cost_model(self, mean_len: float) -> CostModel:
@@ -380,7 +406,7 @@ class LongTailPricer:
         """Mean over the simulated iterations of the slowest replica's generation (each replica
         its share of the batch, its own tail)."""
         b = math.ceil(self.w.rollout_batch_size / plan.D)
-        per = [self._simulate(b, 1, None, seed=d) for d in range(plan.D)]
+        per = [self._simulate(b, 1, None, replica=(d, plan.D)) for d in range(plan.D)]
         its = len(per[0])
         return sum(max(trace_seconds(cm, self.actor, plan, per[d][i]) for d in range(plan.D))
                    for i in range(its)) / its

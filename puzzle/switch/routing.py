@@ -28,7 +28,7 @@ copies have src_rank == dst_rank. A rank must keep its source shards until its s
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from puzzle.parallel.plan import ParallelPlan, PlanError
@@ -169,6 +169,17 @@ class RoutingTable:
         self.src, self.dst = src, dst
         self.dtype_bytes = dtype_bytes
         self._src_place, self._dst_place = src_place, dst_place
+
+    def with_destination_moved(self, delta: int, dst: ParallelPlan) -> "RoutingTable":
+        """This table with every destination rank moved by ``delta`` to ``dst`` (the same layout
+        on other ranks: a generation pool beside the training ranks). A destination rank that was
+        a source rank now is not, so each transfer that was a local copy crosses ranks."""
+        if (dst.P, dst.D, dst.T, dst.E) != (self.dst.P, self.dst.D, self.dst.T, self.dst.E):
+            raise ValueError(f"with_destination_moved: {dst} is not the layout of {self.dst}")
+        ops = [replace(o, dst_rank=o.dst_rank + delta) for o in self.ops]
+        dst_place = {name: {r + delta: replace(h, rank=r + delta) for r, h in holders.items()}
+                     for name, holders in self._dst_place.items()}
+        return RoutingTable(ops, self.specs, self.src, dst, self._src_place, dst_place, self.dtype_bytes)
 
     # ---- per-rank views ------------------------------------------------------------------
     def ops_for_rank(self, rank: int) -> List[Transfer]:

@@ -8,17 +8,15 @@ import json
 
 import pytest
 
-from puzzle.bench.long_tail import MODES, RANKS, mode_argv, prediction
+from puzzle.bench.long_tail import MODES, RANKS, mode_argv, prediction, response_lengths
 from puzzle.parallel.plan import ParallelPlan
 from puzzle.plan_search import CostModel, PPOWorkload, load_profile, ppo_roles, save_profile
 from puzzle.plan_search.command import (job_from_config, long_tail_report, predict_mode, predict_modes,
                                        shapes_from_config)
-from puzzle.plan_search.long_tail import ResponseLengths
 from puzzle.plan_search.profile_data import ProfileError, validate_profile
 
 CAP = 192
-TAIL = ResponseLengths("exponential", CAP, mean=0.16 * CAP)  # the bench's planted distributions
-EQUAL = ResponseLengths("fixed", CAP)
+TAIL, EQUAL = (response_lengths(k, CAP, 64) for k in ("long_tailed", "all_equal"))  # the bench's planted ones
 PROFILE = "cpu_long_tail_4ranks"
 
 
@@ -162,8 +160,20 @@ def test_the_bench_prediction_row():
     assert row["estimated_ratio_over_sync"]["partial"] > 1 and "exponential" in row["lengths"]
     slower = prediction(_bench_args(), "all_equal", {"partial": 0.9, "overlap": 0.95})
     assert slower["measured_fastest"] == "sync" and not slower["matches"]
+    assert "1 in 64 samples (the first of each rollout) at the cap" in row["lengths"]
+    uncapped = prediction(_bench_args(), "long_tailed_uncapped", {"partial": 2.57, "overlap": 3.03})
+    assert "at the cap" not in uncapped["lengths"] and uncapped["measured_fastest"] == "overlap"
+    assert uncapped["estimated_s_per_iteration"]["sync"] < row["estimated_s_per_iteration"]["sync"]
     # predict_mode (the sync flags' layouts, the overlap searched over its splits) still answers
     assert predict_mode(_argvs()["sync"], TAIL, RANKS, PROFILE, gen_ranks=[2]) in ("partial", "overlap")
+
+
+def test_the_bench_refuses_an_unknown_distribution(capsys):
+    from puzzle.bench.long_tail import main
+
+    with pytest.raises(SystemExit):
+        main(["--distributions", "long_tailed,heavy"])
+    assert "--distributions: unknown heavy (known: long_tailed, all_equal, long_tailed_uncapped)" in capsys.readouterr().err
 
 
 def test_profiler_builds_the_tables_from_its_measurements():

@@ -94,6 +94,30 @@ def test_partial_simulation_trains_the_quota_and_loses_nothing():
     assert all(t.trained == 64 and t.carried_tokens == 0 for t in same)
 
 
+def test_rows_at_the_cap_every_rollout():
+    """``cap_every`` k: the samples of global index 0, k, 2k, ... at the cap (the first row of each
+    rollout): every synchronous iteration of k samples lasts the cap, the uncapped draw's not all;
+    with 2 replicas of k/2 samples each only the first one serves them; partial rollouts carry
+    them and cut the stage short of the cap."""
+    k, cap = 64, 192
+    tail = ResponseLengths("exponential", cap, mean=0.16 * cap)
+    capped = ResponseLengths("exponential", cap, mean=0.16 * cap, cap_every=k)
+    assert [capped.length_of(i, 0.5) for i in (0, 1, k, k + 1)] == [cap, tail.quantile(0.5), cap, tail.quantile(0.5)]
+    assert capped.expected_mean() == pytest.approx(tail.expected_mean() * (k - 1) / k + cap / k)
+    assert "1 in 64 samples (the first of each rollout) at the cap" in capped.describe()
+    longest = lambda tr: sum(tr.steps.values()) + 1  # the prefill samples each row's first token
+    sync = simulate(capped, k, 1, iterations=6)
+    assert all(longest(t) == cap for t in sync)
+    assert not all(longest(t) == cap for t in simulate(tail, k, 1, iterations=6))
+    first, second = (simulate(capped, k // 2, 1, iterations=6, seed=d, replica=(d, 2)) for d in (0, 1))
+    assert all(longest(t) == cap for t in first) and not all(longest(t) == cap for t in second)
+    partial = simulate(capped, k // 4, 4, oversample=2.0, iterations=6, warmup=4)
+    assert all(longest(t) < cap for t in partial) and all(t.trained == k for t in partial)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="cap_every must be an integer >= 0"):
+            ResponseLengths("exponential", cap, mean=10.0, cap_every=bad)
+
+
 def test_choice_needs_the_margin():
     sync = ModeEstimate("sync", 10.0)
     assert choose([sync, ModeEstimate("partial", 9.8), ModeEstimate("overlap", why_not="x")]) == "sync"

@@ -133,6 +133,24 @@ def test_offset_plans():
     assert {o.src_rank for o in t.ops} | {o.dst_rank for o in t.ops} <= set(range(4, 8))
 
 
+def test_destination_moved_to_another_pool():
+    """A table moved to the same layout on other ranks (the overlap's generation pool): every op
+    still delivers the same box, now across ranks, and each moved rank lacks its whole shard."""
+    specs = gpt_param_specs(**GQA)
+    src, dst = plan("1,2,1"), plan("1,1,2")
+    base = check_table(specs, src, dst)
+    moved = base.with_destination_moved(2, ParallelPlan(1, 1, 2, offset=2))
+    assert [(o.param, o.src_rank, o.dst_rank - 2, o.global_box) for o in moved.ops] == [
+        (o.param, o.src_rank, o.dst_rank, o.global_box) for o in base.ops]
+    assert {o.dst_rank for o in moved.ops} == {2, 3} and not any(o.is_local for o in moved.ops)
+    assert moved.total_bytes() > base.total_bytes()
+    whole = [base.bytes_lacking(r) + sum(o.nbytes for o in base.ops if o.dst_rank == r and o.is_local) for r in (0, 1)]
+    assert [moved.bytes_lacking(r) for r in (2, 3)] == whole == [moved.bytes_received(r) for r in (2, 3)]
+    assert moved.bytes_lacking(0) == 0
+    with pytest.raises(ValueError, match="is not the layout of"):
+        base.with_destination_moved(2, ParallelPlan(1, 2, 1, offset=2))
+
+
 def test_sender_balancing_among_replicas():  # (e)
     specs = gpt_param_specs(**GQA)
     src, dst = plan("1,2,2"), plan("1,1,4")
