@@ -123,3 +123,18 @@ def test_stale_tokens_get_no_actor_loss_and_stay_in_the_critics():
     c, cn, _ = full_grads(stale_batch(STALE), critic=True)
     c_all, _, _ = full_grads(stale_batch(None), critic=True)
     assert cn == 8 and torch.equal(c, c_all)
+
+
+def test_a_mini_batch_with_every_token_stale_skips_the_actors_step():
+    from puzzle.dataflow.training_stage import nothing_to_train
+
+    rows = torch.tensor([1])
+    assert nothing_to_train(stale_batch(None), rows) == set()  # without the flag: never
+    assert nothing_to_train(stale_batch(STALE), rows) == set()  # row 1 keeps 2 tokens
+    row1_stale = STALE.clone()
+    row1_stale[1] = 0.0
+    assert nothing_to_train(stale_batch(row1_stale), rows) == {"actor"}
+    assert nothing_to_train(stale_batch(row1_stale), torch.tensor([0, 1])) == set()
+    only_after = torch.ones(2, R)
+    only_after[1, :4] = 0.0  # row 1's response is 4 tokens: its trained positions are all after it
+    assert nothing_to_train(stale_batch(only_after), rows) == {"actor"}
