@@ -211,6 +211,8 @@ _NEEDS = (
     (PPOParams, "max_num_gen_batches", lambda a, roles: a.filter_groups, "needs --filter-groups"),
     (PPOParams, "rl_partial_rollouts_oversample", lambda a, roles: a.rl_partial_rollouts,
      "needs --rl-partial-rollouts"),
+    (PPOParams, "rl_partial_rollouts_max_staleness", lambda a, roles: a.rl_partial_rollouts,
+     "needs --rl-partial-rollouts (it masks carried samples' stale tokens)"),
     (PPOParams, "rl_importance_sampling_truncation_coef", lambda a, roles: a.rl_inference_logprobs_is_correction,
      "needs --rl-inference-logprobs-is-correction"),
     (PPOParams, "overlong_penalty_factor", lambda a, roles: a.overlong_buffer_len > 0,

@@ -117,6 +117,10 @@ def check_partial_rollouts(args, spec) -> None:
     if args.rl_partial_rollouts_oversample < 1:
         fail("--rl-partial-rollouts-oversample", f"must be >= 1 (the groups served per iteration over the "
                                                  f"batch's; got {args.rl_partial_rollouts_oversample})")
+    stale = getattr(args, "rl_partial_rollouts_max_staleness", None)
+    if stale is not None and stale < 0:
+        fail("--rl-partial-rollouts-max-staleness", f"must be >= 0 (policy versions a trained token may lag "
+                                                    f"the batch's; got {stale})")
     if not args.rl_partial_rollouts:
         return
     if spec.needs_greedy_baseline:

@@ -30,6 +30,7 @@ from puzzle.parallel.scope import scope_group, scope_ranks
 
 #: the per-row fields of a rollout ([B, R] or [B]) and the one stage that writes each
 ROW_FIELDS = {"gen_logprobs": "generation", "group_index": "generation", "loss_mask": "generation",
+              "policy_loss_mask": "generation",
               "scores": "reward", "baseline_scores": "reward", "turn_rewards": "reward",
               "old_logprobs": "scoring", "entropy": "scoring", "ref_logprobs": "scoring", "values": "scoring",
               "advantages": "advantages", "returns": "advantages"}
@@ -50,6 +51,9 @@ class RolloutBatch:
     # [B, R] generation (multi-turn, --env): 1 for the model's tokens, 0 for the observation tokens
     # an environment inserted (in the sequence, attended to, but no loss, KL, value target or advantage)
     loss_mask: Optional[torch.Tensor] = None
+    # [B, R] generation (--rl-partial-rollouts-max-staleness): 0 for the carried tokens sampled too many
+    # policy versions ago: scored, in the advantages and the critic's targets, but not in the actor's loss
+    policy_loss_mask: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None           # [B] reward: raw sequence scores
     baseline_scores: Optional[torch.Tensor] = None  # [B] reward: ReMax's greedy baseline, shaped
     # [B, R] reward (multi-turn): each environment step's reward at the last token of its turn

@@ -62,6 +62,7 @@ class MicroBatch:
     gen_logprobs: Optional[torch.Tensor] = None
     group_index: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None  # multi-turn: already in response_mask (batch.py)
+    policy_loss_mask: Optional[torch.Tensor] = None  # stale carried tokens: read by the actor's loss only
     scores: Optional[torch.Tensor] = None
     baseline_scores: Optional[torch.Tensor] = None
     turn_rewards: Optional[torch.Tensor] = None  # multi-turn: read by the advantages only

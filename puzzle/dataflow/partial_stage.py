@@ -21,8 +21,13 @@ counted in ``env_replay_mismatches``). The batch's scores are its episodes' (``e
 per-sample episode metrics are the trained samples' own (``episode_results``).
 
 The policy version of the weights that generate at iteration ``it`` is ``it - 1`` (the
-iterations trained before). Everything here is collective and ends identical on every rank: the
-one generating share's rows are handed to all ranks before the buffer is updated.
+iterations trained before). With --rl-partial-rollouts-max-staleness K the batch's
+``policy_loss_mask`` takes the tokens sampled under a version older than ``it - 1 - K`` out of the
+actor's loss (they stay context, scored and in the advantages); it is derived from the tokens'
+versions, which the checkpoint keeps, so a resumed run masks the same tokens.
+
+Everything here is collective and ends identical on every rank: the one generating share's rows
+are handed to all ranks before the buffer is updated.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ import torch
 
 from puzzle.dataflow.batch import RolloutBatch, right_padded_rows, world_rows
 from puzzle.dataflow.env_turns import EpisodeResults, gather_episodes
-from puzzle.rollout.partial import EpisodeState, GroupQuota, PartialRolloutBuffer, PartialSample, staleness
+from puzzle.rollout.partial import (EpisodeState, GroupQuota, PartialRolloutBuffer, PartialSample, stale_token_mask,
+                                    staleness)
 
 
 def seed_of_run(cfg) -> int:
@@ -112,8 +118,8 @@ class PartialRollouts:
                                                  outcome.states[k] if outcome is not None else None)
         taken, kept = self._split(order, samples, G)
         self.buffer.put(kept)
-        batch, versions = self._batch(taken)
-        stats = staleness([s.versions for s in taken], version)
+        batch, versions = self._batch(taken, version)
+        stats = staleness([s.versions for s in taken], version, self.ppo.rl_partial_rollouts_max_staleness)
         stats.update(partial_groups_served=len(order), partial_buffer_samples=len(self.buffer))
         if self.multi_turn:
             self.episodes = episode_results(taken, outcome, self.ppo.max_new_tokens, self.device)
@@ -138,9 +144,10 @@ class PartialRollouts:
         taken = [s for p in complete for s in sorted(by_group[p], key=lambda s: s.sample_index)]
         return taken, [s for s in samples if s.prompt_index not in chosen]
 
-    def _batch(self, taken: List[PartialSample]) -> Tuple[RolloutBatch, torch.Tensor]:
-        """The world's batch of the taken samples (the behaviour log-probs as ``gen_logprobs``) and
-        each token's policy version."""
+    def _batch(self, taken: List[PartialSample], version: int) -> Tuple[RolloutBatch, torch.Tensor]:
+        """The world's batch of the taken samples (the behaviour log-probs as ``gen_logprobs``; with
+        --rl-partial-rollouts-max-staleness the ``policy_loss_mask`` of the tokens older than
+        ``version`` - K) and each token's policy version."""
         R, pad = self.ppo.max_new_tokens, self.tokenizer.pad_id
         B = len(taken)
         responses = torch.full((B, R), pad, dtype=torch.long)
@@ -161,8 +168,10 @@ class PartialRollouts:
             for b, s in enumerate(taken):
                 loss_mask[b, :len(s.tokens)] = (~s.episode.observation).float()
             loss_mask = loss_mask.to(dev)
-        return RolloutBatch(tokens, prompt_lengths.to(dev), lengths.to(dev), R,
-                            gen_logprobs=logprobs.to(dev), loss_mask=loss_mask), versions
+        K = self.ppo.rl_partial_rollouts_max_staleness
+        policy_mask = stale_token_mask(versions, version, K).to(dev) if K is not None else None
+        return RolloutBatch(tokens, prompt_lengths.to(dev), lengths.to(dev), R, gen_logprobs=logprobs.to(dev),
+                            loss_mask=loss_mask, policy_loss_mask=policy_mask), versions
 
     # ---- checkpoints (trainer_state.json: plain lists) ---------------------------------------
     def state_dict(self) -> dict:

@@ -141,7 +141,7 @@ def actor_train_step(true_vocab: int, temperature: float, R: int, clip_eps: floa
     ``min(exp(old - generation log-prob), is_truncation_coef)`` (puzzle/algorithms/rollout_correction.py)."""
 
     def loss_func(mb, tp_group, output):
-        mask = mb.response_mask
+        mask = mb.response_mask if mb.policy_loss_mask is None else mb.response_mask * mb.policy_loss_mask
         res = _response_logprobs(output, mb, tp_group, true_vocab, temperature, R,
                                  with_entropy=entropy_coef > 0)
         lp, ent = res if entropy_coef > 0 else (res, None)

@@ -81,8 +81,9 @@ class TrainingStage:
                 for eng in trained:
                     if eng.member:
                         eng.zero_grad()
+                rows = perm[s:s + ppo.mini_batch_size]
                 contexts = self.micro.contexts(batch, jobs, ppo.ppo_max_token_len_per_gpu, self.cfg.train_placement,
-                                               rows=perm[s:s + ppo.mini_batch_size])
+                                               rows=rows)
                 outs = run_stage(contexts, forward_only=False, placement=self.cfg.train_placement)
                 micro_batches_run = [n + ctx.num_microbatches for n, ctx in zip(micro_batches_run, contexts)]
                 outs = [out if self._owner(eng) else [] for eng, out in zip(trained, outs)]
@@ -90,6 +91,7 @@ class TrainingStage:
                 skip = self.nonfinite.roles_to_skip(
                     [(role, eng, out, (key,)) for (role, _), eng, out, key in
                      zip(jobs, trained, outs, ("policy_loss_sum", "value_loss_sum"))], iteration, where)
+                skip |= nothing_to_train(batch, rows)
                 last = epoch == ppo.ppo_epochs - 1 and k == per_epoch - 1
                 self._optimizer_steps(skip, last, grad_norms)
                 for (role, _), out in zip(jobs, outs):
@@ -134,3 +136,12 @@ class TrainingStage:
         if self.ppo.use_kl_loss:
             stats["kl_loss"] = sums["kl_loss"] / tok
         return stats
+
+
+def nothing_to_train(batch: RolloutBatch, rows: torch.Tensor) -> set:
+    """{"actor"} when the mini-batch ``rows`` of ``batch`` (every rank's, the same) has no token
+    for the actor's loss: --rl-partial-rollouts-max-staleness masked them all. Its optimizer step
+    is skipped: on zero gradients Adam would still move the weights by its moments."""
+    if batch.policy_loss_mask is None:
+        return set()
+    return set() if bool((batch.response_mask[rows] * batch.policy_loss_mask[rows]).any()) else {"actor"}

@@ -321,14 +321,33 @@ class PartialRolloutBuffer:
                  for i in range(len(lengths)))
 
 
-def staleness(versions: Sequence[torch.Tensor], version: int) -> Dict[str, float]:
+def staleness(versions: Sequence[torch.Tensor], version: int, max_staleness: Optional[int] = None
+              ) -> Dict[str, float]:
     """Metrics of the samples a batch trains on at policy ``version`` (one tensor of per-token
     policy versions per sample): the mean and max lag (``version`` - token's version) over the
-    tokens, and the fraction of samples with a token from an earlier version (carried over)."""
+    tokens, the fraction of samples with a token from an earlier version (carried over) and the
+    fraction of tokens ``stale_token_mask`` takes out of the loss (0 without ``max_staleness``)."""
     lags = torch.cat([version - v.long().reshape(-1) for v in versions]) if versions else torch.zeros(0)
     if len(lags) and int(lags.min()) < 0:
         raise ValueError(f"a token's policy version is newer than the current one ({version})")
     carried = sum(1 for v in versions if len(v) and int(v.min()) < version)
+    masked = float((lags > max_staleness).double().mean()) if max_staleness is not None and len(lags) else 0.0
     return {"partial_token_lag_mean": float(lags.double().mean()) if len(lags) else 0.0,
             "partial_token_lag_max": float(lags.max()) if len(lags) else 0.0,
-            "partial_carried_fraction": carried / len(versions) if versions else 0.0}
+            "partial_carried_fraction": carried / len(versions) if versions else 0.0,
+            "partial_stale_masked_frac": masked}
+
+
+def stale_token_mask(versions: torch.Tensor, version: int, max_staleness: int) -> torch.Tensor:
+    """[B, R] float: 0 for the response tokens sampled under a policy older than ``version`` -
+    ``max_staleness`` (--rl-partial-rollouts-max-staleness), 1 elsewhere (newer tokens, and the
+    positions after a response, whose version is -1). ``versions``: [B, R] long, each token's policy
+    version; ``version``: the batch's (the weights that generated this iteration)."""
+    if not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+    if versions.dim() != 2:
+        raise ValueError(f"versions must be [B, R], got shape {tuple(versions.shape)}")
+    if bool((versions > version).any()):
+        raise ValueError(f"a token's policy version is newer than the current one ({version})")
+    stale = (versions >= 0) & (versions < version - max_staleness)
+    return (~stale).float()

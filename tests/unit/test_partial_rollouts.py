@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from puzzle.rollout.partial import (EpisodeState, GroupQuota, PartialRolloutBuffer, PartialSample, check_resume,
-                                    check_sample_ids, staleness)
+                                    check_sample_ids, stale_token_mask, staleness)
 from puzzle.rollout.sampling import SamplingParams
 
 
@@ -139,10 +139,31 @@ def test_staleness_metrics():
     assert m["partial_token_lag_mean"] == pytest.approx(5 / 6)  # lags 2 2 0 0 0 1
     assert m["partial_token_lag_max"] == 2.0
     assert m["partial_carried_fraction"] == pytest.approx(2 / 3)
+    assert m["partial_stale_masked_frac"] == 0.0  # no bound: nothing masked
     assert staleness([], 3) == {"partial_token_lag_mean": 0.0, "partial_token_lag_max": 0.0,
-                                "partial_carried_fraction": 0.0}
+                                "partial_carried_fraction": 0.0, "partial_stale_masked_frac": 0.0}
     with pytest.raises(ValueError, match="newer"):
         staleness([torch.tensor([6])], version=5)
+    lagged = [torch.tensor([3, 3, 5]), torch.tensor([5, 5]), torch.tensor([4])]
+    assert staleness(lagged, 5, max_staleness=1)["partial_stale_masked_frac"] == pytest.approx(2 / 6)
+    assert staleness(lagged, 5, max_staleness=0)["partial_stale_masked_frac"] == pytest.approx(3 / 6)
+    assert staleness(lagged, 5, max_staleness=2)["partial_stale_masked_frac"] == 0.0
+
+
+def test_stale_token_mask_bounds_the_lag_in_versions():
+    versions = torch.tensor([[3, 3, 4, 5, -1], [5, 5, -1, -1, -1], [0, 2, 4, 5, 5]])
+    # version 5: K = 1 keeps the tokens of versions 4 and 5, K = 0 only version 5's (slime's mask)
+    assert stale_token_mask(versions, 5, 1).tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
+    assert stale_token_mask(versions, 5, 0).tolist() == [[0, 0, 0, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert stale_token_mask(versions, 5, 5).tolist() == [[1] * 5] * 3  # every lag <= 5
+    assert stale_token_mask(versions, 5, 1).dtype == torch.float32
+    for bad, text in ((-1, ">= 0"), (1.0, "an int")):
+        with pytest.raises(ValueError, match=text):
+            stale_token_mask(versions, 5, bad)
+    with pytest.raises(ValueError, match="newer"):
+        stale_token_mask(versions, 4, 1)
+    with pytest.raises(ValueError, match=r"\[B, R\]"):
+        stale_token_mask(versions[0], 5, 1)
 
 
 def _true_token(prompt, index, step):

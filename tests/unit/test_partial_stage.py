@@ -55,9 +55,10 @@ class FakeGenerator:
         return resp, torch.tensor([len(t) for t in toks]), lp, torch.tensor(done)
 
 
-def stage():
-    cfg = SimpleNamespace(seed=1, ppo=SimpleNamespace(n_samples_per_prompt=N, rl_partial_rollouts_oversample=2.0,
-                                                      max_new_tokens=R))
+def stage(max_staleness=None):
+    ppo = SimpleNamespace(n_samples_per_prompt=N, rl_partial_rollouts_oversample=2.0, max_new_tokens=R,
+                          rl_partial_rollouts_max_staleness=max_staleness)
+    cfg = SimpleNamespace(seed=1, ppo=ppo)
     return PartialRollouts(cfg, SimpleNamespace(pad_id=0), torch.device("cpu"))
 
 
@@ -113,6 +114,26 @@ def test_staleness_metrics_and_carried_samples():
     lags = [r[4]["partial_token_lag_max"] for r in rows]
     assert lags[0] == 0 and max(lags) >= 1  # the long samples come back later, sampled by older weights
     assert max(r[4]["partial_carried_fraction"] for r in rows) > 0
+    assert all(r[4]["partial_stale_masked_frac"] == 0.0 and r[0].policy_loss_mask is None for r in rows)
+
+
+@pytest.mark.parametrize("K", [0, 1])
+def test_max_staleness_masks_the_old_tokens_of_the_batch(K):
+    """--rl-partial-rollouts-max-staleness: the batch's policy_loss_mask is 0 exactly at the tokens
+    sampled more than K versions before the batch's; the rows, tokens and versions are the same as
+    without it. The stand-in's carried tokens lag by 1 version: K = 0 masks them, K = 1 trains them."""
+    plain, bounded = (run(stage(k), FakeGenerator(), prompts_from(0), 5) for k in (None, K))
+    masked = 0
+    for it, (b0, _, v0, i0, s0), (b, _, v, i, s) in zip(range(1, 6), plain, bounded):
+        assert torch.equal(b0.tokens, b.tokens) and torch.equal(v0, v) and i0 == i
+        n = b.response_lengths.unsqueeze(1)
+        inside = torch.arange(R).unsqueeze(0) < n
+        stale = inside & (v < it - 1 - K)
+        assert torch.equal(b.policy_loss_mask, (~stale).float())
+        assert s["partial_stale_masked_frac"] == pytest.approx(int(stale.sum()) / int(n.sum()))
+        assert s0["partial_stale_masked_frac"] == 0.0
+        masked += int(stale.sum())
+    assert (masked > 0) == (K == 0)
 
 
 def test_state_dict_resumes_as_uninterrupted():
@@ -149,6 +170,9 @@ def cfg(*extra, world=1):
     (["--rl-partial-rollouts"], "--rl-partial-rollouts", "--rl-inference-logprobs-is-correction"),
     (PARTIAL + ["--advantage-estimator", "remax"], "--rl-partial-rollouts", "remax"),
     (PARTIAL + ["--filter-groups"], "--rl-partial-rollouts", "--filter-groups"),
+    (PARTIAL + ["--rl-partial-rollouts-max-staleness", "-1"], "--rl-partial-rollouts-max-staleness", ">= 0"),
+    (["--rl-partial-rollouts-max-staleness", "1"], "--rl-partial-rollouts-max-staleness",
+     "needs --rl-partial-rollouts"),
 ])
 def test_bad_partial_flags_refused_at_start(extra, flag, text):
     with pytest.raises(ArgumentError) as e:
@@ -158,6 +182,8 @@ def test_bad_partial_flags_refused_at_start(extra, flag, text):
 
 def test_partial_generation_layouts():
     assert cfg(*PARTIAL).ppo.rl_partial_rollouts
+    assert cfg(*PARTIAL).ppo.rl_partial_rollouts_max_staleness is None
+    assert cfg(*PARTIAL, "--rl-partial-rollouts-max-staleness", "0").ppo.rl_partial_rollouts_max_staleness == 0
     with pytest.raises(ArgumentError, match="--rl-partial-rollouts: the actor generates in 2 data-parallel"):
         cfg(*PARTIAL, world=2)
     with pytest.raises(ArgumentError, match="--rl-partial-rollouts: needs an actor generation layout with P=1"):

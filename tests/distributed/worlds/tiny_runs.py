@@ -119,8 +119,11 @@ def check_grpo_resume():
     return {"straight": straight["rows"], "resumed": resumed["rows"]}
 
 
-#: --rl-partial-rollouts on a planted long tail (``long_tail``): 4 iterations of 4 groups of 4, 12 served
+#: --rl-partial-rollouts on a planted long tail (``long_tail``): 4 iterations of 4 groups of 4, 12 served; the
+#: tokens sampled 2 or more versions before their batch's get no actor loss (PARTIAL_MAX_STALENESS)
+PARTIAL_MAX_STALENESS = 1
 PARTIAL = ["--rl-partial-rollouts", "--rl-inference-logprobs-is-correction", "--rl-partial-rollouts-oversample", "3",
+           "--rl-partial-rollouts-max-staleness", str(PARTIAL_MAX_STALENESS),
            "--n-samples-per-prompt", "4", "--rollout-batch-size", "4", "--global-batch-size", "16",
            "--micro-batch-size", "16", "--max-new-tokens", "6", "--eval-iters", "0", "--reward-timeout", "0",
            "--train-iters", "4", "--reward-fn", "puzzle.reward_functions.builtin:lowercase_fraction"]  # graded: weights move
@@ -177,8 +180,10 @@ def long_tail(log):
 
 def check_partial_rollouts():
     """Per trained token: its policy version, and that the batch and the loss's importance weights
-    use the log-prob it was sampled with in that version's generation; samples carried over, none
-    trained twice or lost; 4 iterations saved at 2 and resumed equal the straight run."""
+    use the log-prob it was sampled with in that version's generation, the loss only those of the
+    tokens at most PARTIAL_MAX_STALENESS versions old; samples carried over, none trained twice or
+    lost; 4 iterations saved at 2 and resumed equal the straight run (the mask comes from the
+    checkpointed versions)."""
     if dist.get_world_size() != 1:
         return {}
     log = {}
@@ -188,7 +193,7 @@ def check_partial_rollouts():
         trained, sampled, reads, partial = log["trained"], log["sampled"], log["loss_reads"], log["partial"]
         log.update(sampled={}, trained={}, loss_reads={})
         resumed = train_in_world(base + ["--load", os.path.join(d, "ck"), "--ckpt-step", "2"])
-    wrong = tokens = stale = 0
+    wrong = tokens = stale = masked = 0
     ids_trained = []
     for it, (ids, versions, gen_lp, lengths) in trained.items():
         ids_trained += ids
@@ -198,11 +203,13 @@ def check_partial_rollouts():
                 at, lp = sampled[f"{sid}:{pos}"]
                 tokens += 1
                 stale += v < it - 1
+                masked += v < it - 1 - PARTIAL_MAX_STALENESS
                 wrong += at != v + 1 or lp != float(gen_lp[b, pos])
         mask = torch.arange(gen_lp.shape[1]) < lengths.unsqueeze(1)
+        mask &= (versions >= it - 1 - PARTIAL_MAX_STALENESS)  # the loss reads the tokens not too stale only
         wrong += sorted(reads[it]) != sorted(gen_lp[mask].tolist())
     held = {s.sample_id for s in partial.buffer.take()} | {p * 4 + j for p in partial.pending for j in range(4)}
-    return {"tokens": tokens, "stale_tokens": stale, "wrong": wrong,
+    return {"tokens": tokens, "stale_tokens": stale, "masked_tokens": masked, "wrong": wrong,
             "trained_twice": len(ids_trained) - len(set(ids_trained)), "held_and_trained": len(held & set(ids_trained)),
             "lost": len(set(range(partial.drawn * 4)) - held - set(ids_trained)),
             "straight": straight["rows"], "resumed": resumed["rows"]}
