@@ -447,14 +447,11 @@ class PPOParams:
         "--rollout-batch-size; carried groups first, then fresh prompts. Megatron-LM RL sizes this by "
         "--rl-max-inflight-requests (its lag) instead.")
     rl_partial_rollouts_max_staleness: Optional[int] = flag(
-        None, _ALGO, "--rl-partial-rollouts: a carried sample's response tokens sampled more than K policy versions "
-        "before the batch's own (the weights that generated this iteration) stay in the sequence as context, "
-        "scored and in the advantages, but get no actor loss (no surrogate, entropy or KL-loss term; the critic "
-        "still fits them); a mini-batch left with no such token skips the actor's step. K >= 0; unset: every "
-        "token trains. K = 0 is slime's --mask-offpolicy-in-partial-rollout (only the tokens sampled after the "
-        "last resume train); ours is a bound in versions, so K >= 1 keeps recent carried tokens too; slime's "
-        "--max-weight-staleness (fully async) drops or regenerates whole groups past its bound, here the rows "
-        "and their advantages stay.", type=int)
+        None, _ALGO, "--rl-partial-rollouts: carried tokens sampled more than K policy versions before the "
+        "batch's own stay as context (scored, in the advantages and the critic's targets) but get no actor loss; "
+        "a mini-batch left without actor tokens skips the actor's step. Unset: every token trains. K = 0 is "
+        "slime's --mask-offpolicy-in-partial-rollout; ours bounds in versions (slime's --max-weight-staleness "
+        "drops whole groups instead).", type=int)
     # the long tail's expected response lengths: the plan search prices generation's tail from them
     # (puzzle/plan_search/long_tail.py: a log-normal through both; neither: every response at the cap)
     expected_response_length_p50: Optional[int] = flag(

@@ -1,7 +1,7 @@
 """Benchmark: trained samples/s of a tiny GRPO run, synchronous against --rl-partial-rollouts and
 against the overlap of a generation pool and a training pool (--rl-desired-lag 1).
 
-    python -m puzzle.bench.long_tail [--iterations 6] [--repeats 2] [--warmup 2] [--max-new-tokens 192] [--n-samples 4] [--oversample 2] [--profile cpu_long_tail_4ranks] [--out rows.json]
+    python -m puzzle.bench.long_tail [--iterations 6] [--repeats 2] [--warmup 2] [--max-new-tokens 192] [--n-samples 4] [--oversample 2] [--profile cpu_long_tail_4ranks] [--distributions long_tailed,all_equal] [--out rows.json]
 
 In ONE run (one 4-rank torchrun world; ``MODES`` and ``LAYOUTS`` give each mode's layouts, also in
 the rows), the tiny GRPO model of examples/run_grpo_tiny.sh (random

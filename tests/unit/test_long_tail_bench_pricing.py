@@ -60,9 +60,8 @@ def test_each_mode_is_priced_at_the_layouts_the_bench_runs():
 
 def test_the_bench_choice_matches_its_measurement_and_flips_on_an_idle_host(tmp_path):
     """The profile was measured beside a background load of 8.7: partial rollouts on the long
-    tail, the overlap on equal lengths (docs/benchmarks.md: the overlap fastest on equal lengths
-    in every run; on the long tail the two within the runs' spread, partial ahead in one run and
-    the overlap in another). On an idle host the overlap's generation pool (2 of the 4 ranks on
+    tail (its rows at the cap), the overlap on equal lengths (docs/benchmarks.md: each the fastest
+    in every run of the bench). On an idle host the overlap's generation pool (2 of the 4 ranks on
     the 2 cores) gets the cores its waiting training pool leaves and the long tail flips to the
     overlap; with a device per rank (no shared cores) it stays with partial rollouts, which cut
     the tail on all 4 ranks, and the overlap lasts its longer pool."""
