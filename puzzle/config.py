@@ -360,8 +360,7 @@ class PPOParams:
         False, "training", "Token-budget micro-batches (verl's use_dynamic_bsz): each scoring and training "
         "micro-batch holds as many packed sequences as fit --ppo-max-token-len-per-gpu (training) or "
         "--log-prob-max-token-len-per-gpu (scoring) tokens, instead of --micro-batch-size rows, and the "
-        "rows are balanced over the data-parallel ranks by token count before sharding. Needs "
-        "--use-remove-padding.")
+        "rows are balanced over the data-parallel ranks by token count before sharding. Needs --use-remove-padding.")
     ppo_max_token_len_per_gpu: Optional[int] = flag(
         None, "training", "With --use-dynamic-bsz: tokens (prompt + response, summed over the packed "
         "sequences) per training micro-batch; at least the longest sequence (max prompt + max new tokens).",
@@ -407,8 +406,7 @@ class PPOParams:
     # choices of these three: the registries of puzzle.algorithms (given when the parser is built)
     advantage_estimator: str = flag("gae", _ALGO, "gae (PPO, with a critic) or a critic-free estimator.")
     n_samples_per_prompt: int = flag(
-        1, _ALGO, "Responses generated per prompt (the group of grpo/rloo); samples per iteration = "
-        "rollout batch x N.")
+        1, _ALGO, "Responses generated per prompt (the group of grpo/rloo); samples per iteration = rollout batch x N.")
     grpo_std_normalization: bool = flag(
         True, _ALGO, "grpo: divide by the group's std (--no-grpo-std-normalization: Dr. GRPO).",
         kind="boolean_optional")
@@ -441,7 +439,8 @@ class PPOParams:
         "carries the unfinished samples to the next iteration, which resumes them under its weights. Unlike "
         "Megatron-LM RL, generation stays synchronous (no lag, no overlap with training): only the tail is cut. "
         "Needs --rl-inference-logprobs-is-correction (carried tokens are trained with the log-probs they were "
-        "sampled under) and an actor generating in one share at P=1.", kind="boolean_optional")
+        "sampled under; truncate its weights, e.g. --rl-importance-sampling-truncation-coef 2: docs/ppo.md) "
+        "and an actor generating in one share at P=1.", kind="boolean_optional")
     rl_partial_rollouts_oversample: float = flag(
         2.0, _ALGO, "--rl-partial-rollouts: the groups served per iteration, as a multiple (>= 1) of "
         "--rollout-batch-size; carried groups first, then fresh prompts. Megatron-LM RL sizes this by "
