@@ -4,31 +4,31 @@ against the overlap of a generation pool and a training pool (--rl-desired-lag 1
     python -m puzzle.bench.long_tail [--iterations 6] [--repeats 2] [--warmup 2] [--max-new-tokens 192] [--n-samples 4] [--oversample 2] [--profile cpu_long_tail_4ranks] [--distributions long_tailed,all_equal] [--out rows.json]
 
 In ONE run (one 4-rank torchrun world; ``MODES`` and ``LAYOUTS`` give each mode's layouts, also in
-the rows), the tiny GRPO model of examples/run_grpo_tiny.sh (random
-weights) trains with whole iterations (generation, rewards, scoring, training) on two
-response-length distributions (``DISTRIBUTIONS``): ``long_tailed`` as
-``puzzle.bench.packing.response_lengths`` draws it (exponential, mean/max ~0.16 of
---max-new-tokens, the first row of each rollout at the cap: the sample of every
-rollout-batch-size-th global index, a response truncated at --max-new-tokens, as the runs of
-issue #36 had) and ``all_equal`` (every response at the cap); on request also
+the rows), the tiny GRPO model of examples/run_grpo_tiny.sh (random weights) trains with whole
+iterations (generation, rewards, scoring, training) on two response-length distributions
+(``DISTRIBUTIONS``): ``long_tailed`` as ``puzzle.bench.packing.response_lengths`` draws it
+(exponential, mean/max ~0.16 of --max-new-tokens, the first row of each rollout at the cap: the
+sample of every rollout-batch-size-th global index, a response truncated at --max-new-tokens, as
+long-tailed runs on a GPU have them) and ``all_equal`` (every response at the cap); on request also
 ``long_tailed_uncapped`` (the same exponential without the rows at the cap, what this bench drew
 before). A random model has no length distribution of its own, so the lengths are planted: each
 sample's end-of-sequence token is made the argmax once its response reaches the length drawn for
-its (seed, sample index), and is never sampled before; the log-probs recorded are the model's. Each run (``PPOTrainer.train``) has ``--warmup``
-untimed iterations (partial rollouts' carried buffer fills; the overlap's pipeline fills) and
-``--iterations`` timed ones; the overlap's run has two more untimed ones after them (its drain:
-the training step of the next-to-last batch sends no weights, so that iteration does not wait
-for a generation and lasts its training alone; timed, it would flatter the overlap by about
-(n x generation) / ((n-1) x generation + training) over n timed iterations). ``--repeats`` runs
-of each mode, the first mode alternating between repeats (load from other processes falls on
-both). samples/s = trained samples / the summed iteration wall times (the metrics'
-``samples_per_sec``) of a mode's timed iterations (the overlap's: the training pool's iterations,
-each from waiting for its batch to the end of its training, its weights' switch to the generation
-pool included, which waits for the generation pool's current batch); ``ratio_<mode>_over_sync``
-the median of the repeats' own ratios. The JSON rows also carry generation seconds per iteration
-(the overlap's: the training pool's wait for its batch, and ``generation_pool_s_per_iteration``
-the generation pool's own), scoring and training seconds, the trained responses' mean length and
-the host's load average at the start and the end of the distribution's runs.
+its (seed, sample index), and is never sampled before; the log-probs recorded are the model's. Each
+run (``PPOTrainer.train``) has ``--warmup`` untimed iterations (partial rollouts' carried buffer
+fills; the overlap's pipeline fills) and ``--iterations`` timed ones; the overlap's run has two
+more untimed ones after them (its drain: the training step of the next-to-last batch sends no
+weights, so that iteration does not wait for a generation and lasts its training alone; timed, it
+would flatter the overlap by about (n x generation) / ((n-1) x generation + training) over n timed
+iterations). ``--repeats`` runs of each mode, the first mode alternating between repeats (load from
+other processes falls on both). samples/s = trained samples / the summed iteration wall times (the
+metrics' ``samples_per_sec``) of a mode's timed iterations (the overlap's: the training pool's
+iterations, each from waiting for its batch to the end of its training, its weights' switch to the
+generation pool included, which waits for the generation pool's current batch);
+``ratio_<mode>_over_sync`` the median of the repeats' own ratios. The JSON rows also carry
+generation seconds per iteration (the overlap's: the training pool's wait for its batch, and
+``generation_pool_s_per_iteration`` the generation pool's own), scoring and training seconds, the
+trained responses' mean length and the host's load average at the start and the end of the
+distribution's runs.
 
 Beside the measurement, each distribution's ratio row carries the plan search's prediction
 (``prediction``: puzzle.plan_search.command.predict_modes with each mode's own flags and layouts,
