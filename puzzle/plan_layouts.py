@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from puzzle.config import PARALLEL_GROUP, PLACEMENTS, ROLE_PREFIXED
+from puzzle.config import PARALLEL_GROUP, PLACEMENTS
+from puzzle.model_arch import ROLE_PREFIXED
 from puzzle.config_flags import check_at_least, fail, flag
 from puzzle.parallel.plan import ParallelPlan, PlanError
 from puzzle.parallel.streams import stream_problem

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Tuple
 
-from puzzle.config import ATTENTION_BACKENDS
+from puzzle.model_arch import ATTENTION_BACKENDS
 
 
 def resolve_attention_backend(backend: str, *, te: bool, cuda: bool) -> Tuple[str, Optional[str]]:

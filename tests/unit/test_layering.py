@@ -4,7 +4,7 @@ Every ``import`` / ``from ... import`` of every module under puzzle/ counts, whe
 (module level, inside a function, under ``if TYPE_CHECKING``): a function-local import does not
 hide an arrow. The layers, from the bottom:
 
-    0  config, config_flags, config_checks, plan_layouts, parallel, fail_fast, model_shape,
+    0  config, config_flags, config_checks, plan_layouts, parallel, fail_fast, model_shape, model_arch,
        checkpoint_errors, lora_config, memory_levers
        (flags' values, process layouts, bad input, the one model-shape type)
     1  models                                             (GPTModel builders, parameter layout/names)
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "puzzle"
 
 LAYERS = [
-    {"config", "config_flags", "config_checks", "plan_layouts", "parallel", "fail_fast", "model_shape",
+    {"config", "config_flags", "config_checks", "plan_layouts", "parallel", "fail_fast", "model_shape", "model_arch",
      "checkpoint_errors", "lora_config", "memory_levers"},
     {"models"},
     {"engine", "rollout", "pipeline", "switch", "algorithms", "data"},
