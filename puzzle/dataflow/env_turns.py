@@ -49,8 +49,8 @@ class EpisodeTurns:
         self.rewards: List[Optional[float]] = [None] * n
         self.turn_ends: List[List[tuple]] = [[] for _ in range(n)]  # (response column, reward) of each reward
         self.last_error: List[Optional[str]] = [None] * n
-        self.turn_index = [0] * n
-        self.spans: List[List[tuple]] = [[] for _ in range(n)]  # response columns [start, end) of each turn stepped
+        # response columns [start, end) of each turn stepped; their count is the next turn's index
+        self.spans: List[List[tuple]] = [[] for _ in range(n)]
         self.counts: Dict[str, int] = {"tool_calls": 0, "observations_truncated": 0}
         self.stats_before = dict(runner.stats)  # the runner counts over the run: this generation's are the rise
 
@@ -60,9 +60,9 @@ class EpisodeTurns:
         for r, turn, history in zip(rows, turns, histories):
             text_ids = [t for t in turn if t not in self.stop_ids]
             context = list(self.prompts[r]) + list(history)
-            calls.append(EnvCall(r, self.records[r], Turn(self.tokenizer.decode(text_ids), list(turn), self.turn_index[r],
-                                                          self.tokenizer.decode(context), context), env=self.envs[r]))
-            self.turn_index[r] += 1
+            step = Turn(self.tokenizer.decode(text_ids), list(turn), len(self.spans[r]), self.tokenizer.decode(context),
+                        context)
+            calls.append(EnvCall(r, self.records[r], step, env=self.envs[r]))
             self.spans[r].append((len(history), len(history) + len(turn)))
         out: List[Optional[List[int]]] = []
         for r, is_final, turn, history, (outcome, why) in zip(rows, final, turns, histories, self.runner.step(calls)):
@@ -89,7 +89,6 @@ class EpisodeTurns:
         instance, rewards, last error and turns so far."""
         self.envs[r], self.rewards[r], self.last_error[r] = episode.env, episode.reward, episode.last_error
         self.turn_ends[r], self.spans[r] = list(episode.turn_rewards), list(episode.spans)
-        self.turn_index[r] = len(episode.spans)
 
     def turn_rewards(self, max_new: int):
         """[rows, max_new] float64: each step's reward at the response column of its turn's last token."""
