@@ -119,33 +119,49 @@ def response_turns(ids: List[int], observation: List[bool], tokenizer) -> List[D
     return out
 
 
+#: the episode counts a generation reports (EpisodeResults.counts)
+EPISODE_COUNT_KEYS = ("turns", "observation_tokens", "turn_limit_cuts", "token_limit_cuts", "tool_calls",
+                      "observations_truncated", "env_step_errors", "env_step_timeouts")
+
+
+def gather_episode_counts(turns: Optional[EpisodeTurns], out, layout, device) -> Dict[str, float]:
+    """The episodes' counts of one generation summed over the replicas, on every rank (the
+    generation owners' copies: at T > 1 only the TP group's first rank stepped the episodes)."""
+    import torch
+    import torch.distributed as dist
+
+    counts = None
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if turns is not None and me in layout.plan.generation_owners():  # one copy of each replica's counts
+        found = {**out.turn_counts, **turns.counts, **turns.runner.stats}
+        counts = [found.get(k, 0) - turns.stats_before.get(k, 0) for k in EPISODE_COUNT_KEYS]
+    total = torch.tensor(counts or [0] * len(EPISODE_COUNT_KEYS), dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return dict(zip(EPISODE_COUNT_KEYS, total.tolist()))
+
+
 def gather_episodes(turns: Optional[EpisodeTurns], out, layout, rows: int, device,
                     max_new: int) -> "EpisodeResults":
     """Every row's episode score, bad flag and per-turn rewards ([rows, max_new]), and the
-    episodes' counts summed, on every rank, from the ranks that generated (``out``/``turns`` of
-    this rank's share, None off the layout; at T > 1 only the TP group's first rank stepped the
-    episodes: the owners' copies are read)."""
+    episodes' counts summed (:func:`gather_episode_counts`), on every rank, from the ranks that
+    generated (``out``/``turns`` of this rank's share, None off the layout; at T > 1 only the TP
+    group's first rank stepped the episodes: the owners' copies are read)."""
     import torch
     import torch.distributed as dist
 
     from puzzle.dataflow.batch import world_rows
 
-    local = counts = None
-    keys = ("turns", "observation_tokens", "turn_limit_cuts", "token_limit_cuts", "tool_calls",
-            "observations_truncated", "env_step_errors", "env_step_timeouts")
+    local = None
     me = dist.get_rank() if dist.is_initialized() else 0
-    if turns is not None and me in layout.plan.generation_owners():  # one copy of each replica's counts
+    if turns is not None and me in layout.plan.generation_owners():
         local = torch.tensor([[v if v is not None else 0.0, float(why is not None)] for v, why in turns.scores()],
                              dtype=torch.float64)
-        found = {**out.turn_counts, **turns.counts, **turns.runner.stats}
-        counts = [found.get(k, 0) - turns.stats_before.get(k, 0) for k in keys]
     both = world_rows(local, layout.plan.generation_owners(), rows, (2,), torch.float64, device)
     per_turn = world_rows(turns.turn_rewards(max_new) if turns is not None else None,
                           layout.plan.generation_owners(), rows, (max_new,), torch.float64, device)
-    total = torch.tensor(counts or [0] * len(keys), dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return EpisodeResults(both[:, 0].float(), both[:, 1] > 0, dict(zip(keys, total.tolist())), per_turn.float())
+    counts = gather_episode_counts(turns, out, layout, device)
+    return EpisodeResults(both[:, 0].float(), both[:, 1] > 0, counts, per_turn.float())
 
 
 class EpisodeResults:

@@ -158,7 +158,7 @@ class GenerationStage:
         gathered = gather_generation(out, engine.layout, len(rows), ppo.max_new_tokens, self.device)
         if records is None:
             return gathered
-        return (*gathered, gather_turns(turns, out, engine.layout, len(rows), self.device, ppo.max_new_tokens, replayed))
+        return (*gathered, gather_turns(turns, out, engine.layout, len(rows), self.device, replayed))
 
     def _sampling_params(self, greedy: bool, multi_turn: bool = False):
         """The run's sampling parameters; multi-turn, a turn stop that is a stop id does not end

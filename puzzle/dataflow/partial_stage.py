@@ -39,7 +39,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from puzzle.dataflow.batch import RolloutBatch, right_padded_rows, world_rows
-from puzzle.dataflow.env_turns import EpisodeResults, gather_episodes
+from puzzle.dataflow.env_turns import EpisodeResults, gather_episode_counts
 from puzzle.rollout.partial import (EpisodeState, GroupQuota, PartialRolloutBuffer, PartialSample, stale_token_mask,
                                     staleness)
 
@@ -210,7 +210,7 @@ def gather_generation(out, layout, rows: int, R: int, device: torch.device):
 class TurnOutcome:
     """The episodes of one partial generation's rows, the same on every rank (the environment
     instances only on the ranks that generated): each row's ``EpisodeState``, the generation's
-    episode counts (``env_turns.gather_episodes``) and the replayed episodes whose observations the
+    episode counts (``env_turns.gather_episode_counts``) and the replayed episodes whose observations the
     replay did not reproduce."""
 
     states: List[EpisodeState]
@@ -245,12 +245,12 @@ def replay_episodes(make_turns: Callable, prompts: List[List[int]], records: Lis
     return out, len(differ)
 
 
-def gather_turns(turns, out, layout, rows: int, device: torch.device, max_new: int, replayed: int) -> TurnOutcome:
+def gather_turns(turns, out, layout, rows: int, device: torch.device, replayed: int) -> TurnOutcome:
     """Every rank's ``TurnOutcome`` of one partial generation (``turns``: the generating rank's
     ``EpisodeTurns``, ``out`` its GenerationOutput; None elsewhere)."""
     from puzzle.parallel.device import runtime
 
-    counts = gather_episodes(turns, out, layout, rows, device, max_new).counts
+    counts = gather_episode_counts(turns, out, layout, device)
     local = None
     if turns is not None:
         lengths = out.response_lengths.tolist()

@@ -327,7 +327,7 @@ def check_env_partial():
                            partial_logprobs=[samples[r].logprobs for r in rows], turns=turns,
                            partial_turns=[TurnResume(tuple(e.observation.tolist()), len(e.spans), e.turn_start)
                                           for e in eps])
-            outcome = gather_turns(turns, out, engine.layout, len(rows), engine.module.puzzle_device, 28, mismatches)
+            outcome = gather_turns(turns, out, engine.layout, len(rows), engine.module.puzzle_device, mismatches)
             for k, r in enumerate(rows):
                 n = int(out.response_lengths[k])
                 s = samples.pop(r).extended(out.response_tokens[k, :n], out.logprobs[k, :n], calls,
