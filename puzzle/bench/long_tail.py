@@ -188,17 +188,18 @@ def _run(args, kind: str) -> list:
            for mode in MODES}
     ratios, load = [], [round(os.getloadavg()[0], 2)]
     timed = range(args.warmup + 1, args.warmup + args.iterations + 1)
-    samples_per_rollout = args.n_samples * ROLLOUT_BATCH
+    per_rollout = args.n_samples * ROLLOUT_BATCH
+    table, cap_every = _lengths(kind, R), response_lengths(kind, R, per_rollout).cap_every  # the same every run
     for rep in range(args.repeats):
         per = {}
         for mode in (list(MODES) if rep % 2 == 0 else list(MODES)[::-1]):
             argv = mode_argv(args, mode) + ["--train-iters", str(timed.stop - 1 + DRAIN.get(mode, 0))]
-            with planted_lengths(_lengths(kind, R), R, response_lengths(kind, R, samples_per_rollout).cap_every):
+            with planted_lengths(table, R, cap_every):
                 rows = _train(argv, timed)
             if not rows:  # not rank 0
                 continue
-            samples = args.n_samples * ROLLOUT_BATCH * len(rows)
-            seconds = sum(args.n_samples * ROLLOUT_BATCH / r["samples_per_sec"] for r in rows)
+            samples = per_rollout * len(rows)
+            seconds = sum(per_rollout / r["samples_per_sec"] for r in rows)
             per[mode] = samples / seconds
             a = acc[mode]
             a["seconds"] += seconds
