@@ -249,15 +249,10 @@ def rollout_sample_rows(batch, tokenizer, iteration: int, count: int) -> List[di
     rows = [{"iteration": iteration, "sample": b, "prompt": s.prompt_text, "response": s.response_text,
              "response_length": rlens[b], "reward": scores[b]} for b, s in zip(picked, samples)]
     if getattr(batch, "loss_mask", None) is not None:  # multi-turn: the turns and their observations
-        from puzzle.dataflow.env_turns import response_turns
+        from puzzle.dataflow.env_turns import row_turns
 
-        observation = (batch.loss_mask[picked] == 0).cpu()
-        for i, (row, b) in enumerate(zip(rows, picked)):
-            p, n = int(batch.prompt_lengths[b]), rlens[b]
-            obs = observation[i, :n].tolist()
-            row["turns"] = response_turns(batch.tokens[b, p:p + n].tolist(), obs, tokenizer)
-            row["tool_calls"] = sum(1 for t in row["turns"] if "observation" in t)  # turns answered
-            row["observation_tokens"] = sum(obs)
+        for row, b in zip(rows, picked):
+            row.update(row_turns(batch, b, tokenizer))
     return rows
 
 

@@ -124,6 +124,16 @@ EPISODE_COUNT_KEYS = ("turns", "observation_tokens", "turn_limit_cuts", "token_l
                       "observations_truncated", "env_step_errors", "env_step_timeouts")
 
 
+def row_turns(batch, b: int, tokenizer) -> Dict[str, object]:
+    """Row b of a multi-turn batch (its ``loss_mask`` 0 on observation tokens) for a sample log:
+    its ``turns`` (:func:`response_turns`), ``tool_calls`` (turns answered by an observation) and
+    ``observation_tokens``."""
+    p, n = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
+    obs = (batch.loss_mask[b, :n] == 0).tolist()
+    turns = response_turns(batch.tokens[b, p:p + n].tolist(), obs, tokenizer)
+    return {"turns": turns, "tool_calls": sum(1 for t in turns if "observation" in t), "observation_tokens": sum(obs)}
+
+
 def gather_episode_counts(turns: Optional[EpisodeTurns], out, layout, device) -> Dict[str, float]:
     """The episodes' counts of one generation summed over the replicas, on every rank (the
     generation owners' copies: at T > 1 only the TP group's first rank stepped the episodes)."""

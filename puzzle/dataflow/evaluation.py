@@ -92,17 +92,6 @@ def _padded(rows: int, unit: int) -> int:
     return -(-rows // unit) * unit
 
 
-def _turns_of(batch, b: int, tokenizer) -> dict:
-    """Row b's turns (``[{"model": text}, {"observation": text}, ...]``), tool calls (turns answered
-    by an observation) and observation tokens."""
-    from puzzle.dataflow.env_turns import response_turns
-
-    p, n = int(batch.prompt_lengths[b]), int(batch.response_lengths[b])
-    obs = (batch.loss_mask[b, :n] == 0).tolist()
-    turns = response_turns(batch.tokens[b, p:p + n].tolist(), obs, tokenizer)
-    return {"turns": turns, "tool_calls": sum(1 for t in turns if "observation" in t), "observation_tokens": sum(obs)}
-
-
 class Evaluator:
     """Evaluates the actor on ``dataset`` (a PromptDataset of the eval prompts) through the run's
     own stages: ``generation`` (its engine and layout, its sampling) and the scoring path
@@ -217,6 +206,7 @@ class Evaluator:
     def _write_samples(self, batch, records, prompt_indices, scores, iteration: int) -> None:
         if self.samples is None or self.samples.file is None:
             return
+        from puzzle.dataflow.env_turns import row_turns
         from puzzle.dataflow.reward_stage import batch_samples
 
         samples = batch_samples(batch, self.tokenizer, records, 0, len(prompt_indices) * self.n)
@@ -229,7 +219,7 @@ class Evaluator:
                 if "answer" in s.record:
                     row["answer"] = s.record["answer"]
                 if getattr(batch, "loss_mask", None) is not None:  # multi-turn: the turns, as training logs them
-                    row.update(_turns_of(batch, j * self.n + k, self.tokenizer))
+                    row.update(row_turns(batch, j * self.n + k, self.tokenizer))
                 rows.append(row)
         self.samples.write(rows)
 

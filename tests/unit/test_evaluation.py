@@ -174,8 +174,8 @@ def test_multi_turn_eval_runs_episodes_and_reports_their_metrics():
     assert metrics["eval/reward"] == 0.5 and metrics["eval/accuracy"] == 1 / 3
     assert metrics["eval/env_turns_per_sample"] == 2.0 and metrics["eval/env_tool_calls_per_sample"] == 1.0
     assert metrics["eval/env_step_errors"] == 1 and metrics["eval/env_token_limit_cuts"] == 1
-    from puzzle.dataflow.evaluation import _turns_of
+    from puzzle.dataflow.env_turns import row_turns
 
     tok.decode = lambda ids: "".join(map(str, ids))
-    assert _turns_of(sample(None, [[1]], 0, True, 0), 0, tok) == {
+    assert row_turns(sample(None, [[1]], 0, True, 0), 0, tok) == {
         "turns": [{"model": "1"}, {"observation": "1"}, {"model": "1"}], "tool_calls": 1, "observation_tokens": 1}
