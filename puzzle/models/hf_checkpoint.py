@@ -25,7 +25,7 @@ import torch
 from puzzle.config import ROLES, ModelArch
 from puzzle.models.hf_mapping import (HEAD_NAMES, UnsupportedHFModel, arch_from_hf_config,
                                       assemble, hf_config_from_arch, hf_entries, ours_to_hf)
-from puzzle.models.init import is_expert_param, layout_spec_name, param_specs, tp_split
+from puzzle.models.init import dp_replica, layout_spec_name, param_specs, tp_split
 from puzzle.models.lora import is_adapter_param
 from puzzle.models.param_layout import resolve_layers_per_stage, shard_slices
 
@@ -179,7 +179,7 @@ def _local_shards(module, arch: ModelArch, role: str) -> Optional[dict]:
         name = layout_spec_name(local, role, arch, layout, lps)
         if name == _EMBED and not layout.is_first_stage:
             continue  # the tied copy on the last stage; the first stage's is the original
-        if (layout.edp if is_expert_param(name) else layout.d) != 0:
+        if dp_replica(name, layout) != 0:
             continue
         out[name] = tp_split(name, layout) + (param.detach().cpu().clone(),)
     return {"shards": out} if out else None

@@ -80,6 +80,12 @@ def tp_split(name: str, layout):
     return layout.plan.T, layout.t
 
 
+def dp_replica(name: str, layout) -> int:
+    """This rank's data-parallel replica index for parameter ``name``: the expert data-parallel
+    one for experts (a copy is written once, by replica 0), else the model's."""
+    return layout.edp if is_expert_param(name) else layout.d
+
+
 def _seed_for(seed: int, name: str) -> int:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
 from puzzle.lora_config import COLUMN_TARGETS, LoRAConfig
-from puzzle.models.init import _seed_for, is_expert_param, layout_spec_name, local_shard, tp_split
+from puzzle.models.init import _seed_for, dp_replica, layout_spec_name, local_shard, tp_split
 from puzzle.models.param_layout import ParamSpec, resolve_layers_per_stage
 
 ADAPTER_MARK = ".adapter."
@@ -133,6 +133,16 @@ def target_linears(module: torch.nn.Module, lora: LoRAConfig) -> Iterator[Tuple[
             yield name, target, sub
 
 
+def local_adapter_specs(module: torch.nn.Module, arch, role: str, lora: LoRAConfig, specs: Dict[str, ParamSpec]):
+    """(local module name, target name, linear, A's global spec, B's) of every linear ``lora``
+    adapts in ``module`` (``specs``: the model's ParamSpecs by global name)."""
+    layout = module.puzzle_layout
+    lps = resolve_layers_per_stage(arch.num_layers, layout.plan.P)
+    for local, target, linear in target_linears(module, lora):
+        glob = layout_spec_name(local + ".weight", role, arch, layout, lps)[:-len(".weight")]
+        yield (local, target, linear, *adapter_specs(arch, lora, glob, target, specs[glob + ".weight"]))
+
+
 def grouped_adapter_output(x: torch.Tensor, offs: torch.Tensor, linears) -> Optional[torch.Tensor]:
     """The adapters' output of one projection of grouped experts (``linears``: each local expert's
     linear, ``x`` their tokens grouped by expert, ``offs`` the groups' end offsets): two grouped
@@ -183,7 +193,6 @@ def apply_lora(module: torch.nn.Module, arch, role: str, lora: LoRAConfig, seed:
     from puzzle.models.param_names import HEAD_SPEC_NAME, is_scalar_head
 
     layout = module.puzzle_layout
-    lps = resolve_layers_per_stage(arch.num_layers, layout.plan.P)
     specs = {s.name: s for s in param_specs(arch, role)}
     placed = {}
     for name, param in module.named_parameters():
@@ -191,9 +200,7 @@ def apply_lora(module: torch.nn.Module, arch, role: str, lora: LoRAConfig, seed:
         param.requires_grad_(head)
         if head:
             placed[name] = specs[HEAD_SPEC_NAME]
-    for local, target, linear in target_linears(module, lora):
-        global_linear = layout_spec_name(local + ".weight", role, arch, layout, lps)[:-len(".weight")]
-        a_spec, b_spec = adapter_specs(arch, lora, global_linear, target, specs[global_linear + ".weight"])
+    for local, target, linear, a_spec, b_spec in local_adapter_specs(module, arch, role, lora, specs):
         ways = tp_split(a_spec.name, layout)  # an expert's: (ETP, etp), else (T, t)
         a = local_shard(a_spec, adapter_init_value(a_spec, seed, b_std), *ways)
         b = local_shard(b_spec, adapter_init_value(b_spec, seed, b_std), *ways)
@@ -228,7 +235,7 @@ def adapter_sharded_state_dict(module: torch.nn.Module, specs: dict) -> dict:
     for local, spec in specs.items():
         p = params[local]
         T, t = tp_split(spec.name, layout)
-        d = layout.edp if is_expert_param(spec.name) else layout.d
+        d = dp_replica(spec.name, layout)
         if spec.split_dim is None or T == 1:
             out[spec.name] = ShardedTensor.from_rank_offsets(spec.name, p, replica_id=(0, t, d))
         elif spec.kind == "swiglu_fc1":
@@ -284,7 +291,7 @@ def gather_adapters(module, specs: dict, dst: int = 0):
     if module is not None:
         lay, params = module.puzzle_layout, dict(module.named_parameters())
         for n, spec in specs.items():
-            if (lay.edp if is_expert_param(spec.name) else lay.d) == 0:
+            if dp_replica(spec.name, lay) == 0:
                 mine.append((spec, *tp_split(spec.name, lay), params[n].detach().cpu().clone()))
     got = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:

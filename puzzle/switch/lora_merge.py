@@ -29,9 +29,9 @@ from typing import Dict, List, Tuple
 import torch
 
 from puzzle.lora_config import LoRAConfig
-from puzzle.models.init import layout_spec_name, param_specs, tp_split
-from puzzle.models.lora import adapter_specs, target_linears
-from puzzle.models.param_layout import ParamSpec, resolve_layers_per_stage, shard_slices
+from puzzle.models.init import param_specs, tp_split
+from puzzle.models.lora import adapter_specs, local_adapter_specs
+from puzzle.models.param_layout import ParamSpec, shard_slices
 
 
 def adapter_param_specs(arch, role: str, lora: LoRAConfig) -> List[ParamSpec]:
@@ -67,15 +67,13 @@ class MergedAdapters:
 
     def __init__(self, module: torch.nn.Module, arch, role: str, lora: LoRAConfig):
         layout = module.puzzle_layout
-        lps = resolve_layers_per_stage(arch.num_layers, layout.plan.P)
         specs = {s.name: s for s in param_specs(arch, role)}
         self.scale = lora.scale
         self.tensors: Dict[str, torch.Tensor] = {}
         self.linears: List[Tuple[torch.nn.Module, str, str]] = []  # (linear, A's local name, B's)
-        for local, target, linear in target_linears(module, lora):
-            glob = layout_spec_name(local + ".weight", role, arch, layout, lps)[:-len(".weight")]
+        for local, _, linear, *adapter in local_adapter_specs(module, arch, role, lora, specs):
             names = (f"{local}.adapter.linear_in.weight", f"{local}.adapter.linear_out.weight")
-            for name, spec in zip(names, adapter_specs(arch, lora, glob, target, specs[glob + ".weight"])):
+            for name, spec in zip(names, adapter):
                 self.tensors[name] = torch.empty(_shard_shape(spec, *tp_split(spec.name, layout)),
                                                  dtype=linear.weight.dtype,
                                                  device=linear.weight.device)
