@@ -77,33 +77,29 @@ class LoRAConfig:
         return self.alpha / self.dim
 
 
-def target_shapes(arch) -> dict:
-    """(out, in) of each target linear of one transformer layer of ``arch`` (a ModelArch)."""
+def target_shapes(arch, ffn=None) -> dict:
+    """(out, in) of each target linear of one transformer layer of ``arch`` (a ModelArch); ``ffn``:
+    the MLP's hidden size (default the dense MLP's; an expert's: its moe_ffn_hidden_size)."""
     h, heads = arch.hidden_size, arch.num_attention_heads
     kv = arch.kv_channels or h // heads
     groups = arch.num_query_groups or heads
-    ffn = arch.ffn_hidden_size or 4 * h
+    ffn = ffn or arch.ffn_hidden_size or 4 * h
     return {"linear_qkv": ((heads + 2 * groups) * kv, h), "linear_proj": (h, heads * kv),
             "linear_fc1": ((2 if arch.swiglu else 1) * ffn, h), "linear_fc2": (h, ffn)}
 
 
-def expert_target_shapes(arch) -> dict:
-    """(out, in) of each expert's linear_fc1 and linear_fc2 in a MoE layer of ``arch``."""
-    ffn = arch.moe_ffn_hidden_size or arch.ffn_hidden_size or 4 * arch.hidden_size
-    return {"linear_fc1": ((2 if arch.swiglu else 1) * ffn, arch.hidden_size), "linear_fc2": (arch.hidden_size, ffn)}
-
-
 def _present_shapes(arch) -> list:
-    """(name, (out, in)) of the target linears ``arch`` has: attention's, the dense MLPs' (when a
-    layer is dense) and the experts' (when a layer is a MoE layer)."""
+    """(target, what to call it, (out, in)) of the target linears ``arch`` has: attention's, the
+    dense MLPs' (when a layer is dense) and the experts' (when a layer is a MoE layer)."""
     dense = target_shapes(arch)
     layers = range(arch.num_layers)
     has_dense_mlp = not arch.is_moe or any(not arch.is_moe_layer(i) for i in layers)
-    out = [(m, dense[m]) for m in ("linear_qkv", "linear_proj")]
+    out = [(m, m, dense[m]) for m in ("linear_qkv", "linear_proj")]
     if has_dense_mlp:
-        out += [(m, dense[m]) for m in ("linear_fc1", "linear_fc2")]
+        out += [(m, m, dense[m]) for m in ("linear_fc1", "linear_fc2")]
     if arch.is_moe:
-        out += [(f"an expert's {m}", shape) for m, shape in expert_target_shapes(arch).items()]
+        expert = target_shapes(arch, arch.moe_ffn_hidden_size)
+        out += [(m, f"an expert's {m}", expert[m]) for m in ("linear_fc1", "linear_fc2")]
     return out
 
 
@@ -122,8 +118,8 @@ def check_lora(lora: LoRAConfig, arch, transformer_impl: str = "local", actor_pl
             if value != default:
                 fail(f"--{prefix}lora-{name}", f"needs {dim_flag}")
         return
-    for module, (out, inp) in _present_shapes(arch):
-        if module.rsplit(" ", 1)[-1] in lora.target_modules and lora.dim > min(out, inp):
+    for target, module, (out, inp) in _present_shapes(arch):
+        if target in lora.target_modules and lora.dim > min(out, inp):
             fail(dim_flag, f"{lora.dim} is larger than {module}'s smaller side {min(out, inp)} "
                                f"(its weight is {out} x {inp})")
     experts_adapted = arch.is_moe and {"linear_fc1", "linear_fc2"} & set(lora.target_modules)
